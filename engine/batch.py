@@ -1,0 +1,74 @@
+"""The plain-data hand-off between the batcher (what to run) and the model runner (running it).
+
+The batcher never touches tensors and the model runner never decides anything: one engine step is
+`plan = batcher.schedule()`, `result = runner.execute(plan)`, `batcher.postprocess(plan, result)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's share of a step: a prefill chunk, or a single decode token."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens run this step (K/V computed and stored for each)
+    start_pos: int  # position of token_ids[0]; equals the tokens already in the KV cache
+    block_ids: tuple[int, ...]  # the sequence's block table, covering start_pos + len(token_ids) slots
+    needs_sample: bool  # the chunk ends at the last known token: sample the next one
+    sampling: SamplingParams
+    # Live views (not copies) of the sequence's tokens, for penalties; valid during this step only.
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything one engine step runs, in order; an empty plan means nothing is runnable."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()  # request ids preempted (blocks freed) while planning this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's log-probability (under the model's raw distribution) and the top-n."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The model runner's answer: one sampled token per chunk with `needs_sample`, keyed by request."""
+
+    sampled: dict[str, SampledToken]

@@ -1,0 +1,184 @@
+"""Frozen configuration dataclasses for the engine, validated at creation.
+
+Every per-family difference of the Llama family is a field of `ModelConfig`, so there is one model
+implementation (`engine/models/llama.py`) and no `if family == ...` branches outside `from_hf_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.x frequency-dependent RoPE scaling ("llama3" rope_type); `None` means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2/2.5: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (the only place family differences are read)."""
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        try:
+            return cls.from_hf_config(json.loads(cfg_path.read_text()))
+        except FileNotFoundError as e:
+            raise ConfigError(f"no config.json in {path}") from e
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"invalid config.json in {path}: {e}") from e
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 moved rope settings into `rope_parameters`; older configs use `rope_scaling`.
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    return float(hf.get("rope_theta") or _rope_params(hf).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    rs = _rope_params(hf)
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing: `num_blocks` wins; otherwise the pool is sized from `memory_bytes`."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int = 512 * 1024**2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """Iteration-level scheduling limits."""
+
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_prefill_chunk: int = 512  # longest prefill chunk of one sequence in one step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # HF safetensors dir, .gguf file, or a config.json dir with load_format="dummy"
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unknown attention backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ConfigError(f"unknown load_format {self.load_format!r}; valid: auto, safetensors, gguf, dummy")

@@ -1,0 +1,33 @@
+"""What the engine hands back to its callers after each step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from engine.batch import TokenLogprobs
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # the caller aborted it
+    ERROR = "error"  # the engine failed the request (e.g. KV integrity check)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The delta produced for one request by one step (tokens are never repeated across outputs)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str  # incremental, valid UTF-8; held back while it may still become a stop string
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or a remote prefill)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
