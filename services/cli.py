@@ -1,0 +1,130 @@
+"""`baton` console script: one subcommand per deployable or tool.
+
+Environment variables are read here (and in each service's main) only, never deep in the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import uuid
+
+from engine.errors import EngineError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_chat(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except EngineError as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    _engine_args(p)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="raw text prompt")
+    group.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat on stdin (multi-turn)")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_chat, temperature=0.7)
+
+
+def _build_engine(args: argparse.Namespace):  # noqa: ANN202 - engine import is heavy, keep it lazy
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=args.model or "default", dtype=args.dtype, device=args.device,
+                          attention_backend=args.attention_backend)
+    return LLMEngine(config)
+
+
+def _params(args: argparse.Namespace):  # noqa: ANN202
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed)
+
+
+def _run_to_end(engine, prompt_ids: list[int], params, on_text=None) -> dict:  # noqa: ANN001
+    rid = uuid.uuid4().hex
+    engine.add_request(rid, prompt_ids, params)
+    token_ids: list[int] = []
+    text, reason = "", None
+    while reason is None:
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            token_ids.extend(out.new_token_ids)
+            text += out.new_text
+            if on_text and out.new_text:
+                on_text(out.new_text)
+            if out.finish_reason is not None:
+                reason = out.finish_reason.value
+    return {"token_ids": token_ids, "text": text, "finish_reason": reason}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    engine = _build_engine(args)
+    tok = engine.tokenizer
+    if args.chat is not None:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    stream = None if args.json else (lambda s: print(s, end="", flush=True))
+    result = _run_to_end(engine, prompt_ids, _params(args), stream)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    engine = _build_engine(args)
+    tok = engine.tokenizer
+    messages: list[dict[str, str]] = []
+    print("Baton chat on the local engine. Ctrl-D to quit.", flush=True)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        print("bot> ", end="", flush=True)
+        result = _run_to_end(engine, tok.encode_chat(messages), _params(args),
+                             lambda s: print(s, end="", flush=True))
+        print()
+        messages.append({"role": "assistant", "content": result["text"]})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

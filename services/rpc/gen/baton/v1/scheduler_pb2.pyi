@@ -1,0 +1,147 @@
+from services.rpc.gen.baton.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepSample(_message.Message):
+    __slots__ = ("kind", "tokens", "context_tokens", "seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[StepSample.Kind]
+        KIND_PREFILL: _ClassVar[StepSample.Kind]
+        KIND_DECODE: _ClassVar[StepSample.Kind]
+    KIND_UNSPECIFIED: StepSample.Kind
+    KIND_PREFILL: StepSample.Kind
+    KIND_DECODE: StepSample.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: StepSample.Kind
+    tokens: int
+    context_tokens: int
+    seconds: float
+    def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "block_hash")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
+        KIND_STORED: _ClassVar[KVEvent.Kind]
+        KIND_EVICTED: _ClassVar[KVEvent.Kind]
+    KIND_UNSPECIFIED: KVEvent.Kind
+    KIND_STORED: KVEvent.Kind
+    KIND_EVICTED: KVEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEvent.Kind
+    block_hash: int
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hash: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "status")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    status: _worker_pb2.WorkerStatus
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("status", "samples", "kv_events")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    status: _worker_pb2.WorkerStatus
+    samples: _containers.RepeatedCompositeFieldContainer[StepSample]
+    kv_events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class SLO(_message.Message):
+    __slots__ = ("ttft_ms", "tpot_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    tpot_ms: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "prefix_block_hashes", "tier", "slo", "max_tokens", "conversation_id", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: str
+    slo: SLO
+    max_tokens: int
+    conversation_id: str
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[RouteResponse.Kind]
+        KIND_ROUTE: _ClassVar[RouteResponse.Kind]
+        KIND_QUEUE: _ClassVar[RouteResponse.Kind]
+        KIND_DEGRADE: _ClassVar[RouteResponse.Kind]
+        KIND_REJECT: _ClassVar[RouteResponse.Kind]
+    KIND_UNSPECIFIED: RouteResponse.Kind
+    KIND_ROUTE: RouteResponse.Kind
+    KIND_QUEUE: RouteResponse.Kind
+    KIND_DEGRADE: RouteResponse.Kind
+    KIND_REJECT: RouteResponse.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kind: RouteResponse.Kind
+    decode_worker: str
+    prefill_worker: str
+    predicted_ttft_ms: float
+    predicted_tpot_ms: float
+    reason: str
+    retry_after_s: float
+    max_tokens: int
+    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class FinishedRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class FinishedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
