@@ -48,7 +48,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2/2.5: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2/2.5; Llama with attention_bias)
+    o_proj_bias: bool = False  # bias on o_proj too (Llama's attention_bias; Qwen2 has none there)
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -89,6 +90,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -170,6 +172,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
+    cache_dir: str | None = None  # where the default model is prepared (None: ~/.cache/baton)
     cache: CacheConfig = field(default_factory=CacheConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
 

@@ -59,7 +59,7 @@ def _build_engine(args: argparse.Namespace):  # noqa: ANN202 - engine import is 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=args.model or "default", dtype=args.dtype, device=args.device,
+    config = EngineConfig(model=args.model or "", dtype=args.dtype, device=args.device,
                           attention_backend=args.attention_backend)
     return LLMEngine(config)
 

@@ -1,0 +1,93 @@
+"""GGUF tensors, dequantized, under Hugging Face names and in Hugging Face layout.
+
+Two things differ from a HF checkpoint besides the names:
+- quantized blocks (Q4_1, Q8_0, K-quants, ...) are dequantized with `gguf.quants.dequantize` (numpy,
+  one tensor at a time, so peak host memory is one fp32 tensor, not the model);
+- for LLaMA-architecture files llama.cpp's converter permutes the rows of q_proj/k_proj from HF's
+  "rotate halves" RoPE layout to its own "interleaved pairs" layout; `unpermute_rotary` undoes it.
+  Without this the model still loads and runs, but attention is garbage: the test that a prepared
+  SmolLM2 answers "Paris" under `transformers` is what proves it right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.loader.dummy import hf_parameter_shapes
+from engine.loader.gguf_file import PERMUTED_QK_ARCHITECTURES, GGUFFile
+
+_GGUF_ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def hf_to_gguf_names(gfile: GGUFFile, config: ModelConfig) -> dict[str, str]:
+    """Map each HF parameter name the config implies to the GGUF tensor holding it.
+
+    Uses `gguf`'s own name table (the one llama.cpp's converter writes with) instead of a copy.
+    """
+    table = gguf.get_tensor_name_map(_GGUF_ARCH_ENUM[gfile.arch], config.num_layers)
+    mapping: dict[str, str] = {}
+    for hf_name in hf_parameter_shapes(config):
+        gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ModelLoadError(f"no GGUF tensor name for {hf_name} (architecture {gfile.arch})")
+        mapping[hf_name] = gguf_name
+    missing = [g for g in mapping.values() if g not in gfile.tensors]
+    if missing:
+        raise ModelLoadError(
+            f"GGUF file {gfile.path} lacks {len(missing)} tensors the config needs, e.g. {missing[:3]}"
+        )
+    return mapping
+
+
+def iter_gguf_weights(
+    gfile: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every parameter of `config`, dequantized to `dtype` on `device`."""
+    expected = hf_parameter_shapes(config)
+    permute = gfile.arch in PERMUTED_QK_ARCHITECTURES
+    for hf_name, gguf_name in hf_to_gguf_names(gfile, config).items():
+        tensor = torch.from_numpy(_dequantize(gfile, gguf_name))
+        if tuple(tensor.shape) != expected[hf_name]:
+            raise ModelLoadError(
+                f"GGUF tensor {gguf_name} has shape {tuple(tensor.shape)}, config implies {expected[hf_name]}"
+            )
+        if permute and ".self_attn.q_proj." in hf_name:
+            tensor = unpermute_rotary(tensor, config.num_heads)
+        elif permute and ".self_attn.k_proj." in hf_name:
+            tensor = unpermute_rotary(tensor, config.num_kv_heads)
+        yield hf_name, tensor.to(device=device, dtype=dtype)
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's `permute(w, n_head)`.
+
+    Per head llama.cpp reorders rows [x0..x(d/2-1), y0..y(d/2-1)] into pairs (x0, y0, x1, y1, ...):
+    `w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`. The inverse reads the pairs back out:
+    `w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2)`. Works for weights [out, in] and biases [out].
+    """
+    out = weight.shape[0]
+    if out % (2 * num_heads):
+        raise ModelLoadError(f"cannot unpermute a {tuple(weight.shape)} q/k weight over {num_heads} heads")
+    half = out // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _dequantize(gfile: GGUFFile, gguf_name: str) -> np.ndarray:
+    t = gfile.tensors[gguf_name]
+    try:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        kind = t.tensor_type.name
+        raise ModelLoadError(f"GGUF tensor {gguf_name} uses unsupported quantization {kind}") from e
+    except (ValueError, IndexError) as e:
+        raise ModelLoadError(f"GGUF tensor {gguf_name} in {gfile.path} is corrupt: {e}") from e
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost-first
+    data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+    return data if data.flags.writeable else data.copy()  # F32 tensors are read-only views of the mmap

@@ -1,0 +1,209 @@
+"""The one Llama-family model: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
+
+Every family difference is a `ModelConfig` field (q/k/v bias, q/k norm, tied embeddings, RoPE
+scaling), so there is no per-family code here. The model is a pure function of the step's flat
+token batch: `forward(input_ids[T], positions[T], kv_cache, meta)`; it owns no cache and no
+sequence state, which the model runner holds.
+
+Weights are uninitialised at construction (fast for multi-GB models) and always come from
+`load_weights`, which takes Hugging Face parameter names and merges q/k/v and gate/up into single
+matmuls on the way in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import VocabEmbedding
+from engine.layers.linear import Linear, MergedLinear, copy_checked
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+# HF projection name -> (merged module, shard index) for the projections we fuse.
+_MERGED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_MERGED_NAME = re.compile(
+    r"^(model\.layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$"
+)
+# Checkpoint entries that are derived state, not parameters (old HF Llama exports carry these).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, head_dim/2]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
+            q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        self.backend.write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
+        out = self.backend.attend(q, kv_cache, self.layer, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return `(mlp output, residual stream)`; the next layer's norm adds the two."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on the target device (e.g. under `with torch.device(...)`), not on "meta": the RoPE tables
+    are computed at construction. Cast with `.to(dtype)` before `load_weights` or after; both work."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        # Tied models (SmolLM2, small Qwens) reuse the embedding matrix; no lm_head parameter exists.
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, the step's tokens of every sequence, flattened
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, H_kv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden] -> [N, vocab]` float32; the runner passes only the rows it samples from."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load from Hugging Face names; every parameter must be covered exactly, or ModelLoadError."""
+        params = dict(self.named_parameters())
+        expected = _expected_hf_names(params, tied=self.lm_head is None)
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if _IGNORED.search(name) or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # tied checkpoints may still list lm_head: it is the embedding
+            if name not in expected:
+                raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
+            self._load_one(name, tensor, params)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> None:
+        merged = _MERGED_NAME.match(name)
+        if merged is None:
+            copy_checked(params[name].data, tensor, name)
+            return
+        prefix, proj, kind = merged.groups()
+        module_name, shard = _MERGED[proj]
+        module = self.get_submodule(f"{prefix}.{module_name}")
+        assert isinstance(module, MergedLinear)
+        try:
+            module.load_shard(shard, kind, tensor)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{name}: {e}") from e
+
+
+def _expected_hf_names(params: dict[str, nn.Parameter], tied: bool) -> set[str]:
+    """Our parameter names translated to the HF names a checkpoint must provide."""
+    names: set[str] = set()
+    for name in params:
+        for hf_proj, (merged, _) in _MERGED.items():
+            if f".{merged}." in name:
+                names.add(name.replace(merged, hf_proj))
+        if not any(f".{merged}." in name for merged, _ in _MERGED.values()):
+            names.add(name)
+    assert not tied or "lm_head.weight" not in names
+    return names
