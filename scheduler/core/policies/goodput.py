@@ -1,0 +1,142 @@
+"""Place each request where its predicted TTFT and TPOT meet its tier's SLO with the most slack.
+
+Goodput counts requests that meet both targets, so a placement that serves one request late is
+worth nothing and one that pushes a worker's step time past the TPOT target of requests already
+there costs several. The policy therefore:
+1. predicts TTFT/TPOT for every (decode worker, prefill worker | local) candidate, with the
+   conditional-disaggregation rule deciding when only local prefill is considered;
+2. keeps candidates that fit in KV memory, meet the request's targets and keep the tightest TPOT
+   target already on the decode worker; a conversation's later turn prefers the worker that
+   served the previous one (its prefix is there), otherwise the candidate with the most slack wins;
+3. when no candidate qualifies: degrade to a shorter max_tokens if configured and that qualifies;
+   serve best-effort what waiting can't help (unattainable even on an idle worker, or TTFT
+   already lost in the queue when the queue is set to keep such requests); otherwise QUEUE
+   (the scheduler's admission queue retries with weighted tier fairness) or,
+   with queueing off, REJECT with a retry_after estimated from the predicted TTFT overshoot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from scheduler.core.cluster_view import ClusterView
+from scheduler.core.placement import DisaggregationRule, Placement, candidate_placements, evaluate
+from scheduler.core.policies.base import Policy, reject, reject_no_workers
+from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision
+
+
+@dataclass(frozen=True)
+class GoodputConfig:
+    queue_when_overloaded: bool = True  # False: reject at once with retry_after
+    degrade_fraction: float | None = None  # e.g. 0.5: try half the max_tokens before queueing; None: off
+    min_degraded_tokens: int = 16  # never degrade below this many output tokens
+    serve_unattainable: bool = True  # route best-effort what waiting can't help (see module doc)
+    default_retry_after_s: float = 1.0
+    max_retry_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.degrade_fraction is not None and not 0.0 < self.degrade_fraction < 1.0:
+            raise ValueError(f"degrade_fraction must be in (0, 1) or None, got {self.degrade_fraction}")
+        if not 0 < self.default_retry_after_s <= self.max_retry_after_s:
+            raise ValueError("need 0 < default_retry_after_s <= max_retry_after_s")
+
+
+class GoodputPolicy(Policy):
+    name = "goodput"
+
+    def __init__(self, config: GoodputConfig | None = None, rule: DisaggregationRule | None = None) -> None:
+        self.config = config or GoodputConfig()
+        self._rule = rule or DisaggregationRule()
+
+    def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
+        placements = candidate_placements(request, view, self._rule)
+        if not placements:
+            return reject_no_workers(request)
+        best = self._best(request, view, placements)
+        if best is not None:
+            return best.decision(request, DecisionKind.ROUTE, self._reason(request, view, best))
+        return self._overloaded(request, view, placements)
+
+    def _best(
+        self, request: RequestSummary, view: ClusterView, placements: Sequence[Placement]
+    ) -> Placement | None:
+        qualifying = [p for p in placements if p.meets(request)]
+        if not qualifying:
+            return None
+        return max(qualifying, key=lambda p: (self._affinity(request, view, p), p.slack(request)))
+
+    @staticmethod
+    def _affinity(request: RequestSummary, view: ClusterView, placement: Placement) -> bool:
+        """A later conversation turn prefers the worker that holds its earlier turns' KV. (Cached
+        blocks elsewhere, e.g. a shared system prompt, already count through the predicted TTFT.)"""
+        previous = view.conversation_worker(request.conversation_id)
+        return previous is not None and previous == placement.decode.worker_id
+
+    def _reason(self, request: RequestSummary, view: ClusterView, placement: Placement) -> Reason:
+        if self._affinity(request, view, placement):
+            return Reason.CONVERSATION_AFFINITY
+        return Reason.MAX_SLACK
+
+    def _overloaded(
+        self, request: RequestSummary, view: ClusterView, placements: list[Placement]
+    ) -> RouteDecision:
+        degraded = self._degrade(request, view)
+        if degraded is not None:
+            return degraded
+        best_effort = self._best_effort(request, view, placements)
+        if best_effort is not None:
+            return best_effort
+        if self.config.queue_when_overloaded:
+            return RouteDecision(
+                request_id=request.request_id, kind=DecisionKind.QUEUE, reason=Reason.OVERLOADED
+            )
+        return reject(request, Reason.OVERLOADED, self._retry_after(request, placements))
+
+    def _degrade(self, request: RequestSummary, view: ClusterView) -> RouteDecision | None:
+        fraction = self.config.degrade_fraction
+        if fraction is None:
+            return None
+        max_tokens = max(self.config.min_degraded_tokens, int(request.max_tokens * fraction))
+        if max_tokens >= request.max_tokens:
+            return None
+        shorter = replace(request, max_tokens=max_tokens)
+        best = self._best(shorter, view, candidate_placements(shorter, view, self._rule))
+        if best is None:
+            return None
+        return best.decision(request, DecisionKind.DEGRADE, Reason.DEGRADED, max_tokens=max_tokens)
+
+    def _best_effort(
+        self, request: RequestSummary, view: ClusterView, placements: list[Placement]
+    ) -> RouteDecision | None:
+        """Serve now what waiting cannot help: a TTFT target already passed while queued (placed
+        where it keeps every TPOT target), or one no idle worker could meet (the least-bad spot)."""
+        if not self.config.serve_unattainable:
+            return None
+        fitting = [p for p in placements if p.fits]
+        if request.waited_s * 1e3 >= request.slo.ttft_ms:
+            keeps_tpot = [p for p in fitting if p.tpot_s * 1e3 <= p.tpot_limit_ms(request)]
+            if not keeps_tpot:
+                return None
+            best = min(keeps_tpot, key=lambda p: p.ttft_s)
+            return best.decision(request, DecisionKind.ROUTE, Reason.BEST_EFFORT)
+        if fitting and not self._attainable(request, view, placements):
+            least_bad = max(fitting, key=lambda p: p.slack(request))
+            return least_bad.decision(request, DecisionKind.ROUTE, Reason.BEST_EFFORT)
+        return None
+
+    @staticmethod
+    def _attainable(request: RequestSummary, view: ClusterView, placements: Sequence[Placement]) -> bool:
+        """Whether some candidate would meet the SLO if its workers were idle (ignoring time waited)."""
+        fresh = replace(request, waited_s=0.0)
+        for placement in placements:
+            prefill = None if placement.prefill is None else placement.prefill.idle()
+            if evaluate(fresh, view, placement.decode.idle(), prefill).meets(fresh):
+                return True
+        return False
+
+    def _retry_after(self, request: RequestSummary, placements: Sequence[Placement]) -> float:
+        # The smallest predicted TTFT overshoot is roughly how long the best queue takes to drain.
+        overshoot_s = min((request.waited_s + p.ttft_s) - request.slo.ttft_ms / 1e3 for p in placements)
+        estimate = max(overshoot_s, self.config.default_retry_after_s)
+        return min(estimate, self.config.max_retry_after_s)

@@ -1,0 +1,61 @@
+"""Which worker holds which KV block, built from the workers' stored/evicted events.
+
+Block hashes are chained (each covers every token before it), so a worker holding hash i of a
+prompt necessarily computed the same prefix; counting leading hits is therefore the number of
+blocks the worker can reuse. The index can lag a worker by one heartbeat: a match is a hint for
+placement, never a promise — the worker rechecks its own cache when the request arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from scheduler.types import KVEvent, KVEventKind
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._by_worker: dict[str, set[int]] = {}
+        self._by_hash: dict[int, set[str]] = {}
+
+    def apply(self, worker_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply events in the order the worker emitted them (evict-then-store must end stored)."""
+        held = self._by_worker.setdefault(worker_id, set())
+        for event in events:
+            if event.kind is KVEventKind.STORED:
+                held.add(event.block_hash)
+                self._by_hash.setdefault(event.block_hash, set()).add(worker_id)
+            else:
+                held.discard(event.block_hash)
+                self._forget_holder(event.block_hash, worker_id)
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget everything a worker held: it died or restarted with an empty cache."""
+        for block_hash in self._by_worker.pop(worker_id, set()):
+            self._forget_holder(block_hash, worker_id)
+
+    def match(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """Number of leading `hashes` the worker holds."""
+        held = self._by_worker.get(worker_id)
+        if not held:
+            return 0
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in held:
+                break
+            count += 1
+        return count
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        return frozenset(self._by_hash.get(block_hash, ()))
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def _forget_holder(self, block_hash: int, worker_id: str) -> None:
+        holders = self._by_hash.get(block_hash)
+        if holders is None:
+            return
+        holders.discard(worker_id)
+        if not holders:
+            del self._by_hash[block_hash]

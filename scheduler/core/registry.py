@@ -1,0 +1,123 @@
+"""Live workers, their last heartbeats, and the load routed to them since.
+
+Liveness uses the scheduler's receipt time, never the worker's `heartbeat_at`, so a skewed worker
+clock cannot keep a dead worker alive. A worker silent for longer than `heartbeat_timeout_s` is
+dropped on the next call that passes a `now` — it is never routed to again unless it heartbeats
+again, when it comes back as a new registration.
+
+Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
+`now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
+covers the gateway-to-worker hop), and those are dropped. Counting a request twice for one
+heartbeat is preferred to not counting it: undercounting herds the next requests onto the worker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, fields
+
+from scheduler.core.cluster_view import WorkerLoad
+from scheduler.types import WorkerSnapshot
+
+
+@dataclass(frozen=True)
+class Reservation:
+    prefill_tokens: int = 0
+    prefill_requests: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
+    blocks: int = 0
+
+    def plus(self, other: Reservation) -> Reservation:
+        return Reservation(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+class _WorkerRecord:
+    def __init__(self, snapshot: WorkerSnapshot, now: float) -> None:
+        self.snapshot = snapshot
+        self.last_seen = now
+        self.reservations: deque[tuple[float, Reservation]] = deque()
+        self.reserved = Reservation()
+        self.tpot_targets: Counter[float] = Counter()  # TPOT targets (ms) of unfinished requests here
+
+    def load(self) -> WorkerLoad:
+        s, r = self.snapshot, self.reserved
+        return WorkerLoad(
+            snapshot=s,
+            queued_prefill_tokens=s.inflight_prefill_tokens + r.prefill_tokens,
+            queued_prefill_requests=s.queue_depth + r.prefill_requests,
+            decode_batch=s.running_seqs + s.queue_depth + r.decode_seqs,
+            context_tokens=s.running_context_tokens + r.context_tokens,
+            free_blocks=max(s.free_blocks - r.blocks, 0),
+            tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
+        )
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout_s: float, dispatch_grace_s: float) -> None:
+        if heartbeat_timeout_s <= 0 or dispatch_grace_s < 0:
+            raise ValueError("need heartbeat_timeout_s > 0 and dispatch_grace_s >= 0")
+        self._timeout_s = heartbeat_timeout_s
+        self._grace_s = dispatch_grace_s
+        self._workers: dict[str, _WorkerRecord] = {}
+        self._placed_on: dict[str, tuple[str, float]] = {}  # request id -> (decode worker, TPOT ms)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def snapshot(self, worker_id: str) -> WorkerSnapshot:
+        return self._workers[worker_id].snapshot
+
+    def worker_ids(self) -> list[str]:
+        return sorted(self._workers)
+
+    def update(self, snapshot: WorkerSnapshot, now: float) -> bool:
+        """Record a heartbeat; True when the worker was not registered (new or back from the dead)."""
+        record = self._workers.get(snapshot.worker_id)
+        if record is None:
+            self._workers[snapshot.worker_id] = _WorkerRecord(snapshot, now)
+            return True
+        record.snapshot = snapshot
+        record.last_seen = now
+        cutoff = now - self._grace_s
+        while record.reservations and record.reservations[0][0] <= cutoff:
+            record.reservations.popleft()
+        record.reserved = Reservation()
+        for _, reservation in record.reservations:
+            record.reserved = record.reserved.plus(reservation)
+        return False
+
+    def expire(self, now: float) -> list[str]:
+        """Drop workers silent for longer than the timeout; returns their ids."""
+        dead = [wid for wid, r in self._workers.items() if now - r.last_seen > self._timeout_s]
+        for worker_id in dead:
+            del self._workers[worker_id]
+        if dead:
+            self._placed_on = {rid: v for rid, v in self._placed_on.items() if v[0] not in dead}
+        return dead
+
+    def reserve(self, worker_id: str, reservation: Reservation, now: float) -> None:
+        record = self._workers[worker_id]
+        record.reservations.append((now, reservation))
+        record.reserved = record.reserved.plus(reservation)
+
+    def track(self, request_id: str, decode_worker_id: str, tpot_ms: float) -> None:
+        """Remember a placed request's TPOT target on its decode worker until it finishes."""
+        self._workers[decode_worker_id].tpot_targets[tpot_ms] += 1
+        self._placed_on[request_id] = (decode_worker_id, tpot_ms)
+
+    def untrack(self, request_id: str) -> str | None:
+        """Forget a finished request; returns the decode worker it ran on, if still tracked."""
+        placed = self._placed_on.pop(request_id, None)
+        if placed is None:
+            return None
+        worker_id, tpot_ms = placed
+        record = self._workers.get(worker_id)
+        if record is not None:
+            record.tpot_targets[tpot_ms] -= 1
+            if record.tpot_targets[tpot_ms] <= 0:
+                del record.tpot_targets[tpot_ms]
+        return worker_id
+
+    def loads(self) -> list[WorkerLoad]:
+        return [record.load() for record in self._workers.values()]

@@ -1,0 +1,211 @@
+"""The scheduler core: worker registry, cost models, prefix index, admission queue and one policy.
+
+Pure and single-threaded: every method takes `now` from its caller and returns plain data, so the
+gRPC adapter (wall clock, one asyncio loop) and the replay simulator (simulated clock) drive the
+same object. Callers must serialise calls; nothing here locks.
+
+The lifecycle of a request: `route` answers ROUTE/DEGRADE (placed), REJECT, or QUEUE; a queued
+request is answered later by a `tick` (placed, or rejected when its tier's maximum wait passes);
+`on_finished` releases what the request held, and also cancels it if it is still queued.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from scheduler.core.admission import AdmissionConfig, AdmissionQueue
+from scheduler.core.cluster_view import ClusterView
+from scheduler.core.cost_model import CostModel, WorkerProfile
+from scheduler.core.placement import cached_tokens
+from scheduler.core.policies.base import Policy, reject
+from scheduler.core.prefix_index import PrefixIndex
+from scheduler.core.registry import Reservation, WorkerRegistry
+from scheduler.types import (
+    DecisionKind,
+    KVEvent,
+    Reason,
+    RequestSummary,
+    RouteDecision,
+    StepSample,
+    Tier,
+    WorkerSnapshot,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    heartbeat_timeout_s: float = 3.0  # silent this long: dead, never routed to again
+    dispatch_grace_s: float = 0.05  # see registry: how long a placement may be missing from heartbeats
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    default_profile: WorkerProfile = field(default_factory=WorkerProfile)  # for unprofiled workers
+    cost_window: int = 512  # samples per fit: the last few seconds of steps
+    max_conversations: int = 100_000  # conversation -> worker entries kept (LRU)
+    overload_retry_after_s: float = 2.0  # retry hint when the queue is full or a wait ran out
+
+
+class Scheduler:
+    def __init__(self, policy: Policy, config: SchedulerConfig | None = None) -> None:
+        self.policy = policy
+        self.config = config or SchedulerConfig()
+        self._registry = WorkerRegistry(self.config.heartbeat_timeout_s, self.config.dispatch_grace_s)
+        self._queue = AdmissionQueue(self.config.admission)
+        self._prefix = PrefixIndex()
+        self._costs: dict[str, CostModel] = {}
+        self._profiles: dict[str, WorkerProfile] = {}
+        self._conversations: OrderedDict[str, str] = OrderedDict()
+        # Bumped whenever the cluster could have gained capacity or the queue changed. A queued
+        # request that could not be placed can only fare worse later with nothing new (its TTFT
+        # budget shrinks), so `tick` retries placements only when this moved.
+        self._version = 0
+        self._tick_version = -1
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def register(self, snapshot: WorkerSnapshot, now: float, profile: WorkerProfile | None = None) -> None:
+        """Add (or restart) a worker; its cost model starts from `profile` or the default one."""
+        worker_id = snapshot.worker_id
+        if profile is not None:
+            self._profiles[worker_id] = profile
+        self._prefix.drop_worker(worker_id)  # a (re)registering worker starts with an empty cache
+        self._costs[worker_id] = self._new_cost_model(worker_id)
+        self._registry.update(snapshot, now)
+        self._version += 1
+
+    def on_heartbeat(
+        self,
+        snapshot: WorkerSnapshot,
+        samples: Iterable[StepSample],
+        kv_events: Iterable[KVEvent],
+        now: float,
+    ) -> None:
+        """A worker's periodic report; an unknown worker is registered with the default profile."""
+        worker_id = snapshot.worker_id
+        if self._registry.update(snapshot, now):
+            self._prefix.drop_worker(worker_id)
+            self._costs[worker_id] = self._new_cost_model(worker_id)
+        cost = self._costs[worker_id]
+        for sample in samples:
+            cost.observe(sample)
+        self._prefix.apply(worker_id, kv_events)
+        self._version += 1
+
+    def live_worker_ids(self, now: float) -> list[str]:
+        self._expire(now)
+        return self._registry.worker_ids()
+
+    def cost_model(self, worker_id: str) -> CostModel:
+        return self._costs[worker_id]
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def route(self, request: RequestSummary, now: float) -> RouteDecision:
+        self._expire(now)
+        view = self._view()
+        too_large = _reject_if_too_large(request, view)
+        if too_large is not None:
+            return too_large
+        # FIFO within a tier, and no overtaking a heavier tier: a newcomer waits behind them.
+        if self._queue.has_waiting_at_or_above(request.tier):
+            return self._enqueue(request, now, Reason.BEHIND_QUEUE)
+        decision = self.policy.route(request, view, now)
+        if decision.kind is DecisionKind.QUEUE:
+            return self._enqueue(request, now, decision.reason)
+        if decision.is_placed:
+            self._commit(request, decision, now)
+        return decision
+
+    def tick(self, now: float) -> list[RouteDecision]:
+        """Answers for queued requests: placed ones, and rejections for those waiting too long."""
+        self._expire(now)
+        expired = self._queue.pop_expired(now)
+        if expired:
+            self._version += 1  # new heads of line have not been tried yet
+        decisions = [
+            reject(entry.request, Reason.QUEUE_TIMEOUT, self.config.overload_retry_after_s)
+            for entry in expired
+        ]
+        if self._version == self._tick_version:
+            return decisions
+        self._tick_version = self._version
+        blocked: set[Tier] = set()  # tiers that wait this round (see admission: FIFO, heavier first)
+        while (entry := self._queue.peek(skip=blocked)) is not None:
+            request = replace(entry.request, waited_s=now - entry.enqueued_at)
+            decision = self.policy.route(request, self._view(), now)
+            if decision.kind is DecisionKind.QUEUE:
+                blocked |= self._queue.tiers_not_above(request.tier)
+                continue
+            self._queue.pop(request.tier)
+            if decision.is_placed:
+                self._commit(request, decision, now)
+            decisions.append(decision)
+        return decisions
+
+    def on_finished(self, request_id: str, now: float) -> None:
+        """The request finished, failed or was cancelled: release its hold on the cluster."""
+        self._queue.remove(request_id)
+        self._registry.untrack(request_id)
+        self._version += 1
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _new_cost_model(self, worker_id: str) -> CostModel:
+        profile = self._profiles.get(worker_id, self.config.default_profile)
+        return CostModel(profile, window=self.config.cost_window)
+
+    def _expire(self, now: float) -> None:
+        for worker_id in self._registry.expire(now):
+            self._prefix.drop_worker(worker_id)
+            self._costs.pop(worker_id, None)
+            self._version += 1
+
+    def _view(self) -> ClusterView:
+        return ClusterView(self._registry.loads(), self._costs, self._prefix, self._conversations)
+
+    def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:
+        if not self._queue.push(request, now):
+            return reject(request, Reason.QUEUE_FULL, self.config.overload_retry_after_s)
+        self._version += 1  # a request queued behind others has not been tried yet
+        return RouteDecision(request_id=request.request_id, kind=DecisionKind.QUEUE, reason=reason)
+
+    def _commit(self, request: RequestSummary, decision: RouteDecision, now: float) -> None:
+        """Charge the placement to its workers until heartbeats show it, and remember it."""
+        assert decision.decode_worker_id is not None  # placed decisions always name one
+        decode_id, prefill_id = decision.decode_worker_id, decision.prefill_worker_id
+        max_tokens = decision.max_tokens or request.max_tokens
+        prompt = request.num_prompt_tokens
+        block_size = self._registry.snapshot(decode_id).block_size
+        blocks = math.ceil((prompt + max_tokens) / block_size) - decision.cached_blocks
+        decode_share = Reservation(
+            decode_seqs=1, context_tokens=prompt + max_tokens // 2, blocks=max(blocks, 0)
+        )
+        prefill_id = prefill_id or decode_id
+        prefill_cached = self._prefix.match(prefill_id, request.prefix_hashes)
+        new_tokens = prompt - cached_tokens(
+            prompt, prefill_cached, self._registry.snapshot(prefill_id).block_size
+        )
+        self._registry.reserve(decode_id, decode_share, now)
+        self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
+        self._registry.track(request.request_id, decode_id, request.slo.tpot_ms)
+        if request.conversation_id is not None:
+            self._conversations[request.conversation_id] = decode_id
+            self._conversations.move_to_end(request.conversation_id)
+            if len(self._conversations) > self.config.max_conversations:
+                self._conversations.popitem(last=False)
+
+
+def _reject_if_too_large(request: RequestSummary, view: ClusterView) -> RouteDecision | None:
+    """Reject what no decode worker could ever hold; retrying would not help."""
+    workers = view.decode_workers(request.model)
+    if not workers:
+        return None  # the policy answers NO_WORKERS with a retry hint
+    tokens = request.num_prompt_tokens + request.max_tokens
+    if any(math.ceil(tokens / w.block_size) <= w.snapshot.total_blocks for w in workers):
+        return None
+    return reject(request, Reason.TOO_LARGE, None)

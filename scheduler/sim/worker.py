@@ -1,0 +1,238 @@
+"""A simulated worker: prefill batches and a continuous decode batch, timed by a `WorkerProfile`.
+
+It follows the real request path closely enough for routing to matter: a decode worker admits a
+sequence only when it can reserve KV blocks for prompt + max_tokens (decode-first: blocks before
+prefill), prefill runs whole prompts in batches up to a token budget, a prefill on the decode
+worker itself shares the step with the decode batch, and each step reports samples and KV events
+that the next heartbeat carries to the scheduler. Step times are the profile's, times a noise
+factor. Not modelled: chunked prefill, preemption, transfer contention on the link.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.prefix_cache import SimPrefixCache
+from scheduler.sim.trace import Arrival
+from scheduler.types import (
+    SLO,
+    DecodeSample,
+    KVEvent,
+    PrefillSample,
+    StepSample,
+    WorkerRole,
+    WorkerSnapshot,
+)
+
+
+@dataclass(frozen=True)
+class SimWorkerSpec:
+    worker_id: str
+    role: WorkerRole
+    profile: WorkerProfile  # the simulated truth; the scheduler may start from it or from defaults
+    total_blocks: int = 8192
+    block_size: int = 16
+    max_batch: int = 128  # sequences holding blocks here at once (prefilling, in transfer or decoding)
+    max_prefill_tokens: int = 8192  # prompt tokens per prefill step; one longer prompt runs alone
+    cache_blocks: int = 4096  # prefix-cache capacity
+    model: str = "sim"
+
+
+@dataclass(eq=False)
+class SimSequence:
+    arrival: Arrival
+    slo: SLO
+    output_tokens: int  # after any DEGRADE cap
+    max_tokens: int
+    decode_worker: str
+    prefill_worker: str | None
+    reserved_blocks: int = 0
+    decode_cached_tokens: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def context(self) -> int:
+        return self.arrival.prompt_tokens + self.generated
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    seq: SimSequence
+    new_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class StepOutcome:
+    prefilled: list[PrefillJob] = field(default_factory=list)  # remote jobs: the driver starts the transfer
+    finished: list[SimSequence] = field(default_factory=list)
+
+
+class SimWorker:
+    def __init__(self, spec: SimWorkerSpec, rng: random.Random, noise: float) -> None:
+        self.spec = spec
+        self.cache = SimPrefixCache(spec.cache_blocks)
+        self._rng = rng
+        self._noise = noise
+        self._free_blocks = spec.total_blocks
+        self._waiting: deque[SimSequence] = deque()  # accepted, waiting for blocks or a batch slot
+        self._holding = 0  # sequences holding blocks here
+        self._prefill_queue: deque[PrefillJob] = deque()
+        self._running: list[SimSequence] = []
+        self._step: tuple[list[PrefillJob], list[SimSequence]] | None = None
+        self._samples: list[StepSample] = []
+
+    @property
+    def busy(self) -> bool:
+        return self._step is not None
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    # ---- decode side ---------------------------------------------------------------------------
+
+    def admit(self, seq: SimSequence) -> None:
+        self._waiting.append(seq)
+
+    def allocate_waiting(self) -> list[SimSequence]:
+        """Reserve blocks for waiting sequences in FIFO order; returns those now ready to prefill."""
+        ready: list[SimSequence] = []
+        while self._waiting and self._holding < self.spec.max_batch:
+            seq = self._waiting[0]
+            cached_blocks = self.cache.match(seq.arrival.prefix_hashes)
+            tokens = seq.arrival.prompt_tokens + seq.max_tokens
+            needed = max(math.ceil(tokens / self.spec.block_size) - cached_blocks, 0)
+            if needed > self._free_blocks:
+                break  # FIFO: later sequences wait too, or a big one would starve
+            self._waiting.popleft()
+            self._free_blocks -= needed
+            self._holding += 1
+            seq.reserved_blocks = needed
+            seq.decode_cached_tokens = min(
+                cached_blocks * self.spec.block_size, seq.arrival.prompt_tokens - 1
+            )
+            ready.append(seq)
+        return ready
+
+    def join(self, seq: SimSequence, now: float) -> SimSequence | None:
+        """The KV is here and the first token is out: start decoding. Returns seq if it is done."""
+        seq.first_token_at = now
+        seq.generated = 1
+        self.cache.store(seq.arrival.prefix_hashes)
+        if seq.generated >= seq.output_tokens:
+            self._release(seq, now)
+            return seq
+        self._running.append(seq)
+        return None
+
+    def _release(self, seq: SimSequence, now: float) -> None:
+        seq.finished_at = now
+        self._free_blocks += seq.reserved_blocks
+        self._holding -= 1
+
+    # ---- prefill side --------------------------------------------------------------------------
+
+    def enqueue_prefill(self, seq: SimSequence) -> None:
+        """Queue a prompt here, computing only what this worker's (or the decode's) cache lacks."""
+        prompt = seq.arrival.prompt_tokens
+        if seq.decode_worker == self.worker_id:
+            cached = seq.decode_cached_tokens
+        else:
+            cached = min(self.cache.match(seq.arrival.prefix_hashes) * self.spec.block_size, prompt - 1)
+        self._prefill_queue.append(PrefillJob(seq, prompt - cached, cached))
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def start_step(self) -> float | None:
+        """Plan one step from the queues; returns its duration, or None when there is nothing to do."""
+        assert self._step is None, "a worker runs one step at a time"
+        jobs = self._take_prefill_jobs()
+        decoding = list(self._running)
+        if not jobs and not decoding:
+            return None
+        seconds = 0.0
+        if jobs:
+            tokens = sum(j.new_tokens for j in jobs)
+            attention = sum(j.new_tokens * (j.new_tokens + 2 * j.cached_tokens) for j in jobs)
+            profile = self.spec.profile
+            truth = profile.prefill_fixed_s + profile.prefill_per_token_s * tokens
+            truth += profile.prefill_per_token_sq_s * attention
+            prefill_s = truth * self._jitter()
+            self._samples.append(PrefillSample(tokens, prefill_s, attention))
+            seconds += prefill_s
+        if decoding:
+            context = sum(s.context for s in decoding)
+            decode_s = self.spec.profile.decode_step_s(len(decoding), context) * self._jitter()
+            self._samples.append(DecodeSample(len(decoding), context, decode_s))
+            seconds += decode_s
+        self._step = (jobs, decoding)
+        return seconds
+
+    def finish_step(self, now: float) -> StepOutcome:
+        assert self._step is not None, "finish_step without start_step"
+        jobs, decoding = self._step
+        self._step = None
+        outcome = StepOutcome()
+        for seq in decoding:
+            seq.generated += 1
+            if seq.generated >= seq.output_tokens:
+                self._running.remove(seq)
+                self._release(seq, now)
+                outcome.finished.append(seq)
+        for job in jobs:
+            self.cache.store(job.seq.arrival.prefix_hashes)
+            if job.seq.decode_worker != self.worker_id:
+                outcome.prefilled.append(job)
+                continue
+            done = self.join(job.seq, now)
+            if done is not None:
+                outcome.finished.append(done)
+        return outcome
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.spec.profile.transfer_s(tokens) * self._jitter()
+
+    def _take_prefill_jobs(self) -> list[PrefillJob]:
+        jobs: list[PrefillJob] = []
+        budget = self.spec.max_prefill_tokens
+        while self._prefill_queue and (not jobs or self._prefill_queue[0].new_tokens <= budget):
+            job = self._prefill_queue.popleft()
+            budget -= job.new_tokens
+            jobs.append(job)
+        return jobs
+
+    def _jitter(self) -> float:
+        return max(0.5, self._rng.gauss(1.0, self._noise))
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def heartbeat(self, now: float) -> tuple[WorkerSnapshot, list[StepSample], list[KVEvent]]:
+        """The snapshot, samples and KV events a real worker would send now."""
+        in_step = self._step[0] if self._step is not None else []
+        queued_tokens = sum(j.new_tokens for j in self._prefill_queue) + sum(j.new_tokens for j in in_step)
+        not_running = len(self._waiting) + self._holding - len(self._running)
+        if self.spec.role is WorkerRole.PREFILL:
+            not_running = len(self._prefill_queue)
+        snapshot = WorkerSnapshot(
+            worker_id=self.worker_id,
+            role=self.spec.role,
+            model=self.spec.model,
+            address=f"sim://{self.worker_id}",
+            queue_depth=not_running,
+            running_seqs=len(in_step) if self.spec.role is WorkerRole.PREFILL else len(self._running),
+            free_blocks=self._free_blocks,
+            total_blocks=self.spec.total_blocks,
+            block_size=self.spec.block_size,
+            inflight_prefill_tokens=queued_tokens,
+            heartbeat_at=now,
+            running_context_tokens=sum(s.context for s in self._running),
+        )
+        samples, self._samples = self._samples, []
+        return snapshot, samples, self.cache.drain_events()

@@ -1,0 +1,172 @@
+"""Plain data in and out of the scheduler core: worker snapshots and step samples in, decisions out.
+
+Nothing here knows about gRPC or clocks. The adapters convert protobuf messages into these types
+(and back), and the replay simulator builds them directly, so the service and the simulator drive
+exactly the same core. All times are float seconds on the scheduler's clock unless a field says ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class WorkerRole(StrEnum):
+    PREFILL = "prefill"  # computes prompts and hands the KV to a decode worker
+    DECODE = "decode"  # runs the continuous decode batch; may also prefill its own requests locally
+    BOTH = "both"  # an aggregated worker: prefills and decodes its own requests
+
+    @property
+    def can_decode(self) -> bool:
+        return self is not WorkerRole.PREFILL
+
+
+class Tier(StrEnum):
+    FREE = "free"
+    PLUS = "plus"
+    ENTERPRISE = "enterprise"
+
+
+class DecisionKind(StrEnum):
+    ROUTE = "route"  # placed as asked
+    QUEUE = "queue"  # held by the scheduler; a later `tick` answers with ROUTE/DEGRADE/REJECT
+    DEGRADE = "degrade"  # placed, but only with the shorter `max_tokens` in the decision
+    REJECT = "reject"  # not served; `reason` says why and `retry_after_s` when a retry may help
+
+
+class Reason(StrEnum):
+    """Machine-readable reasons; the gateway maps the reject ones to HTTP 429/503 bodies."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_AFFINITY = "prefix_affinity"
+    MAX_SLACK = "max_slack"
+    CONVERSATION_AFFINITY = "conversation_affinity"
+    BEST_EFFORT = "slo_unattainable_best_effort"  # even an idle worker misses the SLO; served anyway
+    DEGRADED = "degraded_to_meet_slo"
+    OVERLOADED = "no_placement_meets_slo"
+    BEHIND_QUEUE = "behind_queued_requests"  # same- or higher-tier requests are already waiting
+    NO_WORKERS = "no_live_worker_for_model"
+    TOO_LARGE = "request_exceeds_worker_kv_capacity"
+    QUEUE_FULL = "admission_queue_full"
+    QUEUE_TIMEOUT = "admission_queue_timeout"
+
+
+class KVEventKind(StrEnum):
+    STORED = "stored"
+    EVICTED = "evicted"
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float  # time to first token, from arrival at the scheduler
+    tpot_ms: float  # mean time per output token after the first
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ValueError(
+                f"SLO targets must be positive, got ttft_ms={self.ttft_ms} tpot_ms={self.tpot_ms}"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """What a worker reports in each heartbeat. Counts are the worker's own view at `heartbeat_at`."""
+
+    worker_id: str
+    role: WorkerRole
+    model: str
+    address: str
+    queue_depth: int  # sequences accepted but not yet running (waiting for blocks or for prefill)
+    running_seqs: int  # sequences in the decode batch (prefill workers: prompts being computed)
+    free_blocks: int  # KV blocks allocatable now (cached-but-unreferenced blocks count as free)
+    total_blocks: int
+    block_size: int  # tokens per KV block
+    inflight_prefill_tokens: int  # prompt tokens queued or being prefilled here, not yet done
+    heartbeat_at: float  # the worker's send time; informational, liveness uses the receipt time
+    running_context_tokens: int = 0  # sum of context lengths in the decode batch (drives step time)
+
+    def __post_init__(self) -> None:
+        counts = (self.queue_depth, self.running_seqs, self.free_blocks, self.inflight_prefill_tokens)
+        if min(counts) < 0 or self.running_context_tokens < 0:
+            raise ValueError(f"worker {self.worker_id}: load counts must be non-negative")
+        if self.block_size <= 0 or not 0 <= self.free_blocks <= self.total_blocks:
+            raise ValueError(
+                f"worker {self.worker_id}: need block_size > 0 and 0 <= free_blocks <= total_blocks, got "
+                f"block_size={self.block_size} free={self.free_blocks} total={self.total_blocks}"
+            )
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """Everything the scheduler needs about a request; the prompt itself never reaches it."""
+
+    request_id: str
+    num_prompt_tokens: int
+    prefix_hashes: tuple[int, ...]  # chained 64-bit hashes of the prompt's full blocks, in order
+    tier: Tier
+    slo: SLO
+    max_tokens: int
+    model: str = ""  # empty: any model (single-model clusters)
+    conversation_id: str | None = None
+    # Seconds already spent in the scheduler's admission queue; counts against the TTFT target.
+    waited_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens <= 0 or self.max_tokens <= 0:
+            raise ValueError(
+                f"request {self.request_id}: num_prompt_tokens and max_tokens must be positive, got "
+                f"{self.num_prompt_tokens} and {self.max_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    request_id: str
+    kind: DecisionKind
+    decode_worker_id: str | None = None
+    # None together with a decode worker means "prefill locally on the decode worker".
+    prefill_worker_id: str | None = None
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    reason: str = ""  # a `Reason` value
+    retry_after_s: float | None = None  # REJECT only: when a retry may succeed; None = don't retry
+    max_tokens: int | None = None  # DEGRADE only: the cap the gateway must apply instead of the asked one
+    cached_blocks: int = 0  # leading prompt blocks the decode worker already holds
+
+    @property
+    def is_placed(self) -> bool:
+        return self.kind in (DecisionKind.ROUTE, DecisionKind.DEGRADE)
+
+    def __post_init__(self) -> None:
+        if self.is_placed and self.decode_worker_id is None:
+            raise ValueError(f"decision {self.kind} for {self.request_id} needs a decode worker")
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    """One prefill step's measured duration, for the cost-model fit."""
+
+    tokens: int  # prompt tokens computed in the step (cached tokens excluded)
+    seconds: float
+    # Sum over the step's sequences of new*(new + 2*cached): the attention work. None means one
+    # uncached sequence, i.e. tokens**2. Batching several prompts makes (sum)**2 overestimate it.
+    attention_tokens_sq: int | None = None
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    """One decode step's measured duration, for the cost-model fit."""
+
+    batch_size: int
+    context_tokens: int  # sum of the batch's context lengths
+    seconds: float
+
+
+StepSample = PrefillSample | DecodeSample
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    kind: KVEventKind
+    block_hash: int

@@ -1,0 +1,113 @@
+import json
+import random
+
+import pytest
+
+from scheduler.core.cost_model import CostModel, WorkerProfile
+from scheduler.types import DecodeSample, PrefillSample
+
+TRUE = WorkerProfile(
+    prefill_fixed_s=0.02,
+    prefill_per_token_s=3e-4,
+    prefill_per_token_sq_s=5e-8,
+    decode_fixed_s=0.015,
+    decode_per_seq_s=4e-4,
+    decode_per_context_token_s=2e-7,
+)
+
+
+def test_predictions_are_the_profile_before_any_sample() -> None:
+    model = CostModel(TRUE)
+    assert model.prefill_s(1000) == pytest.approx(TRUE.prefill_s(1000))
+    assert model.decode_step_s(32, 20_000) == pytest.approx(TRUE.decode_step_s(32, 20_000))
+    assert model.fitted_profile() == TRUE
+
+
+def test_prefill_fit_recovers_coefficients_from_noisy_samples() -> None:
+    rng = random.Random(1)
+    model = CostModel(WorkerProfile(), window=2000)  # seeded with the (wrong) defaults
+    for _ in range(2000):
+        tokens = rng.randint(16, 8192)
+        model.observe(PrefillSample(tokens, TRUE.prefill_s(tokens) + rng.gauss(0, 0.002)))
+    fitted = model.fitted_profile()
+    assert fitted.prefill_fixed_s == pytest.approx(TRUE.prefill_fixed_s, rel=0.1)
+    assert fitted.prefill_per_token_s == pytest.approx(TRUE.prefill_per_token_s, rel=0.02)
+    assert fitted.prefill_per_token_sq_s == pytest.approx(TRUE.prefill_per_token_sq_s, rel=0.02)
+
+
+def test_decode_fit_recovers_coefficients_from_noisy_samples() -> None:
+    rng = random.Random(2)
+    model = CostModel(WorkerProfile(), window=2000)
+    for _ in range(2000):
+        batch = rng.randint(1, 256)
+        context = batch * rng.randint(100, 4000)
+        model.observe(DecodeSample(batch, context, TRUE.decode_step_s(batch, context) * rng.gauss(1.0, 0.03)))
+    fitted = model.fitted_profile()
+    assert fitted.decode_fixed_s == pytest.approx(TRUE.decode_fixed_s, rel=0.1)
+    assert fitted.decode_per_seq_s == pytest.approx(TRUE.decode_per_seq_s, rel=0.1)
+    assert fitted.decode_per_context_token_s == pytest.approx(TRUE.decode_per_context_token_s, rel=0.05)
+
+
+def test_batched_prefill_samples_fit_through_their_attention_term() -> None:
+    rng = random.Random(3)
+    model = CostModel(WorkerProfile(), window=1000)
+    for _ in range(1000):
+        prompts = [rng.randint(16, 2048) for _ in range(rng.randint(1, 4))]
+        attention = sum(p * p for p in prompts)
+        seconds = TRUE.prefill_fixed_s + TRUE.prefill_per_token_s * sum(prompts)
+        seconds += TRUE.prefill_per_token_sq_s * attention
+        model.observe(PrefillSample(sum(prompts), seconds, attention_tokens_sq=attention))
+    assert model.prefill_s(4000) == pytest.approx(TRUE.prefill_s(4000), rel=0.01)
+
+
+def test_window_tracks_a_worker_that_slows_down() -> None:
+    model = CostModel(TRUE, window=200)
+    for step in range(600):
+        batch = 1 + step % 64
+        slowdown = 1.0 if step < 300 else 2.0
+        model.observe(DecodeSample(batch, batch * 1000, TRUE.decode_step_s(batch, batch * 1000) * slowdown))
+    assert model.decode_step_s(32, 32_000) == pytest.approx(2 * TRUE.decode_step_s(32, 32_000), rel=0.02)
+
+
+def test_fit_never_predicts_negative_or_zero_step_times() -> None:
+    model = CostModel(WorkerProfile(), window=50)
+    for _ in range(50):  # degenerate samples: one size, tiny times
+        model.observe(PrefillSample(1000, 1e-6))
+    assert model.prefill_s(1) > 0
+    assert all(v >= 0 for v in vars(model.fitted_profile()).values())
+
+
+def test_prefill_with_cached_prefix_costs_less_than_uncached() -> None:
+    model = CostModel(TRUE)
+    assert model.prefill_s(100, cached_tokens=3900) < model.prefill_s(4000)
+
+
+def test_profile_round_trips_through_json(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(TRUE.to_json())
+    assert WorkerProfile.load(path) == TRUE
+
+
+def test_profile_rejects_unknown_keys_listing_valid_ones() -> None:
+    with pytest.raises(ValueError, match="prefill_fixed_s"):
+        WorkerProfile.from_json(json.dumps({"prefil_fixed_s": 0.1}))
+
+
+def test_profile_rejects_negative_coefficients() -> None:
+    with pytest.raises(ValueError, match="decode_per_seq_s"):
+        WorkerProfile(decode_per_seq_s=-1.0)
+
+
+def test_ttft_is_queue_ahead_plus_own_prefill_plus_transfer() -> None:
+    model = CostModel(TRUE)
+    ttft = model.predict_ttft_s(
+        queued_tokens=2000, queued_requests=2, new_tokens=1000, cached_tokens=0, transfer_tokens=1000
+    )
+    queue_ahead = 2 * TRUE.prefill_s(1000)  # two queued prompts of 1000 tokens each
+    assert ttft == pytest.approx(queue_ahead + TRUE.prefill_s(1000) + TRUE.transfer_s(1000))
+
+
+def test_tpot_is_the_decode_step_with_the_request_added_at_mid_life() -> None:
+    model = CostModel(TRUE)
+    tpot = model.predict_tpot_s(batch=10, context_tokens=10_000, prompt_tokens=1000, max_tokens=200)
+    assert tpot == pytest.approx(TRUE.decode_step_s(11, 10_000 + 1000 + 100))

@@ -1,0 +1,212 @@
+import pytest
+
+from scheduler.core.placement import DisaggregationRule
+from scheduler.core.policies import (
+    GoodputConfig,
+    GoodputPolicy,
+    LeastLoadedPolicy,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    make_policy,
+)
+from scheduler.types import SLO, DecisionKind, Reason, Tier, WorkerRole
+
+PREFILL = WorkerRole.PREFILL
+
+
+def test_round_robin_rotates_decode_and_prefill_workers(make_request, make_load, make_view) -> None:
+    loads = [
+        make_load("d0"),
+        make_load("d1"),
+        make_load("d2"),
+        make_load("p0", PREFILL),
+        make_load("p1", PREFILL),
+    ]
+    policy = RoundRobinPolicy()
+    decisions = [policy.route(make_request(f"r{i}", prompt=2048), make_view(loads), 0.0) for i in range(4)]
+    assert [d.decode_worker_id for d in decisions] == ["d0", "d1", "d2", "d0"]
+    assert [d.prefill_worker_id for d in decisions] == ["p0", "p1", "p0", "p1"]
+
+
+def test_least_loaded_picks_the_emptiest_decode_and_prefill_worker(
+    make_request, make_load, make_view
+) -> None:
+    loads = [
+        make_load("d0", batch=5),
+        make_load("d1", batch=2),
+        make_load("d2", batch=7),
+        make_load("p0", PREFILL, queued_prefill_tokens=9000),
+        make_load("p1", PREFILL, queued_prefill_tokens=100),
+    ]
+    decision = LeastLoadedPolicy().route(make_request(prompt=2048), make_view(loads), 0.0)
+    assert (decision.decode_worker_id, decision.prefill_worker_id) == ("d1", "p1")
+    assert decision.reason == Reason.LEAST_LOADED
+
+
+@pytest.mark.parametrize(("gap", "expected"), [(0, "holder"), (7, "holder"), (9, "other")])
+def test_prefix_aware_prefers_the_holder_until_the_load_gap_exceeds_the_weight(
+    make_request, make_load, make_view, gap, expected
+) -> None:
+    req = make_request(prompt=1024)  # 64 full blocks
+    loads = [make_load("holder", batch=gap), make_load("other", batch=0)]
+    view = make_view(loads, cached={"holder": req.prefix_hashes})
+    decision = PrefixAwarePolicy(affinity_weight=8.0).route(req, view, 0.0)
+    assert decision.decode_worker_id == expected
+
+
+def test_prefix_aware_weighs_a_half_cached_prefix_at_half_the_weight(
+    make_request, make_load, make_view
+) -> None:
+    req = make_request(prompt=1024)
+    half = req.prefix_hashes[:32]
+    view = make_view([make_load("holder", batch=5), make_load("other")], cached={"holder": half})
+    assert PrefixAwarePolicy(affinity_weight=8.0).route(req, view, 0.0).decode_worker_id == "other"
+    view = make_view([make_load("holder", batch=3), make_load("other")], cached={"holder": half})
+    decision = PrefixAwarePolicy(affinity_weight=8.0).route(req, view, 0.0)
+    assert (decision.decode_worker_id, decision.cached_blocks) == ("holder", 32)
+
+
+def test_goodput_prefers_the_fast_worker_over_an_idle_slow_one(
+    make_request, make_load, make_view, fast_profile, slow_profile
+) -> None:
+    loads = [make_load("fast", batch=20), make_load("slow", batch=0)]
+    view = make_view(loads, profiles={"fast": fast_profile, "slow": slow_profile})
+    decision = GoodputPolicy().route(make_request(prompt=128), view, 0.0)
+    assert decision.kind is DecisionKind.ROUTE
+    assert decision.decode_worker_id == "fast"
+    assert decision.reason == Reason.MAX_SLACK
+    assert decision.predicted_ttft_ms is not None and decision.predicted_tpot_ms is not None
+
+
+def test_goodput_spreads_load_once_the_busy_worker_has_less_slack(make_request, make_load, make_view) -> None:
+    loads = [make_load("busy", batch=200), make_load("idle", batch=0)]
+    assert GoodputPolicy().route(make_request(), make_view(loads), 0.0).decode_worker_id == "idle"
+
+
+def _overloaded_view(make_load, make_view):
+    # 40k tokens queued on the only prefill path: ~2 s of prefill before this request starts.
+    loads = [make_load("d0", queued_prefill_tokens=40_000, queued_prefill_requests=10)]
+    return make_view(loads)
+
+
+def test_goodput_queues_when_no_placement_meets_the_slo(make_request, make_load, make_view) -> None:
+    req = make_request(prompt=128, slo=SLO(ttft_ms=500, tpot_ms=100))
+    decision = GoodputPolicy().route(req, _overloaded_view(make_load, make_view), 0.0)
+    assert decision.kind is DecisionKind.QUEUE
+    assert decision.reason == Reason.OVERLOADED
+
+
+def test_goodput_rejects_with_retry_after_when_queueing_is_off(make_request, make_load, make_view) -> None:
+    req = make_request(prompt=128, slo=SLO(ttft_ms=500, tpot_ms=100))
+    policy = GoodputPolicy(GoodputConfig(queue_when_overloaded=False))
+    decision = policy.route(req, _overloaded_view(make_load, make_view), 0.0)
+    assert decision.kind is DecisionKind.REJECT
+    assert decision.reason == Reason.OVERLOADED
+    # ~2 s predicted TTFT against a 0.5 s target: retry once the backlog has drained.
+    assert decision.retry_after_s is not None and 1.0 <= decision.retry_after_s <= 2.5
+    assert decision.decode_worker_id is None
+
+
+def test_goodput_never_breaks_the_tpot_target_of_requests_already_running(
+    make_request, make_load, make_view
+) -> None:
+    # Adding one sequence to "strict" keeps it ~30 ms a token: fine for this request (100 ms)
+    # but not for the 25 ms request already there.
+    loads = [make_load("strict", batch=190, tightest_tpot_ms=25.0), make_load("lenient", batch=200)]
+    decision = GoodputPolicy().route(make_request(), make_view(loads), 0.0)
+    assert decision.decode_worker_id == "lenient"
+
+
+def test_goodput_skips_a_worker_without_kv_room(make_request, make_load, make_view) -> None:
+    loads = [make_load("full", free_blocks=10), make_load("roomy", batch=50)]
+    assert GoodputPolicy().route(make_request(), make_view(loads), 0.0).decode_worker_id == "roomy"
+
+
+def test_goodput_degrades_max_tokens_when_configured_and_that_fits(
+    make_request, make_load, make_view
+) -> None:
+    # prompt 512 + 1024 new tokens needs 96 blocks; with half the tokens, 64 fit in 70.
+    view = make_view([make_load("d0", free_blocks=70)])
+    req = make_request(prompt=512, max_tokens=1024, hashes=())
+    policy = GoodputPolicy(GoodputConfig(degrade_fraction=0.5))
+    decision = policy.route(req, view, 0.0)
+    assert (decision.kind, decision.max_tokens, decision.reason) == (
+        DecisionKind.DEGRADE,
+        512,
+        Reason.DEGRADED,
+    )
+    assert GoodputPolicy().route(req, view, 0.0).kind is DecisionKind.QUEUE  # degrading is opt-in
+
+
+def test_goodput_serves_best_effort_what_no_idle_worker_could_serve_in_slo(
+    make_request, make_load, make_view
+) -> None:
+    req = make_request(prompt=4096, slo=SLO(ttft_ms=1, tpot_ms=100))
+    decision = GoodputPolicy().route(req, make_view([make_load("d0", batch=3), make_load("d1")]), 0.0)
+    assert (decision.kind, decision.reason) == (DecisionKind.ROUTE, Reason.BEST_EFFORT)
+    assert decision.decode_worker_id == "d1"
+
+
+def test_goodput_keeps_a_conversation_on_the_worker_holding_its_prefix(
+    make_request, make_load, make_view
+) -> None:
+    req = make_request(prompt=1024, conversation_id="c1")
+    loads = [make_load("previous", batch=30), make_load("idle")]
+    view = make_view(loads, cached={"previous": req.prefix_hashes[:50]}, conversations={"c1": "previous"})
+    decision = GoodputPolicy().route(req, view, 0.0)
+    assert (decision.decode_worker_id, decision.reason) == ("previous", Reason.CONVERSATION_AFFINITY)
+    assert decision.cached_blocks == 50
+
+
+def test_goodput_leaves_the_conversation_worker_when_it_would_miss_the_slo(
+    make_request, make_load, make_view
+) -> None:
+    req = make_request(prompt=1024, conversation_id="c1", slo=SLO(ttft_ms=2000, tpot_ms=20))
+    loads = [make_load("previous", batch=150), make_load("idle")]  # 25 ms a token on "previous"
+    view = make_view(loads, conversations={"c1": "previous"})
+    assert GoodputPolicy().route(req, view, 0.0).decode_worker_id == "idle"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached_blocks", "local"),
+    [(100, 0, True), (4096, 0, False), (4096, 200, True), (4096, 100, False)],
+)
+def test_conditional_disaggregation_prefills_short_or_mostly_cached_prompts_locally(
+    make_request, make_load, make_view, prompt, cached_blocks, local
+) -> None:
+    req = make_request(prompt=prompt)
+    loads = [make_load("d0"), make_load("p0", PREFILL)]
+    view = make_view(loads, cached={"d0": req.prefix_hashes[:cached_blocks]})
+    decision = GoodputPolicy().route(req, view, 0.0)
+    assert decision.decode_worker_id == "d0"
+    assert (decision.prefill_worker_id is None) is local
+
+
+def test_disaggregation_thresholds_are_configurable() -> None:
+    rule = DisaggregationRule(min_remote_prefill_tokens=1000, max_cached_fraction=0.5)
+    assert rule.prefill_locally(999, 0)
+    assert not rule.prefill_locally(4000, 1000)
+    assert rule.prefill_locally(4000, 2000)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix_aware", "goodput"])
+def test_every_policy_rejects_when_no_decode_worker_serves_the_model(
+    make_request, make_load, make_view, name
+):
+    decision = make_policy(name).route(make_request(), make_view([make_load("p0", PREFILL)]), 0.0)
+    assert (decision.kind, decision.reason) == (DecisionKind.REJECT, Reason.NO_WORKERS)
+    assert decision.retry_after_s is not None
+
+
+def test_make_policy_lists_valid_names_for_an_unknown_one() -> None:
+    with pytest.raises(ValueError, match="round_robin, least_loaded, prefix_aware, goodput"):
+        make_policy("random")
+
+
+def test_tier_is_carried_but_placement_uses_the_request_slo(make_request, make_load, make_view) -> None:
+    # The gateway turns a tier into SLO targets; the policy only reads the targets.
+    strict = make_request(tier=Tier.ENTERPRISE, slo=SLO(ttft_ms=2000, tpot_ms=20))
+    loads = [make_load("d0", batch=150)]
+    assert GoodputPolicy().route(strict, make_view(loads), 0.0).kind is DecisionKind.QUEUE
+    lenient = make_request(tier=Tier.ENTERPRISE, slo=SLO(ttft_ms=2000, tpot_ms=100))
+    assert GoodputPolicy().route(lenient, make_view(loads), 0.0).kind is DecisionKind.ROUTE

@@ -1,0 +1,100 @@
+"""Replay: the simulator's arithmetic on a single request, and the policy comparison it exists for."""
+
+import pytest
+
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.replay import ReplayConfig, replay
+from scheduler.sim.scenarios import heterogeneous_cluster, heterogeneous_workload, tier_slos
+from scheduler.sim.trace import Arrival, WorkloadSpec, extend_chain, make_trace
+from scheduler.sim.worker import SimWorkerSpec
+from scheduler.types import SLO, Tier, WorkerRole
+
+PROFILE = WorkerProfile(
+    prefill_fixed_s=0.01,
+    prefill_per_token_s=1e-4,
+    prefill_per_token_sq_s=0.0,
+    decode_fixed_s=0.02,
+    decode_per_seq_s=0.0,
+    decode_per_context_token_s=0.0,
+    transfer_fixed_s=0.005,
+    transfer_per_token_s=1e-5,
+)
+EXACT = ReplayConfig(step_noise=0.0)
+
+
+def one_request(prompt: int = 1000, output: int = 11) -> list[Arrival]:
+    return [Arrival(1.0, "r0", prompt, output, extend_chain((), prompt // 16, 0), Tier.FREE)]
+
+
+def test_disaggregated_request_latencies_follow_the_profile() -> None:
+    workers = [
+        SimWorkerSpec("p", WorkerRole.PREFILL, PROFILE),
+        SimWorkerSpec("d", WorkerRole.DECODE, PROFILE),
+    ]
+    result = replay(one_request(), workers, "round_robin", SLO(ttft_ms=500, tpot_ms=50), EXACT)
+    [outcome] = result.outcomes
+    assert outcome.prefill_worker_id == "p"
+    assert outcome.ttft_s == pytest.approx(0.01 + 0.1 + 0.005 + 0.01)  # prefill + transfer of 1000 tokens
+    assert outcome.tpot_s == pytest.approx(0.02)  # ten decode steps for tokens 2..11
+    assert outcome.met_slo and result.goodput == 1.0
+
+
+def test_a_short_prompt_is_prefilled_on_the_decode_worker() -> None:
+    workers = [
+        SimWorkerSpec("p", WorkerRole.PREFILL, PROFILE),
+        SimWorkerSpec("d", WorkerRole.DECODE, PROFILE),
+    ]
+    result = replay(one_request(prompt=100), workers, "round_robin", SLO(ttft_ms=500, tpot_ms=50), EXACT)
+    [outcome] = result.outcomes
+    assert outcome.prefill_worker_id is None
+    assert outcome.ttft_s == pytest.approx(0.01 + 0.01)  # no transfer
+
+
+def test_a_missed_target_is_counted_against_goodput() -> None:
+    workers = [SimWorkerSpec("d", WorkerRole.BOTH, PROFILE)]
+    result = replay(one_request(), workers, "round_robin", SLO(ttft_ms=500, tpot_ms=10), EXACT)
+    assert not result.outcomes[0].met_slo
+    assert result.goodput == 0.0
+
+
+def test_every_arrival_gets_exactly_one_outcome() -> None:
+    trace = heterogeneous_workload(rate_per_s=30, num_requests=200)
+    result = replay(trace, heterogeneous_cluster(), "goodput", tier_slos())
+    assert [o.request_id for o in result.outcomes] == [a.request_id for a in trace]
+    assert all(o.rejected or o.ttft_s is not None for o in result.outcomes)
+
+
+def test_replay_is_deterministic_for_a_seed() -> None:
+    trace = heterogeneous_workload(rate_per_s=20, num_requests=150)
+    first = replay(trace, heterogeneous_cluster(), "goodput", tier_slos())
+    second = replay(trace, heterogeneous_cluster(), "goodput", tier_slos())
+    assert first.outcomes == second.outcomes
+
+
+def test_conversation_followups_reuse_their_prefix_hashes() -> None:
+    trace = make_trace(
+        WorkloadSpec(num_requests=300, rate_per_s=50, followup_min_gap_s=0.5, document_fraction=0)
+    )
+    by_conversation: dict[str, list[Arrival]] = {}
+    for arrival in trace:
+        assert arrival.conversation_id is not None
+        by_conversation.setdefault(arrival.conversation_id, []).append(arrival)
+    turns = next(t for t in by_conversation.values() if len(t) >= 2)
+    earlier, later = turns[0].prefix_hashes, turns[1].prefix_hashes
+    assert later[: len(earlier)] == earlier
+
+
+def test_goodput_policy_beats_the_baselines_on_a_heterogeneous_cluster() -> None:
+    """Fixed scenario (scheduler/sim/scenarios.py): 2 fast + 1 slow decode, 1 fast + 1 slow prefill
+    (2.5x), chat on shared system prompts, follow-up turns, long documents, 3 tiers with their own
+    SLOs, 600 Poisson arrivals at 15/s. Measured: round_robin 61.2%, least_loaded 70.2%,
+    prefix_aware 75.0%, goodput 91.0% (34 rejected, counted as misses)."""
+    trace = heterogeneous_workload(rate_per_s=15, num_requests=600)
+    results = {
+        name: replay(trace, heterogeneous_cluster(), name, tier_slos())
+        for name in ("round_robin", "least_loaded", "goodput")
+    }
+    goodput = results["goodput"].goodput
+    assert goodput >= 0.85
+    assert goodput >= results["round_robin"].goodput + 0.15
+    assert goodput >= results["least_loaded"].goodput + 0.10
