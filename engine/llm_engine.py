@@ -59,7 +59,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        self.batcher.add(seq)
+        try:
+            self.batcher.add(seq)
+        except Exception:
+            del self._requests[request_id]
+            raise
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> tuple[list[int], int]:
@@ -164,7 +168,7 @@ class LLMEngine:
             return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.sampling.max_tokens:
             return FinishReason.LENGTH
-        if len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len:
+        if seq.num_tokens >= self.batcher.max_num_tokens:  # context window (or the whole KV pool)
             return FinishReason.LENGTH
         return None
 

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_chat(sub)
+    from services.gateway.admin import register_admin_commands
+
+    register_admin_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -45,7 +48,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="raw text prompt")
     group.add_argument("--chat", help="a user message, wrapped in the model's chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: token_ids, text, finish_reason")
     p.set_defaults(func=_cmd_generate)
 
 

@@ -1,0 +1,295 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next engine step.
+
+One step is `plan = batcher.schedule()`, `result = runner.execute(plan)`, `batcher.postprocess(plan,
+result)`, strictly alternating (a second `schedule()` before `postprocess` would schedule the same
+tokens twice). Between steps the engine may `add`, `abort`, `finish`, `reserve_remote`, `commit_remote`.
+
+A step's plan, under a token budget of `max_num_batched_tokens` and at most `max_num_seqs` chunks:
+1. decodes (running sequences with one pending token), oldest first; a decode that needs a new block
+   when the pool is empty preempts the newest running sequence (possibly itself) by recompute;
+2. chunks of running sequences still prefilling, oldest first, at most `max_prefill_chunk` each;
+3. admission of waiting sequences in FIFO order (preempted ones first), each only when blocks for all
+   its tokens plus one generated token are available; skipped in a step that preempted, so a
+   preempted sequence never bounces straight back in.
+Admission allocates blocks for every known token, so prefill chunks never allocate: only decodes do.
+
+The batcher never finishes a sequence on its own: stop tokens, stop strings, max_tokens and the
+length limit are the engine's call, through `finish`. The length limit is `max_num_tokens`, the smaller
+of the context window and the KV pool: the engine must finish a sequence once `num_tokens >=
+max_num_tokens`, or a sequence larger than the whole pool would preempt itself and never fit again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+
+from engine.batch import BatchPlan, ScheduledChunk, StepResult
+from engine.block_manager import BlockManager
+from engine.config import BatcherConfig
+from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
+from engine.outputs import FinishReason
+from engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+def _arrival(seq: Sequence) -> int:
+    """Sort key of the running list: oldest first, so preemption victims come from the end."""
+    return seq.arrival_order
+
+
+class Batcher:
+    """Owns the waiting / running / remote queues and every block table. Not thread-safe."""
+
+    def __init__(self, config: BatcherConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        pool_tokens = block_manager.num_total_blocks * block_manager.block_size
+        if pool_tokens < max_model_len:
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: sequences stop there",
+                        pool_tokens, max_model_len)
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len  # the model's context window
+        # Longest a sequence may grow (see the module docstring); prompts must be shorter.
+        self.max_num_tokens = min(max_model_len, pool_tokens)
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, whatever its state
+        self._waiting: deque[Sequence] = deque()  # WAITING / PREEMPTED, admission order
+        self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
+        self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
+        self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
+        self._next_arrival = 0  # arrival_order of the next added sequence
+        self._num_preemptions = 0  # since start, for metrics
+
+    # ---- queries --------------------------------------------------------------------------------
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences held in any state, including those waiting for remote KV."""
+        return len(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return len(self._remote)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start (each costs a recompute of the victim's tokens)."""
+        return self._num_preemptions
+
+    def has_work(self) -> bool:
+        """Whether `schedule()` may return a non-empty plan (remote-KV waits alone are not work)."""
+        return bool(self._waiting or self._running)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises InvalidRequestError, changing nothing, on bad input."""
+        self._check_new(seq)
+        self._track(seq, SequenceStatus.WAITING)
+        self._waiting.append(seq)
+
+    def reserve_remote(self, seq: Sequence) -> tuple[list[int], int]:
+        """Decode side of disaggregation: allocate the prompt's blocks for a remote prefill to write.
+
+        Returns (block ids, prompt tokens already cached here: the remote prefill starts there). The
+        sequence waits in WAITING_FOR_REMOTE_KV, holding its blocks, until `commit_remote`. It counts
+        toward `max_num_seqs` for local admissions but is never refused for it (the caller has routed it
+        here). Raises InvalidRequestError or OutOfBlocksError, changing nothing.
+        """
+        self._check_new(seq)
+        block_ids, num_cached = self.block_manager.allocate_for_prompt(seq.prompt_token_ids,
+                                                                       num_extra_slots=1)
+        self._track(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
+        seq.block_ids, seq.num_cached_tokens, seq.num_computed_tokens = block_ids, num_cached, num_cached
+        self._remote[seq.request_id] = seq
+        return list(block_ids), num_cached
+
+    def commit_remote(self, request_id: str, first_token_id: int) -> Sequence:
+        """The remote prefill's KV has landed: register it as computed and join the decode batch.
+
+        Appends the prefill's first token, so the sequence's next step is a decode. Raises KeyError when
+        `request_id` is not waiting for remote KV (e.g. it was aborted meanwhile).
+        """
+        seq = self._remote.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
+        seq.append_token(first_token_id)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self._running, seq, key=_arrival)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a sequence in any state, freeing every block it holds. Returns whether it existed.
+
+        Dangerous window: for WAITING_FOR_REMOTE_KV the blocks are reusable at once, so the caller must
+        first make sure no remote WRITE into them is still in flight (wait for or cancel the transfer).
+        """
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """The engine's verdict that a sequence is done: free its blocks and forget it."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self._remote[request_id]
+        else:
+            self._waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return True
+
+    # ---- the step -------------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan:
+        """Plan the next step (see the module docstring for the order and the limits)."""
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        budget = self._schedule_decodes(chunks, preempted, self.config.max_num_batched_tokens)
+        budget = self._schedule_prefills(chunks, budget)
+        if not preempted:
+            self._admit(chunks, budget)
+        self._scheduled = {c.request_id: self._seqs[c.request_id] for c in chunks}
+        return BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted))
+
+    def postprocess(self, plan: BatchPlan, result: StepResult) -> list[Sequence]:
+        """Record a step: advance computed tokens, register full blocks, append sampled tokens.
+
+        Returns the sequences that got a token, in plan order; the engine then decides which finished.
+        Sequences aborted or finished since `schedule()` are skipped.
+        """
+        got_token: list[Sequence] = []
+        scheduled, self._scheduled = self._scheduled, {}
+        for chunk in plan.chunks:
+            seq = scheduled.get(chunk.request_id)
+            if seq is None or self._seqs.get(chunk.request_id) is not seq:
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
+            if not chunk.needs_sample:
+                continue
+            sampled = result.sampled.get(chunk.request_id)
+            if sampled is None:
+                raise EngineError(f"the model runner returned no token for {chunk.request_id!r}")
+            seq.append_token(sampled.token_id, sampled.logprobs)
+            got_token.append(seq)
+        return got_token
+
+    def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
+        """Schedule every running decode that fits; returns the budget left."""
+        i = 0
+        while i < len(self._running) and budget > 0 and len(chunks) < self.config.max_num_seqs:
+            seq = self._running[i]
+            i += 1
+            if seq.num_pending_tokens != 1:
+                continue  # still prefilling: the next pass
+            if not self._grow_for_decode(seq, preempted):
+                break  # seq preempted itself: it was the newest, nothing runs after it
+            chunks.append(self._chunk(seq, 1))
+            budget -= 1
+        return budget
+
+    def _grow_for_decode(self, seq: Sequence, preempted: list[str]) -> bool:
+        """Make room for seq's next token, preempting newest-first; False when seq itself went."""
+        while True:
+            try:
+                self.block_manager.append_slots(seq.block_ids, seq.num_tokens)
+                return True
+            except OutOfBlocksError:
+                victim = self._running[-1]  # newest; never one scheduled earlier in this pass
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    return False
+
+    def _schedule_prefills(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Continue chunked prefills of admitted sequences; returns the budget left."""
+        for seq in self._running:
+            if budget <= 0 or len(chunks) >= self.config.max_num_seqs:
+                break
+            if seq.num_pending_tokens > 1:
+                n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
+                chunks.append(self._chunk(seq, n))
+                budget -= n
+        return budget
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Admit waiting sequences FIFO while budget, sequence slots and blocks last."""
+        while self._waiting and budget > 0 and len(chunks) < self.config.max_num_seqs:
+            if len(self._running) + len(self._remote) >= self.config.max_num_seqs:
+                return
+            seq = self._waiting[0]
+            try:
+                block_ids, num_cached = self.block_manager.allocate_for_prompt(seq.all_token_ids,
+                                                                               num_extra_slots=1)
+            except OutOfBlocksError:
+                return  # head-of-line: later (maybe smaller) sequences do not overtake it
+            self._waiting.popleft()
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_cached  # a resumed sequence keeps its first admission's count
+            seq.block_ids, seq.num_computed_tokens = block_ids, num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, seq, key=_arrival)
+            n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        """The next `n` uncomputed tokens of `seq` as one chunk."""
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=tuple(seq.all_token_ids[start:start + n]),
+            start_pos=start,
+            block_ids=tuple(seq.block_ids),
+            needs_sample=start + n == seq.num_tokens,
+            sampling=seq.sampling,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: free the blocks, keep the tokens, requeue at the front."""
+        self._running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self._waiting.appendleft(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
+
+    def _check_new(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"duplicate request id {seq.request_id!r}")
+        if not seq.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        if seq.num_prompt_tokens >= self.max_num_tokens:
+            limit = "context window" if self.max_num_tokens == self.max_model_len else "KV cache"
+            raise InvalidRequestError(
+                f"prompt has {seq.num_prompt_tokens} tokens; the {limit} holds {self.max_num_tokens} "
+                "tokens and at least one must be left to generate"
+            )
+        if seq.output_token_ids or seq.block_ids or seq.num_computed_tokens:
+            raise InvalidRequestError(f"sequence {seq.request_id!r} is not new")
+
+    def _track(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status, seq.arrival_order = status, self._next_arrival
+        self._next_arrival += 1
+        self._seqs[seq.request_id] = seq

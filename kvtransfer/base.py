@@ -1,0 +1,351 @@
+"""The KV hand-off contract between a prefill worker (sender) and a decode worker (receiver).
+
+Split by role, like vLLM's NIXL connector: the prefill side *writes* its local blocks into the
+decode side's blocks (one-sided WRITE + a notification); the decode side only *exposes* its blocks
+and learns from the notification that a request's KV has arrived. Every transfer is an explicit
+state machine (SGLang's lesson), polled by its owner; nothing here blocks or spawns threads.
+
+The handshake types (`KVLayoutInfo`, `HandshakeInfo`) are plain frozen dataclasses: the workers
+carry them over gRPC (their fields live in protos/) and hand them to `KVSender.add_peer` /
+`KVReceiver.accept_peer`, which refuse a peer whose layout differs with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+from engine.kv_cache import _DTYPE_BYTES as KV_DTYPE_BYTES  # TODO: engine to export it publicly
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.errors import IncompatiblePeerError, InvalidTransferPlanError
+
+# Bump when the notification format, the handshake fields or the layout meaning change.
+KV_PROTOCOL_VERSION = 1
+# engine.kv_cache's layout: kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+BLOCK_MAJOR_LAYOUT = "block_major_v1"
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+class TransferState(Enum):
+    """Where one request's KV hand-off stands. Terminal states are final and mean NIXL no longer
+    touches the request's blocks on this side (for the sender: its handle has been released)."""
+
+    PENDING = "pending"  # sender: created, not yet posted; receiver: expected, nothing arrived yet
+    TRANSFERRING = "transferring"  # sender only: WRITE posted, NIXL may be reading the source blocks
+    DONE = "done"  # every block landed (and its checksum matched, when checksums are on)
+    FAILED = "failed"  # NIXL error, sender abort, or checksum mismatch; `reason` says which
+    TIMED_OUT = "timed_out"  # the deadline passed first
+    CANCELLED = "cancelled"  # the owner cancelled (request aborted)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (TransferState.PENDING, TransferState.TRANSFERRING)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One request's WRITE: local block `local_block_ids[i]` goes to peer block `remote_block_ids[i]`."""
+
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    deadline: float  # on the sender's monotonic clock (seconds); past it the transfer is TIMED_OUT
+    attempt: int = 0  # retries of one request use a new attempt so a late notice of an old one is ignored
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
+        object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        problem = _plan_problem(self)
+        if problem:
+            raise InvalidTransferPlanError(f"transfer plan for {self.request_id!r}: {problem}")
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        *,
+        now: float,
+        timeout_s: float,
+        attempt: int = 0,
+    ) -> TransferPlan:
+        return cls(request_id, tuple(local_block_ids), tuple(remote_block_ids), now + timeout_s, attempt)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.local_block_ids)
+
+    @property
+    def tag(self) -> bytes:
+        """Identifies this attempt in notifications: `<request_id>#<attempt>`."""
+        return f"{self.request_id}#{self.attempt}".encode()
+
+
+def _plan_problem(plan: TransferPlan) -> str:
+    if not plan.request_id:
+        return "empty request_id"
+    if plan.attempt < 0:
+        return f"attempt must be >= 0, got {plan.attempt}"
+    if not plan.local_block_ids:
+        return "no blocks"
+    if len(plan.local_block_ids) != len(plan.remote_block_ids):
+        return f"{len(plan.local_block_ids)} local vs {len(plan.remote_block_ids)} remote block ids"
+    for side, ids in (("local", plan.local_block_ids), ("remote", plan.remote_block_ids)):
+        if any(not isinstance(i, int) or i < 0 for i in ids):
+            return f"{side} block ids must be non-negative ints"
+        if len(set(ids)) != len(ids):
+            return f"duplicate {side} block ids"
+    return ""
+
+
+@dataclass(frozen=True)
+class KVLayoutInfo:
+    """Everything two workers must agree on before one writes into the other's blocks."""
+
+    protocol_version: int
+    model_id: str
+    dtype: str
+    layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int
+    tp_rank: int  # homogeneous TP only: prefill rank r writes into decode rank r
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside [0, {self.tp_size})")
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayoutInfo:
+        return cls(
+            protocol_version=KV_PROTOCOL_VERSION,
+            model_id=model_id,
+            dtype=spec.dtype,
+            layout=BLOCK_MAJOR_LAYOUT,
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+
+    def to_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.to_spec().bytes_per_block
+
+    def compatibility_hash(self) -> str:
+        """Stable 16-hex-digit hash of every field; equal hashes mean the peers may exchange blocks."""
+        items = sorted((f.name, getattr(self, f.name)) for f in fields(self))
+        return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+    def mismatches(self, other: KVLayoutInfo) -> list[tuple[str, object, object]]:
+        """(field, mine, theirs) for every field that differs, in declaration order."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+@dataclass(frozen=True)
+class HandshakeInfo:
+    """What a worker tells a KV peer about itself (carried over gRPC, never pickled across hosts)."""
+
+    layout: KVLayoutInfo
+    agent_name: str  # unique per worker process and role (NIXL agent name)
+    agent_metadata: bytes = field(repr=False)  # nixl get_agent_metadata(): connection info + registrations
+    base_address: int  # address of block 0 of the registered KV tensor, in the owner's address space
+    num_blocks: int
+    bytes_per_block: int
+    device_kind: str  # "cpu" (NIXL DRAM) | "cuda" (NIXL VRAM)
+    device_id: int = 0  # CUDA device index; 0 on CPU
+
+    def __post_init__(self) -> None:
+        if self.device_kind not in DEVICE_KINDS:
+            raise ValueError(f"device_kind {self.device_kind!r} is not one of {list(DEVICE_KINDS)}")
+        if not self.agent_name:
+            raise ValueError("agent_name is empty")
+        if self.num_blocks < 1 or self.base_address <= 0:
+            raise ValueError(f"bad region: base_address={self.base_address} num_blocks={self.num_blocks}")
+        if self.bytes_per_block != self.layout.bytes_per_block:
+            raise ValueError(
+                f"bytes_per_block {self.bytes_per_block} disagrees with "
+                f"the layout's {self.layout.bytes_per_block}"
+            )
+
+    @property
+    def mem_type(self) -> str:
+        return "DRAM" if self.device_kind == "cpu" else "VRAM"
+
+    def compatibility_hash(self) -> str:
+        return self.layout.compatibility_hash()
+
+    def check_compatible(self, other: HandshakeInfo) -> None:
+        """Raise `IncompatiblePeerError` naming every mismatching field (self = local, other = peer).
+
+        num_blocks, addresses and device kind may differ; a DRAM<->VRAM pair is allowed (UCX moves it,
+        slowly). The protocol version is compared like any other field, so an old peer is refused."""
+        found = self.layout.mismatches(other.layout)
+        if not found and self.bytes_per_block != other.bytes_per_block:
+            found.append(("bytes_per_block", self.bytes_per_block, other.bytes_per_block))
+        if found:
+            raise IncompatiblePeerError(other.agent_name, found)
+
+
+@dataclass(frozen=True)
+class TransferFailure:
+    """Why a request's KV did not arrive (receiver side)."""
+
+    request_id: str
+    state: TransferState  # FAILED or TIMED_OUT
+    reason: str
+
+
+class KVTransfer(ABC):
+    """Sender-side handle of one request's WRITE; a state machine advanced only by `poll()`.
+
+    PENDING -> TRANSFERRING -> DONE | FAILED | TIMED_OUT | CANCELLED. Once terminal, NIXL no longer
+    reads the source blocks and the NIXL handle is released: the caller may free the source blocks.
+    Before that they must stay allocated and unmodified, even after `cancel()`.
+    """
+
+    @property
+    @abstractmethod
+    def plan(self) -> TransferPlan: ...
+
+    @property
+    @abstractmethod
+    def state(self) -> TransferState: ...
+
+    @property
+    @abstractmethod
+    def reason(self) -> str:
+        """Empty unless FAILED / TIMED_OUT / CANCELLED; then a human-readable cause."""
+
+    @abstractmethod
+    def poll(self) -> TransferState:
+        """Advance the state machine without blocking; enforce the deadline; return the state."""
+
+    @abstractmethod
+    def cancel(self) -> TransferState:
+        """Ask to stop. The state turns CANCELLED only once NIXL has let go of the blocks, which may
+        take further `poll()` calls: an abort that lands while a WRITE is in flight must wait for the
+        transfer to finish (or be cancelled by NIXL) before the blocks are reused. It may still end
+        DONE if the WRITE completed first (then the peer got its DONE notice, too)."""
+
+
+class KVSender(ABC):
+    """Prefill side: writes local blocks into a peer's blocks (WRITE + notification).
+
+    Threading: not thread-safe. One thread (the worker's transfer loop) makes every call on a sender,
+    including `poll()`, which must run every few milliseconds for the sender's whole life: it
+    advances in-flight transfers and, even when none is in flight, completes the sending of abort
+    notices (with NIXL's progress thread off nothing else moves them).
+    Lifetimes: a peer lives from `add_peer` to `remove_peer`/`close`; a transfer's source blocks must
+    stay allocated and unmodified until the transfer is terminal. The caller must have finished
+    writing the source blocks (on CUDA: synchronized the prefill stream) before `start()`.
+    """
+
+    @property
+    @abstractmethod
+    def handshake_info(self) -> HandshakeInfo: ...
+
+    @abstractmethod
+    def add_peer(self, info: HandshakeInfo) -> str:
+        """Check compatibility (raises IncompatiblePeerError), connect, prepare the peer's descriptor
+        list once; return the peer name. Re-adding the same peer with the same metadata is a no-op."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer. Raises PeerBusyError while transfers to it are not terminal."""
+
+    @abstractmethod
+    def start(self, peer: str, plan: TransferPlan) -> KVTransfer:
+        """Post the WRITE of `plan` to `peer` and return its handle (already TRANSFERRING or terminal).
+        Raises InvalidTransferPlanError / UnknownPeerError / TransferSetupError before touching a block."""
+
+    @abstractmethod
+    def poll(self) -> list[KVTransfer]:
+        """Poll every in-flight transfer; return (and stop tracking) those that turned terminal.
+        Every started transfer is returned exactly once, also one already terminal inside start()."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Cancel in-flight transfers, wait (bounded) for NIXL to let go, remove every peer."""
+
+
+class KVReceiver(ABC):
+    """Decode side: exposes its blocks, detects a request's KV arrival by its notification.
+
+    Threading: not thread-safe; one thread polls. With NIXL's progress thread off (our default)
+    the receiver must be polled every few milliseconds for as long as any peer may connect or write —
+    even when no arrival is expected — or the peer's WRITE never completes.
+    Lifetimes: the blocks passed to `expect()` belong to the transfer until `release()` returns True or
+    the request appears in `poll_reclaimable()`. A WRITE may land in them at any time before the
+    request's notification (DONE or ABORTED) arrives, so an abort that lands while a WRITE is in flight
+    must wait for the transfer to finish before the blocks are reused.
+    """
+
+    @property
+    @abstractmethod
+    def handshake_info(self) -> HandshakeInfo: ...
+
+    @abstractmethod
+    def accept_peer(self, info: HandshakeInfo) -> str:
+        """Check a sender's compatibility (raises IncompatiblePeerError); return its name."""
+
+    @abstractmethod
+    def expect(self, request_id: str, block_ids: Sequence[int], deadline: float, attempt: int = 0) -> None:
+        """Register that `block_ids` will receive `request_id`'s KV before `deadline` (receiver clock).
+        Must precede asking the sender to write, and list the ids in the order the sender's plan lists
+        its `remote_block_ids` (checksums are per position). Give the receiver a later deadline than
+        the sender's, so that the sender's abort notice normally arrives first."""
+
+    @abstractmethod
+    def poll_arrivals(self) -> set[str]:
+        """Drain notifications; return the request ids whose KV arrived (and verified) since last call."""
+
+    @abstractmethod
+    def poll_failures(self) -> dict[str, TransferFailure]:
+        """Drain notifications; return requests that turned FAILED or TIMED_OUT since last call."""
+
+    @abstractmethod
+    def state(self, request_id: str) -> TransferState | None:
+        """State of an expected (not yet released) request, None if unknown."""
+
+    @abstractmethod
+    def release(self, request_id: str, *, sender_idle: bool = False) -> bool:
+        """Stop tracking `request_id`. True: its blocks may be reused now. False: a WRITE may still land
+        in them; they are quarantined until its notification arrives or the quarantine expires, and the
+        request then appears (once) in `poll_reclaimable()`. Pass `sender_idle=True` when the sender
+        reported (over RPC) that its transfer is terminal or never started: the blocks are then free at
+        once, also if already quarantined (which then ends without a `poll_reclaimable` report)."""
+
+    @abstractmethod
+    def poll_reclaimable(self) -> set[str]:
+        """Request ids whose quarantined blocks became safe to reuse since last call."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop tracking everything. Only safe once no peer can still write (see `release`)."""

@@ -1,0 +1,99 @@
+"""Typed errors of the platform services (gateway data layer, auth, rate limits, billing, launcher).
+
+Raised inside the services and chained (`raise ... from e`); the HTTP edge maps them to OpenAI error
+JSON (`http_status` + `code`), the CLI prints them. Nothing here imports a web framework.
+"""
+
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base of every error a Baton service raises on purpose."""
+
+    http_status: int = 500
+    code: str = "internal_error"
+
+
+class ConfigError(BatonError, ValueError):
+    """A setting is missing or invalid; the message names the setting and the valid choices."""
+
+    code = "config_error"
+
+
+class InfraStartError(BatonError):
+    """An embedded service (Postgres, Redis, Kafka broker) failed to start; carries its log tail."""
+
+    code = "infra_start_failed"
+
+
+class MigrationError(BatonError):
+    """The database schema could not be brought to the current version (or was edited after apply)."""
+
+    code = "migration_failed"
+
+
+class InvalidRequestError(BatonError, ValueError):
+    """A caller's input is malformed (bad date range, unknown group_by, unknown tier)."""
+
+    http_status = 400
+    code = "invalid_request_error"
+
+
+class NotFoundError(BatonError, LookupError):
+    """An organisation, user, key or conversation does not exist (or is soft-deleted)."""
+
+    http_status = 404
+    code = "not_found"
+
+
+class AuthenticationError(BatonError):
+    """The API key is missing, malformed, unknown or revoked. One class at the edge: don't leak which."""
+
+    http_status = 401
+    code = "invalid_api_key"
+
+
+class RevokedKeyError(AuthenticationError):
+    """The API key exists but was revoked (kept distinct for logs and metrics, same 401 outside)."""
+
+
+class RateLimitError(BatonError):
+    """A request or token bucket refused the request.
+
+    `bucket` names the refusing bucket ("key_rpm", "key_tpm", "org_rpm", "org_tpm");
+    `retry_after_s` is when the bucket will hold enough, or None when it never can (the request alone
+    is larger than the bucket's capacity).
+    """
+
+    http_status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, bucket: str, retry_after_s: float | None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+class BudgetExceededError(BatonError):
+    """The organisation's spend this calendar month (UTC) has reached its monthly budget."""
+
+    http_status = 429
+    code = "insufficient_quota"
+
+
+class BillingError(BatonError):
+    """A usage event is invalid or cannot be billed."""
+
+    code = "billing_error"
+
+
+class UsageBacklogFullError(BillingError):
+    """The usage producer holds too many undelivered events; the broker has been unreachable too long.
+
+    Raised instead of silently dropping a billable event: the caller decides (fail the request closed).
+    """
+
+    http_status = 503
+    code = "usage_backlog_full"

@@ -1,0 +1,126 @@
+"""`ConversationStore`: conversations and their messages, scoped to an organisation (and user).
+
+Every read and write takes the caller's org id, so one organisation can never see another's
+conversation even with a guessed id. Deletion is soft (`deleted_at`): a deleted conversation
+disappears from reads and refuses new messages, but its rows stay for audit and billing disputes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from psycopg import errors as pg_errors
+
+from services.common.errors import InvalidRequestError, NotFoundError
+from services.gateway.db.pool import Database, returned
+
+Role = Literal["system", "user", "assistant", "tool"]
+_CONV_COLUMNS = "id, org_id, user_id, title, created_at, updated_at"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: uuid.UUID
+    org_id: uuid.UUID
+    user_id: uuid.UUID | None
+    title: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: uuid.UUID
+    role: Role
+    content: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    created_at: datetime
+
+
+class ConversationStore:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def create(self, org_id: uuid.UUID, user_id: uuid.UUID | None, title: str = "") -> Conversation:
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                f"INSERT INTO conversations (org_id, user_id, title) VALUES (%s, %s, %s) "
+                f"RETURNING {_CONV_COLUMNS}", (org_id, user_id, title))
+            return Conversation(*returned(await cur.fetchone()))
+
+    async def get(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> Conversation:
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT {_CONV_COLUMNS} FROM conversations "
+                "WHERE id = %s AND org_id = %s AND deleted_at IS NULL", (conversation_id, org_id))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFoundError(f"conversation {conversation_id} not found")
+        return Conversation(*row)
+
+    async def list_live(self, org_id: uuid.UUID, user_id: uuid.UUID | None,
+                        limit: int = 50) -> list[Conversation]:
+        """Live conversations of the user (or the org's user-less ones), most recently active first."""
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT {_CONV_COLUMNS} FROM conversations WHERE org_id = %s "
+                "AND user_id IS NOT DISTINCT FROM %s AND deleted_at IS NULL "
+                "ORDER BY updated_at DESC LIMIT %s", (org_id, user_id, limit))
+            return [Conversation(*row) for row in await cur.fetchall()]
+
+    async def rename(self, org_id: uuid.UUID, conversation_id: uuid.UUID, title: str) -> Conversation:
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE conversations SET title = %s, updated_at = now() "
+                f"WHERE id = %s AND org_id = %s AND deleted_at IS NULL RETURNING {_CONV_COLUMNS}",
+                (title, conversation_id, org_id))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFoundError(f"conversation {conversation_id} not found")
+        return Conversation(*row)
+
+    async def soft_delete(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> None:
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE conversations SET deleted_at = now() "
+                "WHERE id = %s AND org_id = %s AND deleted_at IS NULL", (conversation_id, org_id))
+            if cur.rowcount == 0:
+                raise NotFoundError(f"conversation {conversation_id} not found")
+
+    async def append(self, org_id: uuid.UUID, conversation_id: uuid.UUID, role: Role, content: str, *,
+                     prompt_tokens: int | None = None, completion_tokens: int | None = None) -> Message:
+        """Add a message and bump the conversation's `updated_at`, in one transaction."""
+        try:
+            async with self._db.connection() as conn:
+                # Locks the live conversation row, so a concurrent soft delete can't slip in between.
+                cur = await conn.execute(
+                    "UPDATE conversations SET updated_at = now() "
+                    "WHERE id = %s AND org_id = %s AND deleted_at IS NULL", (conversation_id, org_id))
+                if cur.rowcount == 0:
+                    raise NotFoundError(f"conversation {conversation_id} not found")
+                cur = await conn.execute(
+                    "INSERT INTO messages (conversation_id, role, content, prompt_tokens, completion_tokens) "
+                    "VALUES (%s, %s, %s, %s, %s) RETURNING id, conversation_id, role, content, "
+                    "prompt_tokens, completion_tokens, created_at",
+                    (conversation_id, role, content, prompt_tokens, completion_tokens))
+                return Message(*returned(await cur.fetchone()))
+        except pg_errors.CheckViolation as e:
+            raise InvalidRequestError(f"invalid message: {e.diag.message_primary}") from e
+
+    async def messages(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> list[Message]:
+        """The conversation's messages in order (NotFound if it is deleted or another org's)."""
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                "SELECT m.id, m.conversation_id, m.role, m.content, m.prompt_tokens, m.completion_tokens, "
+                "m.created_at FROM messages m JOIN conversations c ON c.id = m.conversation_id "
+                "WHERE c.id = %s AND c.org_id = %s AND c.deleted_at IS NULL ORDER BY m.id",
+                (conversation_id, org_id))
+            rows = await cur.fetchall()
+        if not rows:
+            await self.get(org_id, conversation_id)  # raises NotFound for a missing/deleted conversation
+        return [Message(*row) for row in rows]

@@ -1,0 +1,130 @@
+"""`EmbeddedPostgres`: a private PostgreSQL 15 server on 127.0.0.1 for `baton serve` and the tests.
+
+PostgreSQL refuses to run as root, so when we are root both `initdb` and the server run as the
+`postgres` system account (created by Debian's package). Unlike `runuser -u postgres`, which stays in
+between as a parent, subprocess switches the uid itself, so the server is our direct child: it gets
+our signals and the parent-death signal (see process.py). The work directory is chmod 755 and owned by
+postgres so the server can create its socket there and traverse into its data directory.
+
+Not durable by default (`durable=False` turns off fsync and synchronous commit): this is a local dev
+and test server, and that makes initdb and commits several times faster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import InfraStartError
+from services.launcher.embedded import EmbeddedService
+from services.launcher.process import SupervisedProcess
+
+DEFAULT_BIN_DIR = Path("/usr/lib/postgresql/15/bin")
+_INSTALL_HINT = "run scripts/install-system-deps.sh (it does `apt-get install -y postgresql`)"
+
+
+@dataclass(frozen=True)
+class PostgresConfig:
+    bin_dir: Path = DEFAULT_BIN_DIR
+    port: int | None = None  # None: a free port
+    work_dir: Path | None = None  # None: a temp dir removed on close(); else reused across runs
+    database: str = "baton"
+    durable: bool = False
+    start_timeout_s: float = 30.0
+
+
+class EmbeddedPostgres(EmbeddedService):
+    name = "postgres"
+
+    def __init__(self, config: PostgresConfig | None = None) -> None:
+        self.config = config or PostgresConfig()
+        super().__init__(self.config.port, self.config.work_dir, self.config.start_timeout_s)
+        self._user = "postgres" if os.geteuid() == 0 else None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.work_dir / "data"
+
+    @property
+    def url(self) -> str:
+        return self.url_for(self.config.database)
+
+    def url_for(self, database: str) -> str:
+        """Address of another database on this server (tests create one per case)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def _binary(self, name: str) -> Path:
+        path = self.config.bin_dir / name
+        if not os.access(path, os.X_OK):
+            raise InfraStartError(f"PostgreSQL binary {path} not found; {_INSTALL_HINT}")
+        return path
+
+    def _prepare(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir.chmod(0o755)
+        if self._user is not None:
+            shutil.chown(self.work_dir, self._user, self._user)
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb()
+
+    def _initdb(self) -> None:
+        argv = [str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres",
+                "--auth=trust", "-E", "UTF8", "--no-locale", "--no-sync"]
+        result = subprocess.run(argv, cwd=self.work_dir, user=self._user, group=self._user,
+                                extra_groups=[] if self._user else None, env=_clean_env(),
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise InfraStartError(f"initdb failed (code {result.returncode}):\n"
+                                  f"{(result.stdout + result.stderr)[-3000:]}")
+
+    def _make_process(self, port: int) -> SupervisedProcess:
+        settings = {"listen_addresses": "127.0.0.1", "unix_socket_directories": str(self.work_dir),
+                    "max_connections": "200", "shared_buffers": "64MB"}
+        if not self.config.durable:
+            settings |= {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+        argv = [str(self._binary("postgres")), "-D", str(self.data_dir), "-p", str(port)]
+        for key, value in settings.items():
+            argv += ["-c", f"{key}={value}"]
+        # SIGINT is Postgres's "fast" shutdown: roll back open transactions and stop now;
+        # SIGTERM ("smart") would wait for every pooled client connection to go away.
+        return SupervisedProcess("postgres", argv, self.work_dir / "postgres.log", user=self._user,
+                                 env=_clean_env(), cwd=self.work_dir, stop_signal=signal.SIGINT)
+
+    def _probe(self) -> bool:
+        import psycopg
+
+        with psycopg.connect(self.url_for("postgres"), connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+    def _after_ready(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                  (self.config.database,)).fetchone()
+            if exists is None:
+                conn.execute(f'CREATE DATABASE "{self.config.database}"')
+
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """Create an empty database (or a copy of `template`) and return its URL."""
+        import psycopg
+        from psycopg import sql
+
+        query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            query = sql.SQL("{} TEMPLATE {}").format(query, sql.Identifier(template))
+        with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
+            conn.execute(query)
+        return self.url_for(name)
+
+
+def _clean_env() -> dict[str, str]:
+    # PG* variables of the caller (PGDATA, PGPORT, ...) must not redirect the embedded server.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env["LC_ALL"] = "C"
+    return env

@@ -1,0 +1,174 @@
+"""`SupervisedProcess`: one child process that dies with its parent and keeps a log to show on failure.
+
+Dying with the parent uses Linux's parent-death signal (`PR_SET_PDEATHSIG`, SIGKILL): if the Python
+process that started the child is killed, even by SIGKILL, the kernel kills the child, so no embedded
+Postgres/Redis/broker outlives a crashed test run or `baton serve`. Caveat from the kernel's rules:
+the signal fires when the *thread* that forked the child exits, so start children from a thread that
+lives as long as they should (the main thread, in practice). The setting is applied in the child after
+it has switched user (subprocess switches uid before calling `preexec_fn`), because a uid change
+clears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from services.common.errors import InfraStartError
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded in the parent: the child only makes the call
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the caller retries on a bind race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+class SupervisedProcess:
+    """A named child process with its stdout/stderr in `log_path`.
+
+    `stop()` sends `stop_signal` (the program's graceful shutdown), waits `stop_timeout_s`, then
+    SIGKILLs. `user` runs the child as that account (only meaningful when we are root).
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, user: str | None = None,
+                 env: dict[str, str] | None = None, cwd: Path | None = None,
+                 stop_signal: signal.Signals = signal.SIGTERM, stop_timeout_s: float = 10.0) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.user = user
+        self.env = env
+        self.cwd = cwd
+        self.stop_signal = stop_signal
+        self.stop_timeout_s = stop_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        assert self._proc is None or self._proc.poll() is not None, f"{self.name} already running"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            try:
+                self._proc = subprocess.Popen(
+                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=self.env, cwd=self.cwd, user=self.user, group=_group_of(self.user),
+                    extra_groups=[] if self.user else None,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop children in order
+                    preexec_fn=_die_with_parent(os.getpid()))
+            except OSError as e:
+                raise InfraStartError(f"{self.name}: cannot execute {self.argv[0]}: {e}") from e
+
+    def wait_ready(self, probe: Callable[[], bool], timeout_s: float) -> None:
+        """Poll `probe` until it returns True; on exit or timeout stop the child and raise with the log."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                code = self._proc.returncode if self._proc else None
+                raise InfraStartError(f"{self.name} exited during start-up (code {code}); "
+                                      f"log {self.log_path}:\n{self.log_tail()}")
+            with contextlib.suppress(Exception):  # any probe failure just means "not yet"
+                if probe():
+                    return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise InfraStartError(f"{self.name} not ready after {timeout_s:.0f}s; "
+                                      f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> int | None:
+        """Graceful stop, then SIGKILL after the timeout. Returns the exit code (None if never started)."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(self.stop_signal)
+            try:
+                proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def listens_on(self, port: int) -> bool:
+        """True if this child itself holds a listening TCP socket on `port`.
+
+        Readiness probes need this: a probe that merely connects would be answered by any other
+        server already on the port, and report a child that is about to die of EADDRINUSE as ready.
+        """
+        if not self.alive() or self.pid is None:
+            return False
+        inodes = _listening_inodes(port)
+        try:
+            fds = os.listdir(f"/proc/{self.pid}/fd")
+        except OSError:
+            return False
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{self.pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL now, no shutdown (tests of crash recovery)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes in LISTEN state on `port` (IPv4 and IPv6), from /proc/net."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f)  # header
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.add(inode)
+    return found
+
+
+def _group_of(user: str | None) -> int | None:
+    if user is None:
+        return None
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_gid
+    except KeyError as e:
+        raise InfraStartError(f"system user {user!r} does not exist") from e

@@ -1,0 +1,104 @@
+"""Embedded services: clear failures, same address across restarts, no orphans after a parent crash."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InfraStartError
+from services.common.settings import BatonSettings
+from services.launcher.infra import EmbeddedInfra, InfraConfig
+from services.launcher.postgres import EmbeddedPostgres, PostgresConfig
+from services.launcher.redis_server import EmbeddedRedis, RedisConfig
+from services.launcher.tansu import EmbeddedKafka
+
+REPO = Path(__file__).resolve().parents[3]
+
+_PARENT = """
+import sys, time
+from services.launcher.redis_server import EmbeddedRedis
+redis = EmbeddedRedis()
+redis.start()
+print(redis._process.pid, redis.work_dir, flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose (it is only waiting to be reaped by init).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_children_die_when_the_parent_is_sigkilled() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid, work_dir = parent.stdout.readline().split()
+    child_pid = int(pid)
+    assert _alive(child_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child_pid)
+    shutil.rmtree(work_dir)  # the killed parent could not clean up
+
+
+def test_start_failure_raises_with_the_log_tail(redis_server: EmbeddedRedis) -> None:
+    clash = EmbeddedRedis(RedisConfig(port=redis_server.port))  # a fixed port that is taken
+    with pytest.raises(InfraStartError, match="(?s)exited during start-up.*Address already in use"):
+        clash.start()
+    clash.close()
+
+
+def test_missing_postgres_binaries_name_the_install_step(tmp_path: Path) -> None:
+    server = EmbeddedPostgres(PostgresConfig(bin_dir=tmp_path, work_dir=tmp_path / "pg"))
+    with pytest.raises(InfraStartError, match="install-system-deps.sh"):
+        server.start()
+
+
+def test_broker_restart_keeps_its_address() -> None:
+    broker = EmbeddedKafka()
+    try:
+        broker.start()
+        before = broker.url
+        broker.stop()
+        assert not broker.alive()
+        broker.start()
+        assert broker.url == before and broker.alive()
+    finally:
+        broker.close()
+
+
+def test_postgres_serves_its_database(postgres: EmbeddedPostgres) -> None:
+    import psycopg
+
+    with psycopg.connect(postgres.url) as conn:
+        row = conn.execute("SELECT current_database(), current_setting('server_version_num')::int").fetchone()
+    assert row is not None and row[0] == "baton" and 150000 <= row[1] < 160000
+
+
+def test_infra_uses_given_urls_and_embeds_the_rest(postgres: EmbeddedPostgres) -> None:
+    import redis
+
+    settings = BatonSettings(database_url=postgres.url)  # as if BATON_DATABASE_URL were set
+    infra = EmbeddedInfra(InfraConfig.from_settings(settings))
+    endpoints = infra.start()
+    try:
+        assert infra.postgres is None and endpoints.database_url == postgres.url
+        assert redis.Redis.from_url(endpoints.redis_url).ping()
+        assert infra.kafka is not None and infra.kafka.alive()
+    finally:
+        infra.stop()
+    assert infra.redis is not None and not infra.redis.alive() and not infra.kafka.alive()

@@ -1,0 +1,504 @@
+"""Behaviour of the iteration-level batcher, driven by a fake runner that samples a fixed token.
+
+The fake runner also keeps a token-per-slot stand-in for the KV cache, so the randomized test checks
+that every chunk finds the right tokens already cached before its start position (prefix reuse,
+preemption and remote prefill included) and never writes into a block another table shares.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.batch import BatchPlan, SampledToken, ScheduledChunk, StepResult
+from engine.batcher import Batcher
+from engine.block_manager import BlockManager, KVEventKind, block_hashes
+from engine.config import BatcherConfig
+from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+TOKEN = 7  # what the fake runner samples
+
+
+def make(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 64, chunk: int = 16,
+         max_model_len: int = 64, caching: bool = True) -> Batcher:
+    bm = BlockManager(num_blocks, BS, caching)
+    return Batcher(BatcherConfig(max_num_seqs, budget, chunk), bm, max_model_len)
+
+
+def seq(rid: str, n: int, start: int = 100) -> Sequence:
+    return Sequence(request_id=rid, prompt_token_ids=list(range(start, start + n)), sampling=SamplingParams())
+
+
+def run(plan: BatchPlan, token: int = TOKEN) -> StepResult:
+    return StepResult({c.request_id: SampledToken(token) for c in plan.chunks if c.needs_sample})
+
+
+def step(b: Batcher) -> BatchPlan:
+    plan = b.schedule()
+    b.postprocess(plan, run(plan))
+    return plan
+
+
+def shape(plan: BatchPlan) -> list[tuple[str, int, int, bool]]:
+    return [(c.request_id, c.start_pos, c.num_tokens, c.needs_sample) for c in plan.chunks]
+
+
+def held(b: Batcher, request_id: str) -> Sequence:
+    """The batcher's sequence for a request that must still be there."""
+    s = b.get(request_id)
+    assert s is not None
+    return s
+
+
+def free_blocks(b: Batcher) -> int:
+    return b.block_manager.num_free_blocks
+
+
+# ---- chunked prefill and decode -------------------------------------------------------------------
+def test_prompt_is_prefilled_in_chunks_then_decoded_one_token_at_a_time() -> None:
+    b = make(chunk=4)
+    b.add(seq("a", 10))
+    assert [shape(step(b)) for _ in range(4)] == [
+        [("a", 0, 4, False)], [("a", 4, 4, False)], [("a", 8, 2, True)], [("a", 10, 1, True)]]
+    assert held(b, "a").output_token_ids == [TOKEN, TOKEN]
+
+
+def test_decode_chunk_carries_the_last_token_and_a_covering_block_table() -> None:
+    b = make()
+    b.add(seq("a", 8))
+    step(b)
+    (chunk,) = b.schedule().chunks
+    assert chunk.token_ids == (TOKEN,) and chunk.start_pos == 8
+    assert len(chunk.block_ids) * BS >= chunk.context_len
+
+
+def test_chunks_never_exceed_the_step_budget() -> None:
+    b = make(budget=8, max_num_seqs=4)
+    b.add(seq("a", 10))
+    b.add(seq("b", 10, start=300))
+    plans = [step(b) for _ in range(4)]
+    assert [shape(p) for p in plans[:3]] == [
+        [("a", 0, 8, False)],
+        [("a", 8, 2, True), ("b", 0, 6, False)],
+        [("a", 10, 1, True), ("b", 6, 4, True)],
+    ]
+    assert all(p.num_tokens <= 8 for p in plans)
+
+
+def test_decodes_are_scheduled_before_prefill_chunks() -> None:
+    b = make()
+    b.add(seq("a", 4))
+    step(b)
+    b.add(seq("b", 12, start=300))
+    b.add(seq("c", 12, start=500))
+    assert shape(b.schedule()) == [("a", 4, 1, True), ("b", 0, 12, True), ("c", 0, 12, True)]
+
+
+def test_postprocess_returns_only_sequences_that_sampled() -> None:
+    b = make(chunk=4)
+    b.add(seq("a", 6))
+    b.add(seq("b", 2, start=300))
+    plan = b.schedule()
+    got = b.postprocess(plan, run(plan))
+    assert [s.request_id for s in got] == ["b"]
+    assert held(b, "a").num_computed_tokens == 4 and held(b, "a").output_token_ids == []
+
+
+def test_max_num_seqs_caps_running_sequences() -> None:
+    b = make(max_num_seqs=2)
+    for rid in "abc":
+        b.add(seq(rid, 4))
+    assert [c.request_id for c in step(b).chunks] == ["a", "b"]
+    b.finish("a", FinishReason.STOP)
+    assert [c.request_id for c in step(b).chunks] == ["b", "c"]
+
+
+def test_admission_waits_until_blocks_for_all_tokens_plus_one_are_free() -> None:
+    b = make(num_blocks=8, max_model_len=32)
+    b.add(seq("a", 16))  # 17 slots: 5 blocks
+    b.add(seq("b", 12, start=300))  # 13 slots: 4 blocks, only 3 left
+    assert [c.request_id for c in step(b).chunks] == ["a"]
+    assert held(b, "b").status is SequenceStatus.WAITING and free_blocks(b) == 3
+    b.finish("a", FinishReason.STOP)
+    assert [c.request_id for c in step(b).chunks] == ["b"]
+
+
+def test_prefix_cache_hit_skips_computed_tokens_and_is_reported() -> None:
+    b = make()
+    b.add(seq("a", 10))
+    step(b)
+    b.add(seq("b", 10))
+    (chunk,) = [c for c in b.schedule().chunks if c.request_id == "b"]
+    assert (chunk.start_pos, chunk.num_tokens) == (8, 2)
+    assert held(b, "b").num_cached_tokens == 8
+
+
+# ---- preemption -----------------------------------------------------------------------------------
+def preempting_batcher() -> Batcher:
+    """Two sequences in 6 blocks that run out of room on a decode after a few steps."""
+    b = make(num_blocks=6, max_model_len=24)
+    b.add(seq("a", 7))
+    b.add(seq("b", 7, start=300))
+    return b
+
+
+def step_until_preemption(b: Batcher) -> BatchPlan:
+    for _ in range(20):
+        plan = step(b)
+        if plan.preempted:
+            return plan
+    raise AssertionError("no preemption")
+
+
+def test_decode_without_free_blocks_preempts_the_newest_sequence() -> None:
+    b = preempting_batcher()
+    plan = step_until_preemption(b)
+    victim = held(b, "b")
+    assert plan.preempted == ("b",) and [c.request_id for c in plan.chunks] == ["a"]
+    assert victim.status is SequenceStatus.PREEMPTED and victim.num_preemptions == 1
+    assert victim.block_ids == [] and victim.num_computed_tokens == 0
+    assert victim.output_token_ids and b.num_waiting == 1
+    assert free_blocks(b) + len(held(b, "a").block_ids) == 6
+
+
+def test_preempted_sequence_recomputes_prompt_and_outputs_then_decodes() -> None:
+    b = preempting_batcher()
+    step_until_preemption(b)
+    victim = held(b, "b")
+    outputs_before = list(victim.output_token_ids)
+    b.finish("a", FinishReason.STOP)
+    (resume,) = step(b).chunks
+    assert resume.start_pos > 0 and resume.start_pos % BS == 0  # its own blocks came back from the cache
+    assert resume.context_len == len(victim.prompt_token_ids) + len(outputs_before)
+    assert resume.needs_sample and victim.status is SequenceStatus.RUNNING
+    assert victim.output_token_ids == outputs_before + [TOKEN]
+    assert victim.num_cached_tokens == 0  # the first admission's count is what the caller sees
+
+
+def test_the_newest_sequence_preempts_itself_when_it_needs_a_block() -> None:
+    b = make(num_blocks=4, max_model_len=16)
+    b.add(seq("a", 5))
+    b.add(seq("b", 7, start=300))  # crosses a block boundary first, and is the newest
+    step(b)
+    step(b)
+    plan = step(b)
+    assert plan.preempted == ("b",) and [c.request_id for c in plan.chunks] == ["a"]
+    assert held(b, "b").status is SequenceStatus.PREEMPTED
+
+
+def test_preempted_sequences_finish_once_the_pool_frees_up() -> None:
+    b = make(num_blocks=4, max_model_len=16)
+    seqs = [seq("a", 7), seq("b", 7, start=300)]
+    for s in seqs:
+        b.add(s)
+    for _ in range(40):
+        plan = b.schedule()
+        for s in b.postprocess(plan, run(plan)):
+            if s.num_tokens >= b.max_num_tokens:  # the engine's length rule
+                b.finish(s.request_id, FinishReason.LENGTH)
+    assert all(s.is_finished and s.num_tokens == 16 for s in seqs)
+    assert sum(s.num_preemptions for s in seqs) > 0 and free_blocks(b) == 4
+
+
+def test_pool_smaller_than_the_context_window_caps_sequence_length() -> None:
+    b = make(num_blocks=3, max_model_len=16)
+    assert b.max_num_tokens == 12
+    with pytest.raises(InvalidRequestError):
+        b.add(seq("long", 12))
+    b.add(seq("fits", 11))
+    assert held(b, "fits").status is SequenceStatus.WAITING
+
+
+def test_preemptions_are_counted() -> None:
+    b = preempting_batcher()
+    step_until_preemption(b)
+    assert b.num_preemptions == 1
+
+
+# ---- aborts and finishing -------------------------------------------------------------------------
+def into_state(b: Batcher, state: str) -> str:
+    """Put request "x" into `state` (another request "y" helps reach the preempted state)."""
+    if state == "remote":
+        b.reserve_remote(seq("x", 9))
+        return "x"
+    if state == "preempted":
+        b.add(seq("y", 7, start=300))
+        b.add(seq("x", 7))
+        for _ in range(20):
+            if step(b).preempted:
+                break
+        return "x"
+    b.add(seq("x", 9))
+    steps = {"waiting": 0, "prefilling": 1, "decoding": 3}[state]
+    for _ in range(steps):
+        step(b)
+    return "x"
+
+
+STATES = {"waiting": SequenceStatus.WAITING, "prefilling": SequenceStatus.RUNNING,
+          "decoding": SequenceStatus.RUNNING, "preempted": SequenceStatus.PREEMPTED,
+          "remote": SequenceStatus.WAITING_FOR_REMOTE_KV}
+
+
+@pytest.mark.parametrize("state", list(STATES))
+def test_abort_in_any_state_frees_every_block(state: str) -> None:
+    b = make(num_blocks=6, max_model_len=24, chunk=4)
+    rid = into_state(b, state)
+    target = held(b, rid)
+    assert target.status is STATES[state]
+    assert b.abort(rid) is True
+    assert b.get(rid) is None and target.status is SequenceStatus.FINISHED
+    assert target.finish_reason is FinishReason.ABORT and target.block_ids == []
+    other = b.get("y")
+    if other is not None:
+        b.abort("y")
+    assert free_blocks(b) == 6 and b.num_unfinished == 0 and not b.has_work()
+    assert b.schedule().is_empty
+
+
+def test_abort_of_an_unknown_or_finished_request_returns_false() -> None:
+    b = make()
+    b.add(seq("a", 4))
+    assert b.abort("nope") is False
+    assert b.abort("a") is True and b.abort("a") is False
+
+
+def test_abort_between_schedule_and_postprocess_skips_the_sequence() -> None:
+    b = make()
+    b.add(seq("a", 4))
+    b.add(seq("b", 4, start=300))
+    plan = b.schedule()
+    b.abort("a")
+    assert [s.request_id for s in b.postprocess(plan, run(plan))] == ["b"]
+    assert free_blocks(b) == 32 - len(held(b, "b").block_ids)
+
+
+def test_finish_frees_blocks_and_records_the_reason() -> None:
+    b = make()
+    b.add(seq("a", 9))
+    step(b)
+    target = held(b, "a")
+    assert b.finish("a", FinishReason.LENGTH) is True
+    assert target.finish_reason is FinishReason.LENGTH and target.is_finished
+    assert free_blocks(b) == 32 and b.num_running == 0
+
+
+# ---- remote prefill (decode side of disaggregation) -----------------------------------------------
+def test_reserve_remote_holds_blocks_without_scheduling() -> None:
+    b = make()
+    block_ids, cached = b.reserve_remote(seq("r", 9))
+    assert len(block_ids) == 3 and cached == 0  # 9 prompt tokens + the first generated one
+    assert held(b, "r").status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert free_blocks(b) == 29 and b.num_unfinished == 1
+    assert not b.has_work() and b.schedule().is_empty
+
+
+def test_commit_remote_registers_the_prompt_and_joins_the_decode_batch() -> None:
+    b = make()
+    prompt = seq("r", 9)
+    block_ids, _ = b.reserve_remote(prompt)
+    b.block_manager.drain_events()
+    b.commit_remote("r", 42)
+    events = b.block_manager.drain_events()
+    assert [e.block_hash for e in events] == block_hashes(prompt.prompt_token_ids, BS)
+    assert all(e.kind is KVEventKind.STORED for e in events)
+    assert shape(b.schedule()) == [("r", 9, 1, True)]
+    assert prompt.output_token_ids == [42] and prompt.block_ids == block_ids
+
+
+def test_reserve_remote_reuses_the_local_prefix_cache() -> None:
+    b = make()
+    b.add(seq("a", 12))
+    step(b)
+    block_ids, cached = b.reserve_remote(seq("r", 10))
+    assert cached == 8 and block_ids[:2] == held(b, "a").block_ids[:2]
+
+
+def test_reserve_remote_without_blocks_changes_nothing() -> None:
+    b = make(num_blocks=4, max_model_len=16)
+    b.add(seq("a", 12))
+    step(b)
+    with pytest.raises(OutOfBlocksError):
+        b.reserve_remote(seq("r", 4, start=300))
+    assert b.get("r") is None and free_blocks(b) == 0
+
+
+def test_remote_reservations_count_toward_max_num_seqs() -> None:
+    b = make(max_num_seqs=2)
+    b.reserve_remote(seq("r1", 4))
+    b.reserve_remote(seq("r2", 4, start=300))
+    b.add(seq("a", 4, start=500))
+    assert b.schedule().is_empty and b.num_waiting == 1
+
+
+def test_commit_of_an_unknown_request_raises() -> None:
+    b = make()
+    b.reserve_remote(seq("r", 4))
+    b.abort("r")
+    with pytest.raises(KeyError):
+        b.commit_remote("r", 1)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt_len", [0, 64])
+def test_empty_or_too_long_prompts_are_refused(prompt_len: int) -> None:
+    b = make(max_model_len=64)
+    with pytest.raises(InvalidRequestError):
+        b.add(seq("a", prompt_len))
+    assert b.num_unfinished == 0
+
+
+def test_duplicate_request_ids_are_refused() -> None:
+    b = make()
+    b.add(seq("a", 4))
+    with pytest.raises(InvalidRequestError):
+        b.add(seq("a", 4))
+    with pytest.raises(InvalidRequestError):
+        b.reserve_remote(seq("a", 4))
+
+
+# ---- randomized property test ---------------------------------------------------------------------
+class FakeKVRunner:
+    """Samples random tokens and keeps the token id stored at each KV slot, checking every read."""
+
+    def __init__(self, bm: BlockManager, rng: random.Random) -> None:
+        self.bm, self.rng = bm, rng
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id whose K/V is there
+
+    def write(self, block_ids: tuple[int, ...] | list[int], start: int, tokens: list[int]) -> None:
+        for i, tok in enumerate(tokens):
+            block = block_ids[(start + i) // BS]
+            assert self.bm.ref_count(block) == 1, "a chunk wrote into a shared block"
+            self.slots[(block, (start + i) % BS)] = tok
+
+    def check(self, chunk: ScheduledChunk) -> None:
+        tokens = list(chunk.prompt_token_ids) + list(chunk.output_token_ids)
+        assert list(chunk.token_ids) == tokens[chunk.start_pos:chunk.context_len]
+        assert len(chunk.block_ids) * BS >= chunk.context_len
+        for pos in range(chunk.start_pos):
+            assert self.slots.get((chunk.block_ids[pos // BS], pos % BS)) == tokens[pos]
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        for c in plan.chunks:
+            self.check(c)
+            self.write(c.block_ids, c.start_pos, list(c.token_ids))
+        return StepResult({c.request_id: SampledToken(self.rng.randrange(1, 6))
+                           for c in plan.chunks if c.needs_sample})
+
+
+def check_accounting(b: Batcher, live: set[str]) -> None:
+    bm = b.block_manager
+    refs: dict[int, int] = {}
+    for rid in live:
+        for block in held(b, rid).block_ids:
+            refs[block] = refs.get(block, 0) + 1
+    assert all(bm.ref_count(block) == n for block, n in refs.items())
+    assert bm.num_free_blocks == bm.num_total_blocks - len(refs)
+
+
+def check_events(bm: BlockManager, registered: set[int]) -> None:
+    for event in bm.drain_events():
+        if event.kind is KVEventKind.STORED:
+            assert event.block_hash not in registered
+            registered.add(event.block_hash)
+        else:
+            registered.remove(event.block_hash)
+    assert len(registered) == bm.num_cached_blocks
+
+
+class RandomDriver:
+    """Random add / reserve / commit / abort / step / finish traffic against one small pool."""
+
+    def __init__(self, seed: int, max_model_len: int) -> None:
+        self.rng = random.Random(seed)
+        self.b = make(num_blocks=10, max_num_seqs=4, budget=12, chunk=5, max_model_len=max_model_len)
+        self.runner = FakeKVRunner(self.b.block_manager, self.rng)
+        self.live: set[str] = set()
+        self.remote: list[str] = []
+        self.registered: set[int] = set()
+        self.preemptions = 0
+        self.next_id = 0
+
+    def new_seq(self) -> Sequence:
+        self.next_id += 1
+        prefix = [1, 2, 3, 4, 5, 6, 7, 8][:self.rng.randrange(9)]  # shared prefixes exercise the cache
+        tail = [self.rng.randrange(1, 6) for _ in range(self.rng.randrange(1, 12))]
+        params = SamplingParams(max_tokens=self.rng.choice([1, 3, 8, 40]))
+        return Sequence(request_id=f"r{self.next_id}", prompt_token_ids=prefix + tail, sampling=params)
+
+    def reserve(self) -> None:
+        s = self.new_seq()
+        try:
+            block_ids, cached = self.b.reserve_remote(s)
+        except OutOfBlocksError:
+            return
+        self.runner.write(block_ids, cached, s.prompt_token_ids[cached:])  # the remote prefill's WRITE
+        self.live.add(s.request_id)
+        self.remote.append(s.request_id)
+
+    def commit(self) -> None:
+        rid = self.remote.pop(self.rng.randrange(len(self.remote)))
+        self.b.commit_remote(rid, self.rng.randrange(1, 6))
+
+    def abort(self, rid: str) -> None:
+        assert self.b.abort(rid)
+        self.live.discard(rid)
+        if rid in self.remote:
+            self.remote.remove(rid)
+
+    def step(self) -> None:
+        plan = self.b.schedule()
+        assert plan.num_tokens <= 12 and len(plan.chunks) <= 4
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
+        self.preemptions += len(plan.preempted)
+        result = self.runner.execute(plan)
+        if self.live and self.rng.random() < 0.1:  # an abort lands while the step runs
+            self.abort(self.rng.choice(sorted(self.live)))
+        for s in self.b.postprocess(plan, result):
+            if s.num_output_tokens >= s.sampling.max_tokens or s.num_tokens >= self.b.max_num_tokens:
+                self.b.finish(s.request_id, FinishReason.LENGTH)
+                self.live.discard(s.request_id)
+
+    def random_op(self) -> None:
+        r = self.rng.random()
+        if r < 0.25:
+            s = self.new_seq()
+            self.b.add(s)
+            self.live.add(s.request_id)
+        elif r < 0.35:
+            self.reserve()
+        elif r < 0.45 and self.remote:
+            self.commit()
+        elif r < 0.5 and self.live:
+            self.abort(self.rng.choice(sorted(self.live)))
+        else:
+            self.step()
+        check_accounting(self.b, self.live)
+        check_events(self.b.block_manager, self.registered)
+
+
+@pytest.mark.parametrize("max_model_len", [24, 64])  # 64: the 40-slot pool is the limit
+def test_random_traffic_keeps_block_accounting_and_returns_every_block(max_model_len: int) -> None:
+    preemptions = 0
+    for seed in range(40):
+        d = RandomDriver(seed, max_model_len)
+        for _ in range(150):
+            d.random_op()
+        while d.remote:
+            d.commit()
+        for _ in range(500):  # everything still queued runs to completion: no sequence is stuck
+            if not d.b.has_work():
+                break
+            d.step()
+            check_accounting(d.b, d.live)
+        assert d.b.num_unfinished == 0 and not d.live
+        assert d.b.block_manager.num_free_blocks == 10
+        assert all(d.b.block_manager.ref_count(i) == 0 for i in range(10))
+        check_events(d.b.block_manager, d.registered)
+        preemptions += d.preemptions
+    assert preemptions > 0  # the pool is small enough that the preemption path really ran

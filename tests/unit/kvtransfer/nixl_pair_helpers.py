@@ -1,0 +1,88 @@
+"""Helpers for the NIXL CPU tests: small KV pools, a manual clock, a polling driver and the
+decode-side child process of the two-process test (must be importable by a spawned child)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.base import KVLayoutInfo, KVTransfer, TransferFailure
+from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 32 KiB blocks
+LAYOUT = KVLayoutInfo.from_spec(SPEC, model_id="test-model")
+
+
+class ManualClock:
+    """Time passed in: deadlines move only when a test says so."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_agent(role: str, num_blocks: int, *, random_fill: bool, seed: int = 0) -> NixlAgent:
+    kv = SPEC.allocate(num_blocks, "cpu")
+    if random_fill:
+        kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return NixlAgent(NixlAgentConfig(name=f"{role}-{uuid.uuid4().hex[:8]}"), kv, LAYOUT)
+
+
+def drive(
+    sender: NixlKVSender,
+    receiver: NixlKVReceiver,
+    transfers: Iterable[KVTransfer],
+    timeout_s: float = 10.0,
+) -> tuple[set[str], dict[str, TransferFailure]]:
+    """Poll both sides from this one thread until every transfer is terminal and the receiver has
+    an outcome for each request (or the real-time timeout passes)."""
+    transfers = list(transfers)
+    wanted = {t.plan.request_id for t in transfers}
+    arrived: set[str] = set()
+    failures: dict[str, TransferFailure] = {}
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        sender.poll()
+        arrived |= receiver.poll_arrivals()
+        failures.update(receiver.poll_failures())
+        if all(t.state.is_terminal for t in transfers) and wanted <= arrived | failures.keys():
+            break
+    return arrived, failures
+
+
+def receiver_process(conn: Connection, num_blocks: int, requests: list[tuple[str, list[int]]]) -> None:
+    """Decode side of the two-process test: expose blocks, report arrivals and the landed bytes,
+    keep polling (the sender's WRITE needs it) until told to stop."""
+    agent = make_agent("decode", num_blocks, random_fill=False)
+    receiver = NixlKVReceiver(agent)
+    for request_id, block_ids in requests:
+        receiver.expect(request_id, block_ids, deadline=time.monotonic() + 30)
+    conn.send(receiver.handshake_info)
+    arrived: set[str] = set()
+    failures: dict[str, TransferFailure] = {}
+    give_up = time.monotonic() + 30
+    while len(arrived) + len(failures) < len(requests) and time.monotonic() < give_up:
+        arrived |= receiver.poll_arrivals()
+        failures.update(receiver.poll_failures())
+    landed = {rid: agent.kv_cache[ids].numpy().copy() for rid, ids in requests}
+    conn.send((arrived, failures, landed))
+    while not conn.poll(0.001):
+        receiver.poll_arrivals()
+    conn.recv()
+    receiver.close()
+    agent.close()
+
+
+def as_numpy(kv: torch.Tensor, ids: list[int]) -> np.ndarray:
+    return kv[ids].numpy()
