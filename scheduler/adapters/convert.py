@@ -1,0 +1,173 @@
+"""protobuf <-> scheduler.types: the only place the scheduler's messages meet its dataclasses.
+
+Every `*_from_proto` validates as it converts and raises `InvalidMessageError` naming the bad
+field, which the servicer turns into INVALID_ARGUMENT: a malformed heartbeat is refused whole,
+never half-applied. Block hashes travel as uint64; Python producers may hold them as signed
+64-bit ints, so the senders here reduce them modulo 2**64 (two's complement, a no-op for
+unsigned values) and every side that compares hashes sees the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+from scheduler.types import (
+    SLO,
+    DecisionKind,
+    DecodeSample,
+    KVEvent,
+    KVEventKind,
+    PrefillSample,
+    RequestSummary,
+    RouteDecision,
+    StepSample,
+    Tier,
+    WorkerRole,
+    WorkerSnapshot,
+)
+from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
+from services.rpc.gen.baton.v1 import worker_pb2
+
+_UINT64_MASK = (1 << 64) - 1
+
+_KIND_TO_PROTO = {
+    DecisionKind.ROUTE: pb.RouteResponse.KIND_ROUTE,
+    DecisionKind.QUEUE: pb.RouteResponse.KIND_QUEUE,
+    DecisionKind.DEGRADE: pb.RouteResponse.KIND_DEGRADE,
+    DecisionKind.REJECT: pb.RouteResponse.KIND_REJECT,
+}
+_KV_KINDS = {pb.KVEvent.KIND_STORED: KVEventKind.STORED, pb.KVEvent.KIND_EVICTED: KVEventKind.EVICTED}
+
+
+class InvalidMessageError(ValueError):
+    """A message that cannot become a valid scheduler type; the text names the field."""
+
+
+_E = TypeVar("_E", Tier, WorkerRole)
+
+
+def _enum_value(enum: type[_E], value: str, field: str) -> _E:
+    try:
+        return enum(value)
+    except ValueError:
+        valid = ", ".join(m.value for m in enum)
+        raise InvalidMessageError(f"{field}={value!r} is not one of: {valid}") from None
+
+
+def snapshot_from_status(
+    status: worker_pb2.WorkerStatus, address: str, now: float, running_context_tokens: int = 0
+) -> WorkerSnapshot:
+    """A heartbeat's status as a snapshot; `address` comes from the worker's registration."""
+    if not status.worker_id:
+        raise InvalidMessageError("status.worker_id is empty")
+    if not address:
+        raise InvalidMessageError(f"worker {status.worker_id}: address is empty")
+    try:
+        return WorkerSnapshot(
+            worker_id=status.worker_id,
+            role=_enum_value(WorkerRole, status.role, "status.role"),
+            model=status.model,
+            address=address,
+            queue_depth=status.queue_depth,
+            running_seqs=status.running_seqs,
+            free_blocks=status.free_blocks,
+            total_blocks=status.total_blocks,
+            block_size=status.block_size,
+            inflight_prefill_tokens=status.inflight_prefill_tokens,
+            heartbeat_at=now,  # WorkerStatus carries no send time; liveness uses receipt time anyway
+            running_context_tokens=running_context_tokens,
+        )
+    except InvalidMessageError:
+        raise
+    except ValueError as e:
+        raise InvalidMessageError(str(e)) from e
+
+
+def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
+    return worker_pb2.WorkerStatus(
+        worker_id=snapshot.worker_id,
+        role=snapshot.role.value,
+        model=snapshot.model,
+        queue_depth=snapshot.queue_depth,
+        running_seqs=snapshot.running_seqs,
+        free_blocks=snapshot.free_blocks,
+        total_blocks=snapshot.total_blocks,
+        block_size=snapshot.block_size,
+        inflight_prefill_tokens=snapshot.inflight_prefill_tokens,
+    )
+
+
+def sample_from_proto(sample: pb.StepSample) -> StepSample:
+    if sample.kind == pb.StepSample.KIND_PREFILL:
+        attention = sample.attention_tokens_sq if sample.HasField("attention_tokens_sq") else None
+        return PrefillSample(tokens=sample.tokens, seconds=sample.seconds, attention_tokens_sq=attention)
+    if sample.kind == pb.StepSample.KIND_DECODE:
+        return DecodeSample(batch_size=sample.tokens, context_tokens=sample.context_tokens, seconds=sample.seconds)
+    raise InvalidMessageError(f"step sample kind {sample.kind} is not KIND_PREFILL or KIND_DECODE")
+
+
+def kv_event_from_proto(event: pb.KVEvent) -> KVEvent:
+    kind = _KV_KINDS.get(event.kind)
+    if kind is None:
+        raise InvalidMessageError(f"KV event kind {event.kind} is not KIND_STORED or KIND_EVICTED")
+    return KVEvent(kind=kind, block_hash=event.block_hash)
+
+
+def summary_from_proto(request: pb.RouteRequest) -> RequestSummary:
+    if not request.request_id:
+        raise InvalidMessageError("request_id is empty")
+    try:
+        return RequestSummary(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            prefix_hashes=tuple(request.prefix_block_hashes),
+            tier=_enum_value(Tier, request.tier, "tier"),
+            slo=SLO(ttft_ms=request.slo.ttft_ms, tpot_ms=request.slo.tpot_ms),
+            max_tokens=request.max_tokens,
+            model=request.model,
+            conversation_id=request.conversation_id or None,
+        )
+    except InvalidMessageError:
+        raise
+    except ValueError as e:
+        raise InvalidMessageError(f"request {request.request_id}: {e}") from e
+
+
+def summary_to_proto(summary: RequestSummary) -> pb.RouteRequest:
+    return pb.RouteRequest(
+        request_id=summary.request_id,
+        num_prompt_tokens=summary.num_prompt_tokens,
+        prefix_block_hashes=[h & _UINT64_MASK for h in summary.prefix_hashes],
+        tier=summary.tier.value,
+        slo=pb.SLO(ttft_ms=summary.slo.ttft_ms, tpot_ms=summary.slo.tpot_ms),
+        max_tokens=summary.max_tokens,
+        conversation_id=summary.conversation_id or "",
+        model=summary.model,
+    )
+
+
+def response_from_decision(
+    decision: RouteDecision, workers: Mapping[str, WorkerSnapshot], asked_max_tokens: int
+) -> pb.RouteResponse:
+    """The decision with worker ids resolved to addresses (the gateway dials addresses)."""
+    response = pb.RouteResponse(
+        kind=_KIND_TO_PROTO[decision.kind],
+        reason=decision.reason,
+        cached_blocks=decision.cached_blocks,
+    )
+    if decision.retry_after_s is not None:
+        response.retry_after_s = decision.retry_after_s
+    if decision.predicted_ttft_ms is not None:
+        response.predicted_ttft_ms = decision.predicted_ttft_ms
+    if decision.predicted_tpot_ms is not None:
+        response.predicted_tpot_ms = decision.predicted_tpot_ms
+    if decision.decode_worker_id is not None:
+        response.decode_worker_id = decision.decode_worker_id
+        response.decode_worker = workers[decision.decode_worker_id].address
+    if decision.prefill_worker_id is not None:
+        response.prefill_worker_id = decision.prefill_worker_id
+        response.prefill_worker = workers[decision.prefill_worker_id].address
+    if decision.is_placed:
+        response.max_tokens = decision.max_tokens or asked_max_tokens
+    return response

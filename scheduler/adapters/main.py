@@ -1,0 +1,97 @@
+"""`baton scheduler` / `python -m scheduler.adapters`: the scheduler service's main.
+
+services/cli.py wires the subcommand with `register_scheduler_command(sub)`. Flags are this
+service's whole configuration (the Helm chart passes them as args); nothing below main reads the
+environment. SIGTERM and SIGINT drain the service (see server.py) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
+from scheduler.adapters.servicer import ServicerConfig
+from scheduler.core.policies import POLICY_NAMES
+
+log = logging.getLogger("scheduler.adapters")
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (gRPC and metrics)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT})")
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="goodput", help="routing policy")
+    parser.add_argument(
+        "--profile", default=None, metavar="FILE",
+        help="cost-model seed: a `baton profile` JSON, or {model: profile, '*': profile}",
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=ServicerConfig.heartbeat_interval_s)
+    parser.add_argument(
+        "--heartbeat-timeout-s", type=float, default=SchedulerServiceConfig.heartbeat_timeout_s,
+        help="a worker silent this long is dropped and never routed to",
+    )
+    parser.add_argument("--tick-interval-s", type=float, default=ServicerConfig.tick_interval_s)
+    parser.add_argument("--drain-grace-s", type=float, default=SchedulerServiceConfig.drain_grace_s)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def register_scheduler_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `scheduler` to a `baton` subparsers object; the handler returns the exit code."""
+    parser = subparsers.add_parser("scheduler", help="run the goodput-aware scheduler service (gRPC)")
+    add_scheduler_arguments(parser)
+    parser.set_defaults(func=run_scheduler)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerServiceConfig:
+    return SchedulerServiceConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        profile_path=args.profile,
+        metrics_port=args.metrics_port,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_grace_s=args.drain_grace_s,
+        servicer=ServicerConfig(heartbeat_interval_s=args.heartbeat_interval_s, tick_interval_s=args.tick_interval_s),
+    )
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level)
+    try:
+        config = config_from_args(args)
+        service = SchedulerService(config)  # loads the profile file: a bad one fails here, clearly
+    except ValueError as e:
+        print(f"baton scheduler: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(service))
+    except OSError as e:
+        print(f"baton scheduler: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(service: SchedulerService) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _on_signal, signum, stop)
+    await service.serve(stop)
+
+
+def _on_signal(signum: int, stop: asyncio.Event) -> None:
+    log.info("signal %d: draining", signum)
+    stop.set()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.adapters", description="Baton scheduler service")
+    add_scheduler_arguments(parser)
+    return run_scheduler(parser.parse_args(argv))

@@ -1,0 +1,152 @@
+"""The gateway's RouterClient: static routing, scheduler answers, queued waits, and falling back to
+its last view when the scheduler hangs. (Killing and restarting a real scheduler process is in
+tests/integration/scheduler.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from scheduler_harness import StartCluster, address
+
+from scheduler.types import SLO, RequestSummary, Tier
+from services.gateway.routing import (
+    RouteKind,
+    RouterClient,
+    RouterConfig,
+    RouteSource,
+    RoutingError,
+    StaticWorkers,
+)
+from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
+from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
+
+
+def summary(request_id: str, prompt: int = 64, ttft_ms: float = 2000) -> RequestSummary:
+    return RequestSummary(request_id, prompt, tuple(range(prompt // 16)), Tier.FREE, SLO(ttft_ms, 100), 32)
+
+
+async def test_static_routing_takes_decode_workers_in_turn() -> None:
+    client = RouterClient(None, static_workers=StaticWorkers(decode=("a:1", "b:1")))
+    decisions = [await client.route(summary(f"r{i}")) for i in range(4)]
+    assert [d.decode_address for d in decisions] == ["a:1", "b:1", "a:1", "b:1"]
+    assert {(d.kind, d.source, d.prefill_address, d.max_tokens) for d in decisions} == {
+        (RouteKind.ROUTE, RouteSource.STATIC, None, 32)
+    }
+    await client.close()
+
+
+async def test_static_routing_prefills_long_prompts_on_the_static_prefill_worker() -> None:
+    client = RouterClient(None, static_workers=StaticWorkers(decode=("d:1",), prefill=("p:1",)))
+    assert (await client.route(summary("long", prompt=1024))).prefill_address == "p:1"
+    assert (await client.route(summary("short", prompt=64))).prefill_address is None
+    await client.close()
+
+
+async def test_a_finished_request_frees_its_static_worker_for_the_next() -> None:
+    client = RouterClient(None, static_workers=StaticWorkers(decode=("a:1", "b:1")))
+    assert (await client.route(summary("r0"))).decode_address == "a:1"
+    assert (await client.route(summary("r1"))).decode_address == "b:1"
+    await client.finished("r0")
+    assert (await client.route(summary("r2"))).decode_address == "a:1"
+    await client.close()
+
+
+def test_a_client_needs_a_scheduler_or_static_workers() -> None:
+    with pytest.raises(ValueError, match="scheduler address, static workers"):
+        RouterClient(None)
+
+
+async def test_the_scheduler_answers_with_addresses_and_its_workers_become_the_view(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster("round_robin")
+    await cluster.register("a")
+    await cluster.register("b")
+    client = RouterClient(cluster.address)
+    decision = await client.route(summary("r0"))
+    assert (decision.source, decision.kind, decision.decode_address) == (
+        RouteSource.SCHEDULER, RouteKind.ROUTE, address("a"),
+    )
+    assert decision.predicted_ttft_ms is not None and decision.reason == "round_robin"
+    assert await client.refresh_view()
+    assert sorted(w.address for w in client.view.workers) == [address("a"), address("b")]
+    await client.close()
+
+
+async def test_a_queued_request_waits_past_the_call_timeout_for_its_placement(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster("goodput")
+    await cluster.register("w", free_blocks=0)
+    client = RouterClient(cluster.address, config=RouterConfig(call_timeout_s=0.2))
+    routing = asyncio.create_task(client.route(summary("r", prompt=512, ttft_ms=5000)))
+    await cluster.until(lambda: cluster.service.scheduler.queued == 1)
+    await asyncio.sleep(0.4)  # longer than the call timeout: the QUEUE message keeps it waiting
+    cluster.clock.advance(0.5)
+    await cluster.heartbeat("w", free_blocks=40)
+    decision = await routing
+    assert (decision.source, decision.kind, decision.decode_address) == (
+        RouteSource.SCHEDULER, RouteKind.ROUTE, address("w"),
+    )
+    assert client.scheduler_available
+    await client.close()
+
+
+async def test_a_duplicate_queued_request_is_a_routing_error_not_an_outage(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster("goodput")
+    await cluster.register("w", free_blocks=0)
+    client = RouterClient(cluster.address)
+    first = asyncio.create_task(client.route(summary("same", prompt=512, ttft_ms=5000)))
+    await cluster.until(lambda: cluster.service.scheduler.queued == 1)
+    with pytest.raises(RoutingError, match="already queued"):
+        await client.route(summary("same", prompt=512, ttft_ms=5000))
+    assert client.scheduler_available
+    first.cancel()
+    await cluster.until(lambda: cluster.service.scheduler.queued == 0)  # cancelling left the queue
+    await client.close()
+
+
+class _HungScheduler(pb_grpc.SchedulerServicer):
+    """Accepts connections and calls but never answers a Route: a stuck scheduler process."""
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> None:
+        await asyncio.sleep(30)
+
+
+@pytest.fixture
+async def hung_scheduler() -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(_HungScheduler(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+async def test_a_hung_scheduler_costs_one_call_timeout_then_the_last_view_routes(hung_scheduler: str) -> None:
+    static = StaticWorkers(decode=("a:1", "b:1"))
+    client = RouterClient(hung_scheduler, static_workers=static, config=RouterConfig(call_timeout_s=0.2))
+    started = time.monotonic()
+    first = await client.route(summary("r0"))
+    assert 0.15 < time.monotonic() - started < 1.0
+    assert (first.source, first.decode_address) == (RouteSource.LAST_VIEW, "a:1")
+    assert not client.scheduler_available
+    started = time.monotonic()
+    second = await client.route(summary("r1"))  # within the retry interval: no second timeout
+    assert time.monotonic() - started < 0.1
+    assert (second.source, second.decode_address) == (RouteSource.LAST_VIEW, "b:1")
+    await client.close()
+
+
+async def test_with_no_view_an_unreachable_scheduler_means_retry_later() -> None:
+    client = RouterClient("127.0.0.1:1")  # nothing listens on port 1
+    decision = await client.route(summary("r"))
+    assert (decision.kind, decision.source, decision.reason) == (
+        RouteKind.REJECT, RouteSource.LAST_VIEW, "no_live_worker_for_model",
+    )
+    assert decision.retry_after_s is not None
+    await client.close()

@@ -1,0 +1,89 @@
+"""protobuf <-> scheduler.types conversion, and the --profile file's two forms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scheduler_harness import status
+
+from scheduler.adapters.convert import (
+    InvalidMessageError,
+    response_from_decision,
+    sample_from_proto,
+    snapshot_from_status,
+    summary_from_proto,
+    summary_to_proto,
+)
+from scheduler.adapters.profiles import ProfileBook
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.types import SLO, DecisionKind, PrefillSample, RequestSummary, RouteDecision, Tier
+from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
+
+
+def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:
+    sent = sample_from_proto(pb.StepSample(kind=pb.StepSample.KIND_PREFILL, tokens=100, seconds=0.1,
+                                           attention_tokens_sq=30_000))
+    unset = sample_from_proto(pb.StepSample(kind=pb.StepSample.KIND_PREFILL, tokens=100, seconds=0.1))
+    assert sent == PrefillSample(tokens=100, seconds=0.1, attention_tokens_sq=30_000)
+    assert unset.attention_tokens_sq is None  # type: ignore[union-attr]
+
+
+def test_a_request_summary_survives_the_wire_with_signed_hashes_as_uint64() -> None:
+    summary = RequestSummary("r", 64, (-1, 7), Tier.PLUS, SLO(500, 50), 32, model="m", conversation_id="c")
+    back = summary_from_proto(summary_to_proto(summary))
+    assert back.prefix_hashes == (2**64 - 1, 7)
+    assert (back.tier, back.slo, back.model, back.conversation_id) == (Tier.PLUS, SLO(500, 50), "m", "c")
+
+
+def test_a_request_without_slo_is_invalid() -> None:
+    with pytest.raises(InvalidMessageError, match="SLO targets must be positive"):
+        summary_from_proto(pb.RouteRequest(request_id="r", num_prompt_tokens=8, tier="free", max_tokens=8))
+
+
+def test_an_unknown_role_names_the_valid_ones() -> None:
+    with pytest.raises(InvalidMessageError, match="prefill, decode, both"):
+        snapshot_from_status(status("w", role="encoder"), "w:1", now=0.0)
+
+
+def test_a_local_prefill_decision_has_no_prefill_address_and_the_asked_max_tokens() -> None:
+    workers = {"d": snapshot_from_status(status("d"), "d:1", now=0.0)}
+    decision = RouteDecision("r", DecisionKind.ROUTE, decode_worker_id="d", predicted_ttft_ms=12.0)
+    response = response_from_decision(decision, workers, asked_max_tokens=64)
+    assert (response.decode_worker, response.prefill_worker, response.max_tokens) == ("d:1", "", 64)
+    assert response.predicted_ttft_ms == 12.0 and not response.HasField("predicted_tpot_ms")
+
+
+def test_a_degraded_decision_carries_the_lower_cap() -> None:
+    workers = {"d": snapshot_from_status(status("d"), "d:1", now=0.0)}
+    decision = RouteDecision("r", DecisionKind.DEGRADE, decode_worker_id="d", max_tokens=16)
+    assert response_from_decision(decision, workers, asked_max_tokens=64).max_tokens == 16
+
+
+def test_a_reject_without_retry_hint_leaves_retry_after_unset() -> None:
+    decision = RouteDecision("r", DecisionKind.REJECT, reason="request_exceeds_worker_kv_capacity")
+    response = response_from_decision(decision, {}, asked_max_tokens=64)
+    assert response.kind == pb.RouteResponse.KIND_REJECT
+    assert not response.HasField("retry_after_s") and response.max_tokens == 0
+
+
+def test_a_bare_profile_seeds_every_model(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(WorkerProfile(decode_fixed_s=0.003).to_json())
+    book = ProfileBook.load(path)
+    assert book.for_model("anything") == WorkerProfile(decode_fixed_s=0.003)
+
+
+def test_per_model_profiles_fall_back_to_the_star_entry() -> None:
+    book = ProfileBook.from_data({"small": {"decode_fixed_s": 0.001}, "*": {"decode_fixed_s": 0.02}})
+    assert book.for_model("small").decode_fixed_s == 0.001  # type: ignore[union-attr]
+    assert book.for_model("other").decode_fixed_s == 0.02  # type: ignore[union-attr]
+    assert ProfileBook.from_data({"small": {}}).for_model("other") is None
+
+
+def test_a_profile_with_an_unknown_key_names_the_model_and_the_valid_keys(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"small": {"decode_fast_s": 1.0}}))
+    with pytest.raises(ValueError, match=r"model 'small'.*valid keys: decode_fixed_s"):
+        ProfileBook.load(path)

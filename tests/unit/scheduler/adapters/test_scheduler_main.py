@@ -1,0 +1,42 @@
+"""`baton scheduler` flags, as registered on a `baton`-style subparsers object."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from scheduler.adapters.main import config_from_args, register_scheduler_command, run_scheduler
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="baton")
+    register_scheduler_command(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["scheduler", *argv])
+
+
+def test_the_documented_flags_become_the_service_config() -> None:
+    args = _parse("--port", "6001", "--policy", "prefix_aware", "--metrics-port", "6002",
+                  "--heartbeat-timeout-s", "5")
+    config = config_from_args(args)
+    assert (config.port, config.policy, config.metrics_port, config.heartbeat_timeout_s) == (
+        6001, "prefix_aware", 6002, 5.0,
+    )
+    assert args.func is run_scheduler
+
+
+def test_an_unknown_policy_is_refused_with_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--policy", "fastest")
+    assert "goodput" in capsys.readouterr().err
+
+
+def test_a_heartbeat_timeout_shorter_than_two_intervals_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_scheduler(_parse("--heartbeat-interval-s", "1", "--heartbeat-timeout-s", "1.5")) == 2
+    assert "must exceed twice the heartbeat interval" in capsys.readouterr().err
+
+
+def test_an_unreadable_profile_fails_before_listening(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_scheduler(_parse("--port", "0", "--profile", str(tmp_path / "missing.json"))) == 2
+    assert "cannot read profile file" in capsys.readouterr().err
