@@ -19,11 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_chat(sub)
+    from loadtest.cli import register_bench_command
     from scheduler.adapters.main import register_scheduler_command
     from services.gateway.admin import register_admin_commands
 
     register_admin_commands(sub)
     register_scheduler_command(sub)
+    register_bench_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
