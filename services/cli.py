@@ -22,10 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.cli import register_bench_command
     from scheduler.adapters.main import register_scheduler_command
     from services.gateway.admin import register_admin_commands
+    from services.safety.main import register_safety_command
 
     register_admin_commands(sub)
     register_scheduler_command(sub)
     register_bench_command(sub)
+    register_safety_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

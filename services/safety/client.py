@@ -1,0 +1,175 @@
+"""`SafetyClient`: the gateway's handle on the safety service.
+
+    client = SafetyClient("safety:50071")
+    verdict = await client.check_input(org_id, prompt)          # before routing: no GPU work if refused
+    output = await client.open_output_filter(org_id, request_id)
+    for delta in deltas:
+        verdict = await output.feed(delta)                      # allowed=False: abort, free KV, send
+        ...                                                     # the partial text + content_filter
+    await output.feed("", final=True); await output.close()
+
+Outage behaviour (service down, slow beyond `timeout_s`, or erroring) is a configured fail mode per
+direction; the verdict then has tier "unavailable" so the caller can tell an outage from a content
+decision (answer a refused prompt with a retryable 503, not `content_filter`). Defaults, and why:
+
+* input: fail-CLOSED. A refused prompt has cost nothing (no routing, no GPU work) and the client may
+  retry; admitting unchecked prompts during an outage is exactly what an attacker would wait for.
+* output: fail-OPEN. The prompt already passed the (fail-closed) input check; the GPU work is spent;
+  halting every in-flight generation on a safety-service blip would turn a partial outage into a
+  total one. After its first failure a stream stops calling the service (`degraded`), so an outage
+  costs each stream one timeout, not one per token. Organisations that must never see unchecked
+  output set `output_fail_mode=FailMode.CLOSED`.
+
+`timeout_s` (default 250 ms) bounds each call; the service answers in well under a millisecond of
+work, so the timeout only ever fires on an outage. Every failure is counted in
+`baton_safety_client_failures_total{direction,fail_mode,reason}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+
+import grpc
+from prometheus_client import Counter
+
+from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
+from services.safety.categories import SafetyVerdict, Tier
+from services.safety.wire import verdict_from_pb
+
+log = logging.getLogger(__name__)
+
+CLIENT_FAILURES = Counter("baton_safety_client_failures", "Safety calls that failed and fell back to the fail mode",
+                          ["direction", "fail_mode", "reason"])
+
+
+class FailMode(StrEnum):
+    OPEN = "open"      # treat as allowed
+    CLOSED = "closed"  # treat as refused / halted
+
+
+@dataclass(frozen=True)
+class SafetyClientConfig:
+    timeout_s: float = 0.25
+    input_fail_mode: FailMode = FailMode.CLOSED
+    output_fail_mode: FailMode = FailMode.OPEN
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+def unavailable_verdict(mode: FailMode) -> SafetyVerdict:
+    return SafetyVerdict(allowed=mode is FailMode.OPEN, category=None, score=0.0, tier=Tier.UNAVAILABLE)
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code().name.lower()
+    return "timeout" if isinstance(error, TimeoutError) else type(error).__name__
+
+
+class OutputFilter:
+    """One generation's post-filter stream. Feed deltas in order, one at a time; then `close`."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, org_id: str, request_id: str,
+                 config: SafetyClientConfig) -> None:
+        self._call = call
+        self._first: safety_pb2.OutputChunk | None = safety_pb2.OutputChunk(org_id=org_id,
+                                                                             request_id=request_id)
+        self._config = config
+        self._halt: SafetyVerdict | None = None
+        self.degraded = False  # the service failed once: every later feed answers the fail mode
+
+    async def feed(self, delta: str, final: bool = False) -> SafetyVerdict:
+        """The verdict with `delta` appended; allowed=False: halt the generation now."""
+        if self._halt is not None:
+            return self._halt
+        mode = self._config.output_fail_mode
+        if self.degraded:
+            return self._remember(unavailable_verdict(mode))
+        chunk = safety_pb2.OutputChunk(delta=delta, final=final)
+        if self._first is not None:
+            chunk.MergeFrom(self._first)
+            self._first = None
+        try:
+            verdict = await asyncio.wait_for(self._exchange(chunk), self._config.timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
+            self._degrade(mode, _reason(e))
+            return self._remember(unavailable_verdict(mode))
+        return self._remember(verdict)
+
+    async def _exchange(self, chunk: safety_pb2.OutputChunk) -> SafetyVerdict:
+        await self._call.write(chunk)
+        response = await self._call.read()
+        if response is grpc.aio.EOF:
+            raise ConnectionError("the safety service ended the stream early")
+        return verdict_from_pb(response)
+
+    def _remember(self, verdict: SafetyVerdict) -> SafetyVerdict:
+        if not verdict.allowed:
+            self._halt = verdict
+        return verdict
+
+    def _degrade(self, mode: FailMode, reason: str) -> None:
+        self.degraded = True
+        self._call.cancel()
+        CLIENT_FAILURES.labels("output", mode.value, reason).inc()
+        log.warning("safety output filter unavailable (%s): failing %s for the rest of this stream", reason,
+                    mode.value)
+
+    async def close(self) -> None:
+        """End the stream: half-close and wait briefly for the server; cancel if it does not answer."""
+        if self._call.done():
+            return
+        try:
+            await asyncio.wait_for(self._finish(), self._config.timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            self._call.cancel()
+
+    async def _finish(self) -> None:
+        if self._halt is None:  # after a halt the server has already ended the stream
+            await self._call.done_writing()
+        while await self._call.read() is not grpc.aio.EOF:
+            pass
+
+
+class SafetyClient:
+    """One channel per process; safe to share across the gateway's requests (one event loop)."""
+
+    def __init__(self, address: str, config: SafetyClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or SafetyClientConfig()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: safety_pb2_grpc.SafetyStub | None = None
+
+    def _safety(self) -> safety_pb2_grpc.SafetyStub:
+        # Created on first use, inside the caller's event loop.
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+            self._stub = safety_pb2_grpc.SafetyStub(self._channel)
+        return self._stub
+
+    async def check_input(self, org_id: str, text: str, request_id: str = "") -> SafetyVerdict:
+        """The verdict on a prompt; allowed=False with tier "pattern"/"classifier": refuse it
+        (finish_reason `content_filter`); tier "unavailable": the service did not answer."""
+        request = safety_pb2.CheckInputRequest(org_id=org_id, text=text, request_id=request_id)
+        mode = self.config.input_fail_mode
+        try:
+            response = await self._safety().CheckInput(request, timeout=self.config.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            CLIENT_FAILURES.labels("input", mode.value, _reason(e)).inc()
+            log.warning("safety check_input unavailable (%s): failing %s", _reason(e), mode.value)
+            return unavailable_verdict(mode)
+        return verdict_from_pb(response)
+
+    async def open_output_filter(self, org_id: str, request_id: str) -> OutputFilter:
+        """A post-filter stream for one generation (opening it does not wait for the service)."""
+        return OutputFilter(self._safety().FilterOutput(), org_id, request_id, self.config)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None

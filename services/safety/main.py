@@ -1,0 +1,95 @@
+"""Entry points of the safety service: `baton safety ...` and `python -m services.safety ...`.
+
+This is the only place the safety service reads the environment (`BATON_SAFETY_*`, via
+pydantic-settings); command-line flags override it. SIGTERM/SIGINT drain gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.errors import BatonError
+from services.safety.server import SafetyServer, SafetyServerConfig
+
+log = logging.getLogger("services.safety")
+
+
+class SafetySettings(BaseSettings):
+    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`."""
+
+    model_config = SettingsConfigDict(env_prefix="BATON_SAFETY_", extra="ignore", frozen=True)
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=50071, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    policy_file: Path | None = None
+    grace_s: float = Field(default=5.0, ge=0)
+
+
+def add_safety_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0 or BATON_SAFETY_HOST)")
+    parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50071 or BATON_SAFETY_PORT)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
+    parser.add_argument("--policy", type=Path, default=None,
+                        help="policy file, JSON or YAML: a default policy + per-organisation overrides")
+    parser.add_argument("--grace-s", type=float, default=None, help="drain time on SIGTERM (default 5)")
+
+
+def register_safety_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add `baton safety --port P [--policy FILE]` to the `baton` console script."""
+    p = subparsers.add_parser("safety", help="run the safety service (input pre-filter, output post-filter)")
+    add_safety_arguments(p)
+    p.set_defaults(func=run_safety_command)
+
+
+def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetyServerConfig:
+    """Flags override the environment."""
+    return SafetyServerConfig(
+        host=settings.host if args.host is None else args.host,
+        port=settings.port if args.port is None else args.port,
+        metrics_port=settings.metrics_port if args.metrics_port is None else args.metrics_port,
+        policy_path=settings.policy_file if args.policy is None else args.policy,
+        grace_s=settings.grace_s if args.grace_s is None else args.grace_s,
+    )
+
+
+async def serve(config: SafetyServerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then drain."""
+    server = SafetyServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining for up to %.1f s", config.grace_s)
+    await server.stop()
+
+
+def run_safety_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from(args, SafetySettings())
+        asyncio.run(serve(config))
+    except (BatonError, ValidationError, OSError) as e:
+        log.error("cannot run the safety service: %s", e)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.safety", description="Baton safety service")
+    add_safety_arguments(parser)
+    return run_safety_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

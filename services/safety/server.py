@@ -1,0 +1,85 @@
+"""`SafetyServer`: builds the checker, serves `Safety` + gRPC health, exports metrics, drains on stop.
+
+Start-up trains the classifier from the committed training set (about a second, deterministic) before
+the port opens, so the service is never "up" without its learned tier; health reports SERVING only
+once the gRPC server has started. `stop` first flips health to NOT_SERVING (load balancers stop
+sending), then lets in-flight calls finish for `grace_s` before cancelling what is left. Open
+FilterOutput streams cancelled at that point are the gateway's to handle (its fail mode applies).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from services.rpc.gen.baton.v1 import safety_pb2_grpc
+from services.safety.checker import SafetyChecker
+from services.safety.classifier import TRAIN_PATH, LinearClassifier
+from services.safety.patterns import PatternTier
+from services.safety.policy import PolicyBook
+from services.safety.service import SafetyService
+from services.safety.stream_filter import StreamFilterConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "baton.v1.Safety"
+
+
+@dataclass(frozen=True)
+class SafetyServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50071           # 0: pick a free port (tests)
+    metrics_port: int | None = None
+    policy_path: Path | None = None  # None: the built-in default policy for every organisation
+    train_path: Path = TRAIN_PATH
+    grace_s: float = 5.0
+    stream: StreamFilterConfig = StreamFilterConfig()
+
+
+def build_checker(config: SafetyServerConfig) -> SafetyChecker:
+    """Load the policy file and train the classifier (raises ConfigError on a bad policy)."""
+    policies = PolicyBook.from_file(config.policy_path) if config.policy_path else PolicyBook()
+    return SafetyChecker(policies, PatternTier(), LinearClassifier.from_training_file(config.train_path))
+
+
+class SafetyServer:
+    def __init__(self, config: SafetyServerConfig, checker: SafetyChecker | None = None) -> None:
+        self.config = config
+        self._checker = checker or build_checker(config)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port."""
+        server = grpc.aio.server()
+        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            start_http_server(self.config.metrics_port)
+        log.info("safety service on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful drain: NOT_SERVING, then finish in-flight calls for up to `grace_s`."""
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self._server = None
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,75 @@
+"""`SafetyService`: the gRPC edge of the safety service (grpc.aio servicer).
+
+CheckInput is unary: one prompt, one verdict. FilterOutput is one bidirectional stream per
+generation: the gateway sends each detokenized delta and reads one verdict per delta, in order; the
+server ends the stream after a halting verdict. A stream holds only its sliding window (a few hundred
+characters), so thousands can be open at once.
+
+Texts are never logged, only request ids, categories and tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
+from services.safety.categories import Direction, SafetyVerdict
+from services.safety.checker import SafetyChecker
+from services.safety.metrics import ACTIVE_STREAMS, RPC_LATENCY, record_verdict
+from services.safety.stream_filter import OutputStreamFilter, StreamFilterConfig
+from services.safety.wire import verdict_to_pb
+
+log = logging.getLogger(__name__)
+
+_CHECK_LATENCY = RPC_LATENCY.labels("CheckInput")
+_CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
+
+
+class SafetyService(safety_pb2_grpc.SafetyServicer):
+    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None) -> None:
+        self._checker = checker
+        self._stream_config = stream_config or StreamFilterConfig()
+
+    async def CheckInput(self, request: safety_pb2.CheckInputRequest,
+                         context: grpc.aio.ServicerContext) -> safety_pb2.Verdict:
+        start = time.perf_counter()
+        verdict = self._checker.check(request.org_id, request.text, Direction.INPUT)
+        _CHECK_LATENCY.observe(time.perf_counter() - start)
+        record_verdict(Direction.INPUT, verdict.allowed, verdict.category, verdict.tier)
+        if verdict.category is not None:
+            log.info("input %s org=%s request=%s category=%s tier=%s score=%.2f",
+                     "flagged" if verdict.allowed else "refused", request.org_id, request.request_id,
+                     verdict.category, verdict.tier, verdict.score)
+        return verdict_to_pb(verdict)
+
+    async def FilterOutput(self, request_iterator: AsyncIterator[safety_pb2.OutputChunk],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[safety_pb2.Verdict]:
+        ACTIVE_STREAMS.inc()
+        stream: OutputStreamFilter | None = None
+        last: SafetyVerdict | None = None
+        org_id = request_id = ""
+        try:
+            async for chunk in request_iterator:
+                start = time.perf_counter()
+                if stream is None:
+                    org_id, request_id = chunk.org_id, chunk.request_id
+                    stream = OutputStreamFilter(self._checker, self._checker.policies.for_org(org_id),
+                                                self._stream_config)
+                last = stream.feed(chunk.delta, chunk.final)
+                _CHUNK_LATENCY.observe(time.perf_counter() - start)
+                if last.category is not None:
+                    record_verdict(Direction.OUTPUT, last.allowed, last.category, last.tier)
+                    log.info("output %s org=%s request=%s category=%s tier=%s score=%.2f",
+                             "flagged" if last.allowed else "halted", org_id, request_id, last.category,
+                             last.tier, last.score)
+                yield verdict_to_pb(last)
+                if not last.allowed:
+                    return
+        finally:
+            ACTIVE_STREAMS.dec()
+            if last is not None and last.allowed and stream is not None and not stream.flagged:
+                record_verdict(Direction.OUTPUT, True, None, last.tier)

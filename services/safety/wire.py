@@ -1,0 +1,23 @@
+"""Protobuf <-> dataclass conversion for the Safety service (the only place the stubs meet the domain)."""
+
+from __future__ import annotations
+
+from services.rpc.gen.baton.v1 import safety_pb2
+from services.safety.categories import SafetyVerdict, Tier
+
+_TIER_TO_PB = {
+    Tier.NONE: safety_pb2.SAFETY_TIER_NONE,
+    Tier.PATTERN: safety_pb2.SAFETY_TIER_PATTERN,
+    Tier.CLASSIFIER: safety_pb2.SAFETY_TIER_CLASSIFIER,
+}
+_PB_TO_TIER = {v: k for k, v in _TIER_TO_PB.items()}
+
+
+def verdict_to_pb(verdict: SafetyVerdict) -> safety_pb2.Verdict:
+    return safety_pb2.Verdict(allowed=verdict.allowed, category=verdict.category or "", score=verdict.score,
+                              tier=_TIER_TO_PB[Tier(verdict.tier)])
+
+
+def verdict_from_pb(pb: safety_pb2.Verdict) -> SafetyVerdict:
+    return SafetyVerdict(allowed=pb.allowed, category=pb.category or None, score=pb.score,
+                         tier=_PB_TO_TIER.get(pb.tier, Tier.NONE))
