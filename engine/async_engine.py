@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sequence import SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, idle_sleep_s: float = 0.002) -> None:
+    def __init__(self, engine: LLMEngine, *, idle_sleep_s: float = 0.002,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        """`on_step` runs on the engine thread after every step that ran something: keep it cheap."""
         self.engine = engine
+        self._on_step = on_step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -50,11 +54,16 @@ class AsyncEngine:
 
     # ---- public API (event loop side) -----------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; raises the engine's typed error for bad input."""
+                       request_id: str | None = None, *,
+                       hold_for_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; raises the engine's typed error for bad input.
+
+        `hold_for_s`: prefill only, see `LLMEngine.add_request`.
+        """
         rid = request_id or f"req-{next(self._ids)}"
         stream = self._open(rid)
-        await self.call(lambda: self.engine.add_request(rid, prompt_token_ids, params), rid_on_error=rid)
+        await self.call(lambda: self.engine.add_request(rid, prompt_token_ids, params, hold_for_s=hold_for_s),
+                        rid_on_error=rid)
         async for out in self._drain(rid, stream):
             yield out
 
@@ -88,6 +97,7 @@ class AsyncEngine:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout_s)
+        self.engine.shutdown()
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _open(self, rid: str) -> _Stream:
@@ -108,7 +118,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(lambda: self._abort_now(rid, notify=False))
+                self._commands.put(lambda: None if self._abort_now(rid, notify=False) else None)
                 self._wakeup.set()
 
     def _abort_now(self, rid: str, notify: bool = True) -> bool:
@@ -122,6 +132,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._apply_commands()
+            self.engine.release_expired_holds()
             if not self.engine.has_unfinished():
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
@@ -139,8 +150,12 @@ class AsyncEngine:
     def _step_once(self) -> None:
         start = time.perf_counter()
         outputs = self.engine.step()
+        stats = self.engine.last_step
+        if self._on_step is not None and stats is not None:
+            self._on_step(stats)
         if not outputs:
-            time.sleep(self._idle_sleep_s)  # nothing runnable (e.g. waiting for remote KV)
+            if not self.engine.batcher.has_work():
+                time.sleep(self._idle_sleep_s)  # nothing runnable (e.g. waiting for remote KV)
             return
         self.step_times.append((len(outputs), time.perf_counter() - start))
         del self.step_times[:-256]
@@ -165,8 +180,13 @@ class AsyncEngine:
             cmd()
 
     def _fail_all(self, error: Exception) -> None:
+        """A step crashed: fail every stream. Requests waiting for remote KV are left to their owner,
+        which aborts them once no WRITE can land in their blocks (freeing them here could hand blocks
+        to a new request while a prefill worker still writes into them)."""
         for rid in list(self._streams):
-            self.engine.abort(rid)
+            seq = self.engine.batcher.get(rid)
+            if seq is None or seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
+                self.engine.abort(rid)
             stream = self._streams.pop(rid)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 

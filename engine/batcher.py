@@ -151,6 +151,18 @@ class Batcher:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         return True
 
+    def detach(self, request_id: str) -> list[int]:
+        """Finish a sequence but hand its block table to the caller instead of freeing it.
+
+        For a prefill worker that must keep a prompt's KV alive while NIXL reads it: the caller now
+        owns one reference to each returned block and must `block_manager.free` them exactly once.
+        Raises KeyError when `request_id` is unknown.
+        """
+        seq = self._seqs[request_id]
+        block_ids, seq.block_ids = seq.block_ids, []  # finish() then frees nothing
+        self.finish(request_id, FinishReason.LENGTH)
+        return block_ids
+
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan:
         """Plan the next step (see the module docstring for the order and the limits)."""

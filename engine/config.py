@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+DISTRIBUTED_BACKENDS = ("nccl", "gloo")
+# Decode batch sizes captured as CUDA graphs (vLLM-like ladder); a decode batch runs the smallest
+# captured size that holds it, so each size up to 128 wastes at most a third of its rows on padding.
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,36 @@ class BatcherConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside one worker: one process per GPU of the node, rank 0 drives.
+
+    Ranks meet over TCP at `master_addr:master_port` (None: rank 0 picks a free port). The model's
+    collectives use `distributed_backend` (None: NCCL on CUDA, gloo on CPU); control messages (the
+    step's plan) always go over gloo, so they never queue behind GPU work.
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_backend: str | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    timeout_s: float = 600.0  # a rank that dies mid-collective fails the others after this long
+    # NVLink multicast (NVLS) stays off unless asked for: on shared hosts it has put every GPU of the
+    # node out of service, and TP all-reduces of decode-sized messages gain little from it.
+    allow_nvls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_backend not in (None, *DISTRIBUTED_BACKENDS):
+            raise ConfigError(f"unknown distributed_backend {self.distributed_backend!r}; valid: None (auto), "
+                              f"{', '.join(DISTRIBUTED_BACKENDS)}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str  # HF safetensors dir, .gguf file, or a config.json dir with load_format="dummy"
     dtype: str = "float32"
@@ -175,6 +209,11 @@ class EngineConfig:
     cache_dir: str | None = None  # where the default model is prepared (None: ~/.cache/baton)
     cache: CacheConfig = field(default_factory=CacheConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # CUDA graphs replay decode-only steps (triton backend on CUDA only: the torch reference syncs
+    # and allocates per step, so it cannot be captured). True runs every step eagerly.
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -185,3 +224,9 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"unknown load_format {self.load_format!r}; valid: auto, safetensors, gguf, dummy")
+        sizes = self.cuda_graph_batch_sizes
+        if any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ConfigError(f"cuda_graph_batch_sizes must be positive, strictly increasing; got {sizes}")
+        if self.parallel.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"with tensor parallelism device must be 'cpu' or 'cuda' (rank r takes cuda:r), "
+                              f"got {self.device!r}")

@@ -4,22 +4,32 @@ One step is three calls (nano-vllm's shape): the batcher plans, the model runner
 records the sampled tokens; then this class decides which requests finished (EOS, stop ids, stop
 strings, max_tokens, context window) and turns the step into per-request output deltas.
 Not thread-safe: `AsyncEngine` drives it from one thread.
+
+Held requests (prefill side of disaggregation): `add_request(..., hold_for_s=T)` prefills the prompt,
+samples the first token, finishes the request (one output, like max_tokens=1) but keeps its blocks
+under a lease of T seconds so a KV transfer can read them. `release_held` frees them; so does
+`release_expired_holds` once the lease runs out. Dangerous window: a NIXL WRITE may still be reading
+held blocks, so the owner must release only once its transfer is terminal and must pick a lease
+longer than the transfer's deadline (an expiry under a live WRITE would let a new prefill overwrite
+the source mid-copy; it is logged as an error).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batch import SampledToken
+from engine.batch import BatchPlan, SampledToken, TokenLogprobs
 from engine.batcher import Batcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
 from engine.outputs import FinishReason, RequestOutput
+from engine.parallel.launcher import create_model_runner
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -34,31 +44,78 @@ class _Tracked:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     stop_ids: frozenset[int]
+    hold_for_s: float | None = None  # stop after the first token and hold the blocks this long
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """A finished prefill's block table kept alive for a KV transfer (see the module docstring)."""
+
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens this engine's own prefix cache served
+    expires_at: float  # on the engine's clock
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step ran (for step-time samples and metrics)."""
+
+    prefill_tokens: int  # tokens of prefill chunks
+    attention_tokens_sq: int  # sum over prefill chunks of new * (new + 2 * cached)
+    decode_seqs: int  # sequences that decoded one token
+    decode_context_tokens: int  # their total context after the step
+    seconds: float
+
+    @classmethod
+    def of(cls, plan: BatchPlan, seconds: float) -> StepStats:
+        prefill = attention = decodes = context = 0
+        for c in plan.chunks:
+            if c.num_tokens == 1 and c.start_pos >= len(c.prompt_token_ids):
+                decodes += 1
+                context += c.context_len
+            else:
+                prefill += c.num_tokens
+                attention += c.num_tokens * (c.num_tokens + 2 * c.start_pos)
+        return cls(prefill, attention, decodes, context, seconds)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         loaded = load_model(config.model, config.load_format, config.dtype, config.device,
                             seed=config.seed, cache_dir=config.cache_dir)
         self.model_config: ModelConfig = loaded.model_config
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.runner = ModelRunner(config, self.model_config, loaded.weights)
+        self.runner = create_model_runner(config, self.model_config, loaded.weights)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len)
         self._requests: dict[str, _Tracked] = {}
+        self._held: dict[str, HeldBlocks] = {}
+        self.last_step: StepStats | None = None  # what the latest step ran; None if it ran nothing
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, hold_for_s: float | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input.
+
+        `hold_for_s`: prefill only (see the module docstring): one output with the first token, then
+        the blocks stay held under `request_id` until `release_held` or the lease expires.
+        """
+        if hold_for_s is not None and not hold_for_s > 0:
+            raise InvalidRequestError(f"hold_for_s must be > 0, got {hold_for_s}")
+        if request_id in self._held:
+            raise InvalidRequestError(f"duplicate request id {request_id!r} (its blocks are still held)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self._requests[request_id].hold_for_s = hold_for_s
         try:
             self.batcher.add(seq)
         except Exception:
@@ -79,17 +136,47 @@ class LLMEngine:
             self._requests.pop(request_id, None)
             raise
 
-    def commit_remote(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
+    def commit_remote(self, request_id: str, first_token_id: int,
+                      first_logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
         """The remote prefill's KV has landed: the sequence joins the decode batch with its first token."""
         self.batcher.commit_remote(request_id, first_token_id)
         tracked = self._requests[request_id]
-        return [self._emit(tracked, [SampledToken(first_token_id)])]
+        return [self._emit(tracked, [SampledToken(first_token_id, first_logprobs)])]
 
     def abort(self, request_id: str) -> bool:
-        """Abort at any state; every block of the request is released. Returns whether it existed."""
+        """Abort at any state; every block of the request is released. Returns whether it existed.
+
+        A request already finished into a hold is not touched: its blocks may be under a live WRITE,
+        so only `release_held` (after the transfer is terminal) or the lease frees them.
+        """
         tracked = self._requests.pop(request_id, None)
         existed = self.batcher.abort(request_id)
         return existed or tracked is not None
+
+    # ---- held blocks (prefill side) -------------------------------------------------------------
+    def held_blocks(self, request_id: str) -> HeldBlocks | None:
+        return self._held.get(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held request's blocks (its transfer is terminal). Returns whether it was held."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self.block_manager.free(held.block_ids)
+        return True
+
+    def release_expired_holds(self) -> list[str]:
+        """Free holds whose lease ran out; returns their ids (each one is an owner's bug or crash)."""
+        now = self._clock()
+        expired = [rid for rid, held in self._held.items() if held.expires_at <= now]
+        for rid in expired:
+            log.error("lease of held blocks of %s expired; releasing them", rid)
+            self.release_held(rid)
+        return expired
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(h.block_ids) for h in self._held.values())
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -127,10 +214,13 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.last_step = None
         plan = self.batcher.schedule()
         if plan.is_empty:
             return []
+        start = time.perf_counter()
         result = self.runner.execute(plan)
+        self.last_step = StepStats.of(plan, time.perf_counter() - start)
         self.batcher.postprocess(plan, result)
         outputs = []
         for request_id, sampled in result.sampled.items():
@@ -144,7 +234,10 @@ class LLMEngine:
         token = sampled[-1].token_id
         text = tracked.detok.add(token) if tracked.detok is not None else ""
         reason = self._finish_reason(tracked, token)
-        if reason is not None:
+        if tracked.hold_for_s is not None:
+            self._hold(tracked)
+            reason = reason or FinishReason.LENGTH
+        elif reason is not None:
             if tracked.detok is not None and not tracked.detok.stopped:
                 text += tracked.detok.flush()
             self.batcher.finish(seq.request_id, reason)
@@ -160,6 +253,15 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
+    def _hold(self, tracked: _Tracked) -> None:
+        """Finish a prefill-only request, keeping its blocks under a lease."""
+        seq = tracked.seq
+        assert tracked.hold_for_s is not None
+        block_ids = self.batcher.detach(seq.request_id)
+        del self._requests[seq.request_id]
+        self._held[seq.request_id] = HeldBlocks(tuple(block_ids), seq.num_prompt_tokens,
+                                                seq.num_cached_tokens, self._clock() + tracked.hold_for_s)
+
     def _finish_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
         seq = tracked.seq
         if token in tracked.stop_ids:
@@ -171,6 +273,12 @@ class LLMEngine:
         if seq.num_tokens >= self.batcher.max_num_tokens:  # context window (or the whole KV pool)
             return FinishReason.LENGTH
         return None
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel follower processes, if any (a single-process runner has none)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- conveniences ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -1,15 +1,25 @@
 """The only engine component that owns the device: weights, the KV cache, input tensors, sampling.
 
-`execute(plan)` is a pure function of the plan and the KV cache: it builds one flattened varlen batch
-(prefill chunks and decode tokens together), runs the model once, and samples one token for every
-chunk that reaches the end of its known tokens.
+`execute(plan)` is a pure function of the plan and the KV cache. A decode-only step (one token per
+sequence) no larger than the largest captured batch replays a CUDA graph over persistent input
+buffers (`engine/cuda_graphs.py`); every other step (prefill chunks, mixed batches, CPU, the torch
+backend, `enforce_eager`) builds one flattened varlen batch and runs the model eagerly. Either way
+one token is sampled for every chunk that reaches the end of its known tokens.
+
+Host syncs: inputs go host->device through pinned memory with non-blocking copies; the one wait of
+a step is reading the sampled token ids back.
+
+Tensor parallelism: every rank runs `execute` on the same plan (the launcher broadcasts it). The
+logits are all-gathered, so every rank holds them whole, but only rank 0 samples: the tokens matter
+only to rank 0's batcher, and they reach the other ranks inside the next plan. Followers return an
+empty `StepResult`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +27,11 @@ import torch
 from engine.attention.base import AttentionMetadata, get_attention_backend
 from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+from engine.input_buffers import DecodeInputBuffers
 from engine.kv_cache import KVCacheSpec
 from engine.models import get_model_class
+from engine.parallel.group import TensorParallel, local_kv_heads
 from engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -26,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Device tensors of one step."""
+    """Device tensors of one eager step."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -36,16 +49,20 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                 weights: Iterable[tuple[str, torch.Tensor]], tp: TensorParallel | None = None) -> None:
+        """`tp`: this process's tensor-parallel rank (from the launcher); None runs on `config.device`."""
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.tp = tp or TensorParallel(device=torch.device(config.device))
+        self.device = self.tp.device
         self.dtype = getattr(torch, config.dtype)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
         self.backend = get_attention_backend(config.attention_backend)
         self.model = self._build_model(weights)
         self.kv_spec = KVCacheSpec(
             num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
+            num_kv_heads=local_kv_heads(model_config.num_kv_heads, self.tp.size),  # this rank's heads
             head_dim=model_config.head_dim,
             block_size=config.cache.block_size,
             dtype=config.dtype,
@@ -53,30 +70,74 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self.kv_spec.num_blocks_for(config.cache.memory_bytes)
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        self._pin = self.device.type == "cuda"
+        self.graphs = self._build_graphs()
 
     def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
         start = time.perf_counter()
         cls = get_model_class(self.model_config.architecture)
         with torch.device(self.device):
-            model = cls(self.model_config, self.backend).to(self.dtype)
+            model = cls(self.model_config, self.backend, self.tp).to(self.dtype)
         model.load_weights(weights)
         model.eval()
-        log.info("model %s loaded in %.2fs", self.model_config.architecture, time.perf_counter() - start)
+        log.info("model %s loaded in %.2fs (tp rank %d/%d)", self.model_config.architecture,
+                 time.perf_counter() - start, self.tp.rank, self.tp.size)
         return model
+
+    def _build_graphs(self) -> DecodeGraphRunner | None:
+        """Capture decode graphs, or None where steps run eagerly (see the module docstring)."""
+        cfg = self.config
+        if cfg.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
+            return None
+        if self.tp.size > 1:
+            # Capturing NCCL collectives hung on 2xH200 (2026-11-26, torch 2.11): TP decode runs eagerly
+            # until that is understood; TP=1 graphs are tested on the GPU.
+            return None
+        sizes = capture_sizes(cfg.cuda_graph_batch_sizes, cfg.batcher.max_num_seqs)
+        if not sizes:
+            return None
+        block_size = self.kv_spec.block_size
+        max_blocks = min(-(-self.max_model_len // block_size), self.num_blocks)
+        buffers = DecodeInputBuffers(max(sizes), max_blocks, block_size, self.device)
+        mode = "thread_local" if self.tp.size > 1 else "global"
+        graphs = DecodeGraphRunner(self._decode_logits, buffers, sizes, self.max_model_len, mode)
+        graphs.capture()
+        return graphs
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The captured function: forward pass plus LM head for every row."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
-        inputs = self.prepare_inputs(plan.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        sampling_chunks = [c for c in plan.chunks if c.needs_sample]
-        if not sampling_chunks:
+        if plan.is_empty:
             return StepResult(sampled={})
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        if self.graphs is not None and self.graphs.can_run(plan.chunks):
+            logits = self._sampled_rows(self.graphs.run(plan.chunks), plan.chunks)
+        else:
+            logits = self._run_eager(plan.chunks)
+        if logits is None or not self.tp.is_driver:
+            return StepResult(sampled={})
+        sampling_chunks = [c for c in plan.chunks if c.needs_sample]
         tokens = self.sampler.sample(logits, sampling_chunks)
         return StepResult(sampled={c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)})
 
-    def prepare_inputs(self, chunks: tuple[ScheduledChunk, ...] | list[ScheduledChunk]) -> StepInputs:
+    def _run_eager(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """Logits of the sampling chunks' last rows, or None when no chunk samples."""
+        inputs = self.prepare_inputs(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if inputs.sample_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def _sampled_rows(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """The graph computed logits for every row; keep the rows of chunks that sample."""
+        rows = [i for i, c in enumerate(chunks) if c.needs_sample]
+        if len(rows) == len(chunks):
+            return logits
+        return logits.index_select(0, self._tensor(rows, torch.int64)) if rows else None
+
+    def prepare_inputs(self, chunks: Sequence[ScheduledChunk]) -> StepInputs:
         """Flatten the chunks into host lists, then copy to the device once per tensor."""
         bs = self.kv_spec.block_size
         input_ids: list[int] = []
@@ -121,3 +182,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def randomize_kv_cache(self, seed: int) -> None:
+        """Fill the whole KV pool with N(0, 1) values. Benchmarks only: they set context lengths
+        directly instead of prefilling, and timing kernels on the zeroed pool would flatter them."""
+        gen = torch.Generator(device=self.device).manual_seed(seed + self.tp.rank)
+        self.kv_cache.normal_(generator=gen)

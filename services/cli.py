@@ -23,11 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.adapters.main import register_scheduler_command
     from services.gateway.admin import register_admin_commands
     from services.safety.main import register_safety_command
+    from services.worker.main import register_worker_command
 
     register_admin_commands(sub)
     register_scheduler_command(sub)
     register_bench_command(sub)
     register_safety_command(sub)
+    register_worker_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -8,6 +8,12 @@ sequence state, which the model runner holds.
 Weights are uninitialised at construction (fast for multi-GB models) and always come from
 `load_weights`, which takes Hugging Face parameter names and merges q/k/v and gate/up into single
 matmuls on the way in.
+
+Tensor parallelism (`tp`, Megatron-style): each rank holds `num_heads / tp` query heads and their KV
+heads (`num_kv_heads / tp`, or one replicated KV head when there are fewer KV heads than ranks),
+`intermediate_size / tp` MLP features and `ceil(vocab / tp)` vocabulary rows. Every rank loads the
+full HF tensors and keeps its slice, so a checkpoint needs no resharding. Two all-reduces per layer
+(after o_proj and down_proj), one for the embedding, one all-gather for the logits.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.layers.activation import SiluAndMul
-from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear, MergedLinear, copy_checked
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import ColumnParallelLinear, OutputShard, RowParallelLinear, copy_checked
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.parallel.group import TensorParallel, check_tensor_parallel, kv_head_start, local_kv_heads
 
 # HF projection name -> (merged module, shard index) for the projections we fuse.
 _MERGED = {
@@ -43,19 +50,23 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.layer = layer
         self.backend = backend
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.head_dim = d = config.head_dim
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = local_kv_heads(config.num_kv_heads, tp.size)
+        q_shard = OutputShard.even(config.num_heads * d, tp, "num_heads * head_dim")
+        kv_start = kv_head_start(config.num_kv_heads, tp) * d
+        kv_shard = OutputShard(config.num_kv_heads * d, kv_start, self.num_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_shard, kv_shard, kv_shard],
+                                             bias=config.attention_bias)
+        self.split_sizes = list(self.qkv_proj.output_sizes)
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, config.o_proj_bias, tp)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = d**-0.5
 
     def forward(
         self,
@@ -78,22 +89,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
+        shard = OutputShard.even(size, tp, "intermediate_size")
+        # Both halves sharded alike, so this rank's [gate | up] output is what SiluAndMul expects.
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [shard, shard], bias=False)
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,13 +126,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, backend, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -139,15 +152,19 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Build on the target device (e.g. under `with torch.device(...)`), not on "meta": the RoPE tables
-    are computed at construction. Cast with `.to(dtype)` before `load_weights` or after; both work."""
+    are computed at construction. Cast with `.to(dtype)` before `load_weights` or after; both work.
+    `tp` defaults to a group of one: the single-device model."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
+        check_tensor_parallel(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.tp = tp
+        self.model = LlamaModel(config, backend, tp)
         # Tied models (SmolLM2, small Qwens) reuse the embedding matrix; no lm_head parameter exists.
         self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         )
 
     def forward(
@@ -160,9 +177,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden] -> [N, vocab]` float32; the runner passes only the rows it samples from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """`[N, hidden] -> [N, vocab]` float32, whole on every rank; the runner passes only sampled rows."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from Hugging Face names; every parameter must be covered exactly, or ModelLoadError."""
@@ -182,18 +199,24 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
     def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> None:
+        """Route one HF tensor to its layer; sharded layers keep only this rank's slice of it."""
         merged = _MERGED_NAME.match(name)
-        if merged is None:
-            copy_checked(params[name].data, tensor, name)
-            return
-        prefix, proj, kind = merged.groups()
-        module_name, shard = _MERGED[proj]
-        module = self.get_submodule(f"{prefix}.{module_name}")
-        assert isinstance(module, MergedLinear)
         try:
-            module.load_shard(shard, kind, tensor)
+            if merged is not None:
+                prefix, proj, kind = merged.groups()
+                module_name, shard = _MERGED[proj]
+                module = self.get_submodule(f"{prefix}.{module_name}")
+                assert isinstance(module, ColumnParallelLinear)
+                module.load_shard(shard, kind, tensor)
+                return
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, RowParallelLinear | VocabParallelEmbedding):
+                module.load(kind, tensor)
+            else:  # replicated: norms
+                copy_checked(params[name].data, tensor, name)
         except ModelLoadError as e:
-            raise ModelLoadError(f"{name}: {e}") from e
+            raise ModelLoadError(e.args[0] if name in e.args[0] else f"{name}: {e}") from e
 
 
 def _expected_hf_names(params: dict[str, nn.Parameter], tied: bool) -> set[str]:

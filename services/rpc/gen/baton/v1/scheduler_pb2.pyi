@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepSample(_message.Message):
-    __slots__ = ("kind", "tokens", "context_tokens", "seconds")
+    __slots__ = ("kind", "tokens", "context_tokens", "seconds", "attention_tokens_sq")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[StepSample.Kind]
@@ -22,11 +22,13 @@ class StepSample(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS_SQ_FIELD_NUMBER: _ClassVar[int]
     kind: StepSample.Kind
     tokens: int
     context_tokens: int
     seconds: float
-    def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    attention_tokens_sq: int
+    def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., attention_tokens_sq: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hash")
@@ -61,14 +63,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("status", "samples", "kv_events")
+    __slots__ = ("status", "samples", "kv_events", "running_context_tokens")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     status: _worker_pb2.WorkerStatus
     samples: _containers.RepeatedCompositeFieldContainer[StepSample]
     kv_events: _containers.RepeatedCompositeFieldContainer[KVEvent]
-    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+    running_context_tokens: int
+    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., running_context_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -105,7 +109,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens")
+    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RouteResponse.Kind]
@@ -126,6 +130,9 @@ class RouteResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kind: RouteResponse.Kind
     decode_worker: str
     prefill_worker: str
@@ -134,7 +141,10 @@ class RouteResponse(_message.Message):
     reason: str
     retry_after_s: float
     max_tokens: int
-    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    decode_worker_id: str
+    prefill_worker_id: str
+    cached_blocks: int
+    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -145,3 +155,21 @@ class FinishedRequest(_message.Message):
 class FinishedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LiveWorker(_message.Message):
+    __slots__ = ("address", "status")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    status: _worker_pb2.WorkerStatus
+    def __init__(self, address: _Optional[str] = ..., status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[LiveWorker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[LiveWorker, _Mapping]]] = ...) -> None: ...

@@ -44,7 +44,7 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
-        self.Route = channel.unary_unary(
+        self.Route = channel.unary_stream(
                 '/baton.v1.Scheduler/Route',
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.RouteRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteResponse.FromString,
@@ -53,6 +53,11 @@ class SchedulerStub:
                 '/baton.v1.Scheduler/Finished',
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/baton.v1.Scheduler/ListWorkers',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
 
 
@@ -72,12 +77,22 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One final ROUTE, DEGRADE or REJECT, at once when the scheduler can decide. A request it
+        queues gets a KIND_QUEUE message first, then the final answer when a later tick places it or
+        its tier's maximum queue time runs out (REJECT with retry_after_s). The early QUEUE message
+        lets a caller tell a waiting scheduler from an unreachable one with a short deadline.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Finished(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +111,7 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
             ),
-            'Route': grpc.unary_unary_rpc_method_handler(
+            'Route': grpc.unary_stream_rpc_method_handler(
                     servicer.Route,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.RouteResponse.SerializeToString,
@@ -105,6 +120,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Finished,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,7 +202,7 @@ class Scheduler:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/baton.v1.Scheduler/Route',
@@ -215,6 +235,33 @@ class Scheduler:
             '/baton.v1.Scheduler/Finished',
             baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.FinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/ListWorkers',
+            baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,14 @@ class PrefillPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_PATH_REMOTE: _ClassVar[PrefillPath]
     PREFILL_PATH_LOCAL: _ClassVar[PrefillPath]
     PREFILL_PATH_LOCAL_FALLBACK: _ClassVar[PrefillPath]
+
+class TransferOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_OUTCOME_UNSPECIFIED: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_DONE: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_FAILED: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_TIMED_OUT: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_ABORTED: _ClassVar[TransferOutcome]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -41,6 +49,11 @@ PREFILL_PATH_UNSPECIFIED: PrefillPath
 PREFILL_PATH_REMOTE: PrefillPath
 PREFILL_PATH_LOCAL: PrefillPath
 PREFILL_PATH_LOCAL_FALLBACK: PrefillPath
+TRANSFER_OUTCOME_UNSPECIFIED: TransferOutcome
+TRANSFER_OUTCOME_DONE: TransferOutcome
+TRANSFER_OUTCOME_FAILED: TransferOutcome
+TRANSFER_OUTCOME_TIMED_OUT: TransferOutcome
+TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos", "logprobs")
@@ -143,46 +156,51 @@ class AbortResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "notification", "checksum", "deadline_unix_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "attempt", "transfer_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     decode_agent: str
     remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    notification: bytes
-    checksum: bool
-    deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., notification: _Optional[bytes] = ..., checksum: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    transfer_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "block_checksums", "prefill_seconds", "transfer_seconds")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "outcome", "reason", "prefill_seconds", "transfer_seconds", "transfer_bytes", "num_prefill_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: TokenLogprob
-    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    outcome: TransferOutcome
+    reason: str
     prefill_seconds: float
     transfer_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., block_checksums: _Optional[_Iterable[int]] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    transfer_bytes: int
+    num_prefill_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., outcome: _Optional[_Union[TransferOutcome, str]] = ..., reason: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("protocol_version", "model_id", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -191,7 +209,8 @@ class KVLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
-    model: str
+    protocol_version: int
+    model_id: str
     dtype: str
     layout: str
     block_size: int
@@ -200,11 +219,10 @@ class KVLayout(_message.Message):
     head_dim: int
     tp_size: int
     tp_rank: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
-class HandshakeRequest(_message.Message):
-    __slots__ = ("protocol_version", "layout", "agent_name", "agent_metadata", "base_address", "num_blocks", "bytes_per_block", "device_kind", "device_id")
-    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+class KVHandshake(_message.Message):
+    __slots__ = ("layout", "agent_name", "agent_metadata", "base_address", "num_blocks", "bytes_per_block", "device_kind", "device_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -213,7 +231,6 @@ class HandshakeRequest(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
-    protocol_version: int
     layout: KVLayout
     agent_name: str
     agent_metadata: bytes
@@ -222,24 +239,30 @@ class HandshakeRequest(_message.Message):
     bytes_per_block: int
     device_kind: str
     device_id: int
-    def __init__(self, protocol_version: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("decode", "worker_id")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    decode: KVHandshake
+    worker_id: str
+    def __init__(self, decode: _Optional[_Union[KVHandshake, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "peer")
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    PEER_FIELD_NUMBER: _ClassVar[int]
-    accepted: bool
-    reason: str
-    peer: HandshakeRequest
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., peer: _Optional[_Union[HandshakeRequest, _Mapping]] = ...) -> None: ...
+    __slots__ = ("prefill", "worker_id")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    prefill: KVHandshake
+    worker_id: str
+    def __init__(self, prefill: _Optional[_Union[KVHandshake, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens")
+    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +272,11 @@ class WorkerStatus(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -258,4 +286,23 @@ class WorkerStatus(_message.Message):
     total_blocks: int
     block_size: int
     inflight_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ...) -> None: ...
+    held_blocks: int
+    quarantined_requests: int
+    waiting_for_remote_kv: int
+    inflight_transfers: int
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class InjectFaultRequest(_message.Message):
+    __slots__ = ("fault", "times", "delay_s")
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    DELAY_S_FIELD_NUMBER: _ClassVar[int]
+    fault: str
+    times: int
+    delay_s: float
+    def __init__(self, fault: _Optional[str] = ..., times: _Optional[int] = ..., delay_s: _Optional[float] = ...) -> None: ...
+
+class InjectFaultResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/baton.v1.Worker/InjectFault',
+                request_serializer=baton_dot_v1_dot_worker__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -94,6 +99,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InjectFault(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.InjectFaultRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.InjectFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Worker:
             '/baton.v1.Worker/GetStatus',
             baton_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/InjectFault',
+            baton_dot_v1_dot_worker__pb2.InjectFaultRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.InjectFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,22 @@
+"""Tensor parallelism inside one worker: the group (`group`) and the one-process-per-rank launcher (`launcher`).
+
+`launcher` is imported on demand (it pulls in the model runner); `group` is what layers import.
+"""
+
+from engine.parallel.group import (
+    TensorParallel,
+    check_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+    local_kv_heads,
+    shutdown_tensor_parallel,
+)
+
+__all__ = [
+    "TensorParallel",
+    "check_tensor_parallel",
+    "free_port",
+    "init_tensor_parallel",
+    "local_kv_heads",
+    "shutdown_tensor_parallel",
+]

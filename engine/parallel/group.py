@@ -1,0 +1,135 @@
+"""One worker's tensor-parallel group: its rank, size, device, and the few collectives a Llama needs.
+
+Passed explicitly to every layer that shards (no global "current group"), so a model built with
+`TensorParallel()` (size 1) runs the exact single-GPU code path and touches torch.distributed never.
+
+Collectives of the forward pass (`all_reduce`, `all_gather_last_dim`) go over the default process
+group (NCCL on CUDA), in place or into fresh buffers, so they are CUDA-graph capturable once the
+communicator exists (the warm-up before capture creates it). Control messages (`broadcast_object`)
+go over `cpu_group`, a gloo group: pickled plans never pass through GPU memory, and a follower
+waiting for the next plan blocks on a socket, not on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig, ParallelConfig
+from engine.errors import ConfigError
+
+# torch 2.13 renamed all_gather_into_tensor; the GPU image's torch 2.11 only has the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cpu_group: Any = None  # gloo ProcessGroup for control messages; None: the default group (gloo on CPU)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 owns the batcher and the sampler; the others only run the model."""
+        return self.rank == 0
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """`(start, size)` of this rank's even share of `total` rows; `total` must divide evenly."""
+        if total % self.size:
+            raise ConfigError(f"{what} ({total}) is not divisible by tensor_parallel_size ({self.size})")
+        size = total // self.size
+        return self.rank * size, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (the row-parallel layers' partial products)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., n]` per rank -> `[..., size * n]`, rank r's columns at `r * n` (vocab-parallel logits)."""
+        if self.size == 1:
+            return x
+        # The concatenated form ([size * rows, n]): gloo rejects the stacked one.
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty((self.size * flat.shape[0], flat.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_flat(out, flat)
+        gathered = out.view(self.size, flat.shape[0], flat.shape[1]).transpose(0, 1)  # [rows, size, n]
+        return gathered.reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's `obj` on every rank (pickled, over the gloo control group)."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
+
+def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_type: str) -> TensorParallel:
+    """Join the group as `rank` (blocks until every rank has joined); rank r takes cuda:r on CUDA."""
+    size = config.tensor_parallel_size
+    backend = config.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        if torch.cuda.device_count() < size:
+            raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, found {torch.cuda.device_count()}")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    if not config.allow_nvls:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # read by NCCL when the communicator is created
+    timeout = timedelta(seconds=config.timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
+                            world_size=size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return TensorParallel(rank=rank, size=size, device=device, cpu_group=cpu_group)
+
+
+def shutdown_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the OS's pick); rank 0 chooses it before the others start."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: an even share, or one replicated head when there are fewer than ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def kv_head_start(num_kv_heads: int, tp: TensorParallel) -> int:
+    """First KV head of this rank. With fewer KV heads than ranks, ranks r * kv / tp share one head:
+    exactly the KV head of the query heads rank r holds (query head h reads KV head h // (H / kv))."""
+    return tp.rank * num_kv_heads // tp.size
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Reject a model that cannot be sharded `tp_size` ways, naming the dimension and the valid sizes."""
+    if tp_size == 1:
+        return
+    dims = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size}
+    for name, value in dims.items():
+        if value % tp_size:
+            raise ConfigError(f"{name} ({value}) is not divisible by tensor_parallel_size ({tp_size})")
+    kv = config.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        valid = sorted({d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0
+                        and config.intermediate_size % d == 0 and (kv % d == 0 or d % kv == 0)})
+        raise ConfigError(f"num_kv_heads ({kv}) must divide or be divisible by tensor_parallel_size ({tp_size}); "
+                          f"valid sizes for this model: {valid}")

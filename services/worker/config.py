@@ -1,0 +1,104 @@
+"""Frozen configuration of a worker process, validated at creation (built from flags in main only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvtransfer.faults import FaultConfig
+
+
+class WorkerRole(StrEnum):
+    PREFILL = "prefill"  # serves Prefill: computes prompts and WRITEs their KV into decode workers
+    DECODE = "decode"  # serves Generate: decodes, prefilling remotely or (conditionally) locally
+    BOTH = "both"  # classic co-located serving with chunked prefill (the baseline); no NIXL
+
+
+@dataclass(frozen=True)
+class DisaggPolicy:
+    """Conditional disaggregation: when a decode worker prefills a prompt itself.
+
+    A remote prefill costs a round trip plus a transfer; for a short prompt, or one mostly served
+    by the decode worker's own prefix cache, recomputing locally is cheaper.
+    """
+
+    min_remote_prompt_tokens: int = 64  # shorter prompts prefill locally
+    min_remote_uncached_tokens: int = 32  # fewer uncached tokens (after the prefix cache) prefill locally
+    max_cached_fraction: float = 0.8  # a prompt at least this cached prefills locally
+
+    def __post_init__(self) -> None:
+        if self.min_remote_prompt_tokens < 1 or self.min_remote_uncached_tokens < 1:
+            raise ValueError("min_remote_prompt_tokens and min_remote_uncached_tokens must be >= 1")
+        if not 0.0 < self.max_cached_fraction <= 1.0:
+            raise ValueError(f"max_cached_fraction must be in (0, 1], got {self.max_cached_fraction}")
+
+    def remote_by_length(self, num_prompt_tokens: int) -> bool:
+        return num_prompt_tokens >= self.min_remote_prompt_tokens
+
+    def remote_given_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> bool:
+        uncached = num_prompt_tokens - num_cached_tokens
+        if uncached < self.min_remote_uncached_tokens:
+            return False
+        return num_cached_tokens / num_prompt_tokens < self.max_cached_fraction
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Deadlines and safety of the KV hand-off. The decode side's quarantine must outlast the
+    prefill side's transfer deadline: a WRITE may land until then."""
+
+    prefill_timeout_s: float = 60.0  # decode -> prefill RPC deadline (queue + prefill + WRITE)
+    transfer_timeout_s: float = 10.0  # one WRITE's deadline on the prefill worker
+    notice_grace_s: float = 2.0  # decode: wait this long for the NIXL notice after a DONE response
+    quarantine_s: float = 30.0  # decode: blocks of an attempt with no definite end stay unusable
+    checksums: bool = True  # sender checksums blocks into the notice; receiver verifies
+    poll_busy_s: float = 5e-5  # link thread sleep while a WRITE is in flight
+    poll_expect_s: float = 2e-4  # ... while an arrival is expected
+    poll_idle_s: float = 1e-3  # ... otherwise (NIXL still needs progress: peers connect, notices)
+    peer_down_s: float = 5.0  # a prefill worker that failed at the transport is skipped this long
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.quarantine_s <= self.transfer_timeout_s:
+            raise ValueError(
+                f"quarantine_s ({self.quarantine_s}) must exceed transfer_timeout_s ({self.transfer_timeout_s}): "
+                "a WRITE may land until its deadline"
+            )
+
+    @property
+    def hold_lease_s(self) -> float:
+        """Prefill side: how long held blocks may wait for their WRITE (start + deadline + cancel)."""
+        return self.transfer_timeout_s + 30.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: WorkerRole
+    model_id: str  # what the handshake compares (the served model name)
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_address: str = ""  # host:port peers and the scheduler use; default host:port
+    worker_id: str = ""
+    scheduler_address: str = ""  # empty: no registration
+    metrics_port: int | None = None
+    prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers' host:port
+    heartbeat_interval_s: float = 1.0
+    drain_grace_s: float = 20.0  # SIGTERM: finish in-flight work this long, then abort the rest
+    allow_fault_injection: bool = False
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    policy: DisaggPolicy = field(default_factory=DisaggPolicy)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id is empty")
+        if self.role is not WorkerRole.DECODE and self.prefill_peers:
+            raise ValueError(f"--prefill-peers is for decode workers; this one is {self.role.value}")
+        if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and drain_grace_s >= 0")
+
+    @property
+    def uses_nixl(self) -> bool:
+        return self.role is not WorkerRole.BOTH

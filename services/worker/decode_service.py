@@ -1,0 +1,314 @@
+"""Decode side (and the co-located `both` role): one Generate request from admission to its last token.
+
+Each request is a flow, run as a task of its own that feeds the caller's stream through a queue, so
+a caller that goes away (client cancellation) only *asks* the flow to abort and can never skip its
+cleanup. Phases and how an abort lands in each:
+
+    prefill (remote attempt(s) via RemotePrefill, or local) -> in the engine (queued / decoding)
+
+- remote attempt: RemotePrefill stops the prefill worker (Abort RPC) and waits for the definite end
+  of its WRITE; the attempt's blocks are then freed, or kept under quarantine until the KV link
+  reports them reclaimable (`on_reclaimable`), never reused while a WRITE may land;
+- in the engine: `AsyncEngine.abort` frees the blocks and ends the stream with an ABORT output.
+
+A failed remote prefill falls back (another prefill worker if this one looks dead or slow, else a
+local recompute), counted in `baton_pd_fallback_total{reason}` and logged with the request id. A
+checksum mismatch also recomputes locally: the corrupted blocks are never committed, so garbage is
+never decoded, and the caller still gets the right tokens.
+
+Engine request ids are `<request id>@<attempt>`: an attempt whose blocks are quarantined keeps its
+own id in the engine while the retry runs under the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.outputs import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
+from services.worker.config import DisaggPolicy
+from services.worker.metrics import WorkerMetrics
+from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
+from services.worker.prefill_service import DrainingError
+from services.worker.remote_prefill import AttemptResult, PrefillAsk, RemotePrefill
+
+log = logging.getLogger(__name__)
+_MAX_REMOTE_ATTEMPTS = 2  # the preferred prefill worker, then one other
+
+
+class PrefillMode(StrEnum):
+    AUTO = "auto"  # conditional disaggregation (DisaggPolicy)
+    REMOTE = "remote"
+    LOCAL = "local"
+
+
+class PrefillPath(StrEnum):
+    REMOTE = "remote"
+    LOCAL = "local"
+    LOCAL_FALLBACK = "local_fallback"
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    mode: PrefillMode = PrefillMode.AUTO
+    prefill_worker: str = ""  # preferred prefill worker (host:port); empty: any configured
+    traceparent: str = ""  # W3C trace context of the caller, forwarded to the prefill worker
+
+
+@dataclass(frozen=True)
+class GenerateEvent:
+    output: RequestOutput
+    prefill_path: PrefillPath | None = None  # on the first event only
+    fallback_reason: str = ""
+
+
+@dataclass
+class _Flow:
+    job: GenerateJob
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    events: asyncio.Queue[GenerateEvent | BaseException | None] = field(default_factory=asyncio.Queue)
+    engine_rid: str = ""
+    in_engine: bool = False
+    attempts: int = 0
+    peer_address: str = ""  # the prefill worker of the latest remote attempt
+    task: asyncio.Task[None] | None = None
+
+    def next_engine_rid(self) -> str:
+        self.engine_rid = f"{self.job.request_id}@{self.attempts}"
+        self.attempts += 1
+        return self.engine_rid
+
+
+@dataclass(frozen=True)
+class _Admission:
+    local: bool
+    block_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+    reason: str = ""
+
+
+class DecodeService:
+    def __init__(self, engine: AsyncEngine, policy: DisaggPolicy, metrics: WorkerMetrics,
+                 remote: RemotePrefill | None = None, peers: PrefillPeers | None = None) -> None:
+        self._engine = engine
+        self._policy = policy
+        self._metrics = metrics
+        self._remote = remote
+        self._peers = peers
+        self._flows: dict[str, _Flow] = {}
+        self._quarantined: set[str] = set()  # engine ids holding blocks a late WRITE may still hit
+        self._reclaimed_early: set[str] = set()  # reported reclaimable before we registered them
+        self.draining = False
+
+    @property
+    def num_flows(self) -> int:
+        return len(self._flows)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantined)
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[GenerateEvent]:
+        """Stream a request's events; raises InvalidRequestError / DrainingError before starting.
+        Leaving the iteration early (client gone) aborts the request."""
+        if self.draining:
+            raise DrainingError("the decode worker is draining")
+        if job.request_id in self._flows:
+            raise InvalidRequestError(f"duplicate request id {job.request_id!r}")
+        flow = _Flow(job)
+        self._flows[job.request_id] = flow
+        flow.task = asyncio.create_task(self._run(flow), name=f"flow-{job.request_id}")
+        flow.task.add_done_callback(lambda _: self._forget(flow))
+        try:
+            while (item := await flow.events.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not flow.task.done():
+                self._abort_flow(flow)
+
+    async def abort(self, request_id: str) -> bool:
+        flow = self._flows.get(request_id)
+        if flow is None:
+            return False
+        self._abort_flow(flow)
+        return True
+
+    def abort_all(self) -> None:
+        for flow in list(self._flows.values()):
+            self._abort_flow(flow)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        tasks = [f.task for f in self._flows.values() if f.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return not self._flows
+
+    def on_reclaimable(self, engine_rid: str) -> None:
+        """KV link: a quarantined attempt's blocks can no longer be written; free them."""
+        if engine_rid in self._quarantined:
+            self._quarantined.discard(engine_rid)
+            asyncio.ensure_future(self._engine.abort(engine_rid))
+        else:
+            self._reclaimed_early.add(engine_rid)
+
+    # ---- the flow -------------------------------------------------------------------------------
+    def _forget(self, flow: _Flow) -> None:
+        if self._flows.get(flow.job.request_id) is flow:
+            del self._flows[flow.job.request_id]
+
+    def _abort_flow(self, flow: _Flow) -> None:
+        flow.aborted.set()
+        if flow.in_engine:
+            asyncio.ensure_future(self._engine.abort(flow.engine_rid))
+
+    async def _run(self, flow: _Flow) -> None:
+        try:
+            stream, path, reason = await self._prefill(flow)
+            self._metrics.prefill_path.labels(path.value).inc()
+            if stream is None:
+                abort = RequestOutput(flow.job.request_id, (), "", finish_reason=FinishReason.ABORT)
+                flow.events.put_nowait(GenerateEvent(abort, path, reason))
+                return
+            first = True
+            async for out in stream:
+                self._metrics.tokens.labels("generated").inc(len(out.new_token_ids))
+                flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else ""))
+                first = False
+        except Exception as e:  # handed to the caller's stream (typed errors become gRPC statuses)
+            if not isinstance(e, InvalidRequestError):
+                log.exception("request %s failed", flow.job.request_id)
+            flow.events.put_nowait(e)
+        finally:
+            flow.events.put_nowait(None)
+
+    async def _prefill(self, flow: _Flow) -> tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str]:
+        """Get the request into the engine: remote attempts, else local. None: aborted first."""
+        if not self._wants_remote(flow.job):
+            return await self._local(flow), PrefillPath.LOCAL, ""
+        reason, tried = "", set[str]()
+        for _ in range(_MAX_REMOTE_ATTEMPTS):
+            outcome = await self._try_remote(flow, frozenset(tried))
+            if isinstance(outcome, tuple):
+                return outcome
+            if outcome.aborted:
+                return None, PrefillPath.REMOTE, ""
+            if outcome.fallback == "no_prefill_worker" and reason:
+                break  # nobody else to ask: keep the reason the last one failed for
+            reason = outcome.fallback
+            self._metrics.fallbacks.labels(reason).inc()
+            level = logging.ERROR if reason == "checksum_mismatch" else logging.WARNING  # corruption is loud
+            log.log(level, "request %s: remote prefill failed (%s: %s)", flow.job.request_id, reason, outcome.detail)
+            tried.add(flow.peer_address)
+            if not outcome.retry_elsewhere:
+                break
+        if flow.aborted.is_set():
+            return None, PrefillPath.LOCAL_FALLBACK, reason
+        log.warning("request %s: prefilling locally after %s", flow.job.request_id, reason)
+        return await self._local(flow), PrefillPath.LOCAL_FALLBACK, reason
+
+    def _wants_remote(self, job: GenerateJob) -> bool:
+        if self._remote is None or self._peers is None or not self._peers.configured and not job.prefill_worker:
+            return False
+        if job.mode is PrefillMode.LOCAL:
+            return False
+        return job.mode is PrefillMode.REMOTE or self._policy.remote_by_length(len(job.prompt))
+
+    async def _try_remote(self, flow: _Flow, tried: frozenset[str]) -> (
+            tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str] | AttemptResult):
+        """One remote attempt: a finished prefill (stream, path, reason) or why it failed."""
+        assert self._peers is not None and self._remote is not None
+        job = flow.job
+        candidates = self._peers.candidates(job.prefill_worker, exclude=tried)
+        if not candidates:
+            return AttemptResult(fallback="no_prefill_worker", detail="no usable prefill worker")
+        peer = candidates[0]
+        flow.peer_address = peer.address
+        try:
+            await self._peers.connect(peer)
+        except HandshakeRefusedError as e:
+            return AttemptResult(fallback="handshake_refused", detail=str(e), retry_elsewhere=True)
+        except Exception as e:  # transport failure: the peer is marked down
+            return AttemptResult(fallback="prefill_unavailable", detail=str(e), retry_elsewhere=True)
+        if flow.aborted.is_set():
+            return AttemptResult(aborted=True)
+        erid = flow.next_engine_rid()
+        stream = self._engine.open_stream(erid)
+        force = job.mode is PrefillMode.REMOTE
+        admission = await self._engine.call(lambda: self._reserve(erid, job, force), rid_on_error=erid)
+        if admission.local:
+            if not admission.reason:
+                return await self._enter_engine(flow, stream), PrefillPath.LOCAL, ""
+            self._metrics.fallbacks.labels(admission.reason).inc()
+            return await self._enter_engine(flow, stream), PrefillPath.LOCAL_FALLBACK, admission.reason
+        return await self._run_attempt(flow, peer, erid, admission, stream)
+
+    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, erid: str, admission: _Admission,
+                           stream: AsyncIterator[RequestOutput]) -> (
+            tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str] | AttemptResult):
+        assert self._remote is not None
+        job, start = flow.job, time.perf_counter()
+        ask = PrefillAsk(erid, flow.attempts - 1, job.prompt, job.params, admission.block_ids,
+                         admission.num_cached_tokens, job.traceparent)
+        if flow.aborted.is_set():
+            result = AttemptResult(aborted=True)
+        else:
+            result = await self._remote.run(ask, peer, flow.aborted)
+        if result.first_token_id is None:
+            await self._drop(erid, result.blocks_safe)
+            return result
+        token, logprobs = result.first_token_id, result.first_logprobs
+        await self._engine.call(lambda: self._engine.publish(self._engine.engine.commit_remote(erid, token, logprobs)))
+        self._metrics.handoff_seconds.observe(time.perf_counter() - start)
+        return await self._enter_engine(flow, stream), PrefillPath.REMOTE, ""
+
+    def _reserve(self, erid: str, job: GenerateJob, force_remote: bool) -> _Admission:
+        """Engine thread: blocks for a remote prefill, or the request queued locally when the
+        prompt is mostly cached here (conditional disaggregation) or no blocks are free now."""
+        engine = self._engine.engine
+        try:
+            block_ids, cached = engine.reserve_remote(erid, job.prompt, job.params)
+        except OutOfBlocksError:
+            engine.add_request(erid, job.prompt, job.params)  # waits for blocks like any request
+            return _Admission(local=True, reason="decode_out_of_blocks")
+        if force_remote or self._policy.remote_given_cache(len(job.prompt), cached):
+            return _Admission(False, tuple(block_ids), cached)
+        engine.abort(erid)  # nothing was expected or asked: the blocks are ours to drop
+        engine.add_request(erid, job.prompt, job.params)
+        return _Admission(local=True)
+
+    async def _local(self, flow: _Flow) -> AsyncIterator[RequestOutput] | None:
+        if flow.aborted.is_set():
+            return None
+        job = flow.job
+        erid = flow.next_engine_rid()
+        stream = self._engine.open_stream(erid)
+        await self._engine.call(lambda: self._engine.engine.add_request(erid, job.prompt, job.params),
+                                rid_on_error=erid)
+        return await self._enter_engine(flow, stream)
+
+    async def _enter_engine(self, flow: _Flow, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """From here an abort goes through the engine (which ends the stream with ABORT)."""
+        flow.in_engine = True
+        if flow.aborted.is_set():
+            await self._engine.abort(flow.engine_rid)
+        return stream
+
+    async def _drop(self, erid: str, blocks_safe: bool) -> None:
+        """Give up an attempt's blocks: now if no WRITE can land, else once reclaimable."""
+        if blocks_safe or erid in self._reclaimed_early:
+            self._reclaimed_early.discard(erid)
+            await self._engine.abort(erid)
+        else:
+            self._quarantined.add(erid)

@@ -1,0 +1,262 @@
+"""`KVLink`: one thread that owns this worker's NIXL agent, KV sender and KV receiver.
+
+Why a thread of its own: NIXL runs without its progress thread (on a 2-core box it would eat half a
+core per agent), so someone must call into NIXL every few milliseconds for the worker's whole life,
+even when idle (peers connect, abort notices go out). The engine thread is busy with steps and the
+event loop must not sleep in 50 us slices, so a dedicated thread polls: every `poll_busy_s` while a
+WRITE is in flight, every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
+NIXL agents are not thread-safe (NIXL_THREAD_SYNC_NONE): every NIXL call happens on this thread.
+asyncio callers cross in through a command queue and get asyncio futures back.
+
+Dangerous windows handled here:
+- receiver: `release(rid, sender_idle=False)` of blocks whose WRITE may still land quarantines them;
+  `on_reclaimable(rid)` fires (on the event loop) once the late notice arrives or the quarantine
+  expires, and only then may the owner reuse the blocks;
+- sender: a transfer's future resolves only once the transfer is terminal, i.e. NIXL has let go of
+  the source blocks; the owner frees them only then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferPlan, TransferState
+from kvtransfer.faults import FaultInjector
+from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig
+from kvtransfer.nixl.transfer import NixlTransfer
+from services.worker.config import TransferConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Sender side: how one WRITE ended (terminal: NIXL no longer reads the source blocks)."""
+
+    request_id: str
+    state: TransferState
+    reason: str
+    seconds: float
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """Receiver side: DONE (landed and verified) or FAILED / TIMED_OUT with a reason."""
+
+    request_id: str
+    state: TransferState
+    reason: str
+
+
+class KVLink:
+    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
+                 faults: FaultInjector, on_reclaimable: Callable[[str], None]) -> None:
+        """`on_reclaimable(rid)` is called on the event loop that called `start()`."""
+        self._config = config
+        self._agent = NixlAgent(NixlAgentConfig(name=name), kv_cache, layout)
+        self._sender = NixlKVSender(self._agent, SenderConfig(checksums=config.checksums), faults)
+        self._receiver = NixlKVReceiver(
+            self._agent, ReceiverConfig(verify_checksums=config.checksums, quarantine_s=config.quarantine_s), faults
+        )
+        self._on_reclaimable = on_reclaimable
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sends: dict[tuple[str, int], asyncio.Future[TransferResult]] = {}
+        self._transfers: dict[tuple[str, int], NixlTransfer] = {}  # in flight, for cancel()
+        self._expects: dict[str, asyncio.Future[Arrival]] = {}
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="baton-kv-link", daemon=True)
+        self.num_quarantined = 0  # read by status (a plain int: atomic under the GIL)
+        self.num_inflight = 0
+
+    @property
+    def handshake_info(self) -> HandshakeInfo:
+        return self._agent.handshake_info  # immutable after creation: safe from any thread
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    # ---- asyncio API ----------------------------------------------------------------------------
+    async def add_peer(self, info: HandshakeInfo) -> str:
+        """Sender: check compatibility (IncompatiblePeerError), connect, prepare descriptors once."""
+        return str(await self._call(lambda: self._sender.add_peer(info)))
+
+    async def accept_peer(self, info: HandshakeInfo) -> str:
+        """Receiver: check a sender's compatibility (IncompatiblePeerError)."""
+        return str(await self._call(lambda: self._receiver.accept_peer(info)))
+
+    async def expect(self, request_id: str, block_ids: Sequence[int], deadline: float,
+                     attempt: int) -> asyncio.Future[Arrival]:
+        """Receiver: register the blocks a WRITE will land in; the future resolves on arrival/failure."""
+        assert self._loop is not None
+        fut: asyncio.Future[Arrival] = self._loop.create_future()
+
+        def register() -> None:
+            self._receiver.expect(request_id, block_ids, deadline, attempt)
+            self._expects[request_id] = fut
+
+        await self._call(register)
+        return fut
+
+    async def release(self, request_id: str, *, sender_idle: bool) -> bool:
+        """Receiver: True when the blocks may be reused now; False: quarantined (see module doc)."""
+        def release() -> bool:
+            self._expects.pop(request_id, None)
+            return self._receiver.release(request_id, sender_idle=sender_idle)
+
+        return bool(await self._call(release))
+
+    async def send(self, peer: str, plan: TransferPlan) -> asyncio.Future[TransferResult]:
+        """Sender: post the WRITE; the future resolves once it is terminal."""
+        assert self._loop is not None
+        fut: asyncio.Future[TransferResult] = self._loop.create_future()
+
+        def start() -> None:
+            key = (plan.request_id, plan.attempt)
+            self._sends[key] = fut
+            try:
+                transfer = self._sender.start(peer, plan)
+            except Exception:
+                del self._sends[key]
+                raise
+            assert isinstance(transfer, NixlTransfer)
+            self._transfers[key] = transfer
+
+        await self._call(start)
+        return fut
+
+    def cancel(self, request_id: str, attempt: int) -> None:
+        """Sender: ask NIXL to stop a WRITE; its future still resolves only once it is terminal."""
+        self._submit(lambda: self._cancel_now(request_id, attempt))
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Cancel in-flight WRITEs, wait until they are terminal (bounded), then `close()`."""
+        pending = list(self._sends.values())
+        for rid, attempt in list(self._sends):
+            self.cancel(rid, attempt)
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        self.close(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread and close NIXL. WRITEs still in flight are cancelled by the sender; their
+        futures then read CANCELLED (the process is going away: nothing reuses their blocks)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("KV link thread did not stop in %.1f s; leaving NIXL open", timeout_s)
+            return
+        self._sender.close()
+        self._resolve_sends()
+        self._receiver.close()
+        self._agent.close()
+
+    # ---- the link thread ------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        assert self._loop is not None
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        loop = self._loop
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+        self._submit(run)
+        return await fut
+
+    def _submit(self, cmd: Callable[[], None]) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("the KV link is closed")
+        self._commands.put(cmd)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._apply_commands()
+                self._poll_once()
+            except Exception:  # one bad poll must not stop NIXL progress for every other request
+                log.exception("KV link poll failed")
+            time.sleep(self._interval())
+
+    def _interval(self) -> float:
+        if self._sends:
+            return self._config.poll_busy_s
+        if self._expects:
+            return self._config.poll_expect_s
+        return self._config.poll_idle_s
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _poll_once(self) -> None:
+        for transfer in self._sender.poll():
+            self._finish_send(transfer)
+        for rid in self._receiver.poll_arrivals():
+            self._resolve_expect(Arrival(rid, TransferState.DONE, ""))
+        for rid, failure in self._receiver.poll_failures().items():
+            self._resolve_expect(Arrival(rid, failure.state, failure.reason))
+        reclaimable = self._receiver.poll_reclaimable()
+        self.num_quarantined = self._receiver.num_quarantined
+        self.num_inflight = self._sender.num_inflight
+        if reclaimable and self._loop is not None:
+            for rid in reclaimable:
+                self._loop.call_soon_threadsafe(self._on_reclaimable, rid)
+
+    def _finish_send(self, transfer: Any) -> None:
+        key = (transfer.plan.request_id, transfer.plan.attempt)
+        self._transfers.pop(key, None)
+        fut = self._sends.pop(key, None)
+        if fut is None or self._loop is None:
+            return
+        assert isinstance(transfer, NixlTransfer)
+        result = TransferResult(transfer.plan.request_id, transfer.state, transfer.reason,
+                                transfer.duration_s or 0.0, transfer.num_bytes)
+        self._loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def _resolve_expect(self, arrival: Arrival) -> None:
+        fut = self._expects.pop(arrival.request_id, None)
+        if fut is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(_settle, fut, arrival, None)
+
+    def _cancel_now(self, request_id: str, attempt: int) -> None:
+        transfer = self._transfers.get((request_id, attempt))
+        if transfer is not None:
+            transfer.cancel()
+
+    def _resolve_sends(self) -> None:
+        """After sender.close(): every WRITE is cancelled (or NIXL refused and we leak loudly)."""
+        for (rid, _), fut in list(self._sends.items()):
+            if self._loop is not None and not self._loop.is_closed():
+                result = TransferResult(rid, TransferState.CANCELLED, "worker shutting down", 0.0, 0)
+                self._loop.call_soon_threadsafe(_settle, fut, result, None)
+        self._sends.clear()
+        self._transfers.clear()
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

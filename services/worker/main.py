@@ -1,0 +1,155 @@
+"""`baton worker`: a prefill, decode or co-located (`both`) gRPC worker around one engine.
+
+Flags win over `BATON_WORKER_*` environment variables (read here only), which win over defaults:
+BATON_WORKER_SCHEDULER, BATON_WORKER_METRICS_PORT, BATON_WORKER_PREFILL_PEERS (comma-separated).
+Prints `BATON_WORKER_READY port=<port>` on stdout once gRPC health is SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from kvtransfer.faults import FaultConfig
+from services.worker.config import DisaggPolicy, TransferConfig, WorkerConfig, WorkerRole
+
+log = logging.getLogger("services.worker")
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+def register_worker_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add `worker` to the `baton` CLI (services/cli.py)."""
+    parser = subparsers.add_parser("worker", help="run a prefill / decode / both gRPC worker")
+    add_worker_args(parser)
+    parser.set_defaults(func=run_worker_command)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--role", required=True, choices=[r.value for r in WorkerRole])
+    p.add_argument("--model", default="", help="HF dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-id", default="", help="served model name, compared in the KV handshake")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--advertise-address", default="", help="host:port for peers and the scheduler")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--scheduler", default=env("BATON_WORKER_SCHEDULER", ""), help="scheduler host:port")
+    p.add_argument("--metrics-port", type=int, default=_int_or_none(env("BATON_WORKER_METRICS_PORT")))
+    p.add_argument("--prefill-peers", default=env("BATON_WORKER_PREFILL_PEERS", ""),
+                   help="decode role: comma-separated prefill workers (host:port)")
+    _engine_args(p)
+    _disagg_args(p)
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument("--drain-grace-s", type=float, default=20.0)
+    p.add_argument("--allow-fault-injection", action="store_true", help="enable the InjectFault RPC (tests)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-chunk", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def _disagg_args(p: argparse.ArgumentParser) -> None:
+    d, t = DisaggPolicy(), TransferConfig()
+    p.add_argument("--min-remote-prompt-tokens", type=int, default=d.min_remote_prompt_tokens)
+    p.add_argument("--min-remote-uncached-tokens", type=int, default=d.min_remote_uncached_tokens)
+    p.add_argument("--max-cached-fraction", type=float, default=d.max_cached_fraction)
+    p.add_argument("--prefill-timeout-s", type=float, default=t.prefill_timeout_s)
+    p.add_argument("--transfer-timeout-s", type=float, default=t.transfer_timeout_s)
+    p.add_argument("--kv-quarantine-s", type=float, default=t.quarantine_s)
+    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=t.checksums)
+    p.add_argument("--notice-grace-s", type=float, default=t.notice_grace_s)
+    p.add_argument("--peer-down-s", type=float, default=t.peer_down_s,
+                   help="skip a prefill worker this long after a transport failure")
+
+
+def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
+    peers = tuple(a.strip() for a in args.prefill_peers.split(",") if a.strip())
+    return WorkerConfig(
+        role=WorkerRole(args.role),
+        model_id=args.model_id or (Path(args.model).name if args.model else DEFAULT_MODEL_ID),
+        host=args.host, port=args.port, advertise_address=args.advertise_address, worker_id=args.worker_id,
+        scheduler_address=args.scheduler, metrics_port=args.metrics_port, prefill_peers=peers,
+        heartbeat_interval_s=args.heartbeat_interval_s, drain_grace_s=args.drain_grace_s,
+        allow_fault_injection=args.allow_fault_injection, faults=FaultConfig(),
+        policy=DisaggPolicy(args.min_remote_prompt_tokens, args.min_remote_uncached_tokens,
+                            args.max_cached_fraction),
+        transfer=TransferConfig(prefill_timeout_s=args.prefill_timeout_s,
+                                transfer_timeout_s=args.transfer_timeout_s,
+                                quarantine_s=args.kv_quarantine_s, checksums=args.kv_checksums,
+                                notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s),
+    )
+
+
+def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine import is heavy, keep it lazy
+    from engine.config import BatcherConfig, CacheConfig, EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_prefill_chunk=args.max_prefill_chunk),
+    )
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        config = build_worker_config(args)
+    except ValueError as e:
+        print(f"baton worker: error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from engine.errors import EngineError
+    from engine.llm_engine import LLMEngine
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        engine = LLMEngine(build_engine_config(args))  # load before serving: health turns SERVING after
+    except EngineError as e:
+        print(f"baton worker: error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(config, engine))
+    return 0
+
+
+async def _serve(config: WorkerConfig, engine: object) -> None:
+    from services.worker.server import WorkerServer
+
+    server = WorkerServer(config, engine)  # type: ignore[arg-type]
+    port = await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    print(f"BATON_WORKER_READY port={port}", flush=True)
+    await server.wait_closed()
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton worker", description=__doc__)
+    add_worker_args(parser)
+    return run_worker_command(parser.parse_args(argv))

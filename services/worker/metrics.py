@@ -1,0 +1,57 @@
+"""Prometheus metrics of one worker (`baton_` prefix), on a registry of its own.
+
+Updated from the event loop and from the engine thread (prometheus_client is thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.llm_engine import StepStats
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.role = role
+        self.requests = Counter("baton_worker_requests", "RPCs served, by rpc and status code",
+                                ["rpc", "code"], registry=r)
+        self.tokens = Counter("baton_worker_tokens", "Tokens processed, by kind (prompt | generated)",
+                              ["kind"], registry=r)
+        self.step_seconds = Histogram("baton_engine_step_seconds", "Engine step time, by kind of step",
+                                      ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.free_blocks = Gauge("baton_kv_free_blocks", "KV blocks an allocation may take", registry=r)
+        self.total_blocks = Gauge("baton_kv_total_blocks", "KV blocks in the pool", registry=r)
+        self.fallbacks = Counter("baton_pd_fallback", "Requests whose remote prefill fell back, by reason",
+                                 ["reason"], registry=r)
+        self.prefill_path = Counter("baton_pd_prefill_path", "Where decode requests were prefilled",
+                                    ["path"], registry=r)
+        self.transfer_seconds = Histogram("baton_kv_transfer_seconds", "KV WRITE time (posted -> terminal)",
+                                          ["outcome"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes written to decode workers",
+                                      registry=r)
+        self.handoff_seconds = Histogram("baton_pd_handoff_seconds",
+                                         "Decode side: reserve -> KV landed and committed (remote prefills)",
+                                         buckets=_STEP_BUCKETS, registry=r)
+        self.quarantined = Gauge("baton_kv_quarantined_requests",
+                                 "Requests whose blocks wait for a late WRITE's notice", registry=r)
+        self.held_blocks = Gauge("baton_kv_held_blocks", "Prefill: blocks held for pending WRITEs", registry=r)
+
+    def observe_step(self, stats: StepStats) -> None:
+        """Engine thread: one step's time, labelled prefill / decode / mixed."""
+        if stats.prefill_tokens and stats.decode_seqs:
+            kind = "mixed"
+        elif stats.prefill_tokens:
+            kind = "prefill"
+        else:
+            kind = "decode"
+        self.step_seconds.labels(kind).observe(stats.seconds)
+        if stats.prefill_tokens:
+            self.tokens.labels("prompt").inc(stats.prefill_tokens)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

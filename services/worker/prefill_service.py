@@ -1,0 +1,244 @@
+"""Prefill side of disaggregation: compute a prompt, sample its first token, WRITE its KV to a decode worker.
+
+One `Prefill` RPC is one job, run as a task of its own so that neither the RPC's cancellation nor the
+decode worker's `Abort` can skip its cleanup:
+
+    queued/delayed -> prefilling in the engine (batched with other prefills) -> blocks HELD ->
+    WRITE in flight -> terminal -> blocks released -> response
+
+Dangerous window: the held blocks are the WRITE's source. They are released only once the transfer
+is terminal (NIXL let go of them), never on abort alone; the engine's hold lease (longer than the
+transfer deadline) is the backstop if this process loses track of a job. The job answers only once
+nothing more can land in the decode worker's blocks, which is what the `baton-kv-idle` trailer
+promises (see worker.proto).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.batch import TokenLogprobs
+from engine.errors import InvalidRequestError
+from engine.llm_engine import HeldBlocks
+from engine.outputs import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandshakeInfo, TransferPlan, TransferState
+from kvtransfer.errors import UnknownPeerError
+from services.worker.config import TransferConfig
+from services.worker.faults import WorkerFaults
+from services.worker.kv_link import KVLink, TransferResult
+from services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+_TOMBSTONE_S = 120.0  # an Abort that overtook its Prefill is remembered this long
+
+
+class DrainingError(Exception):
+    """The worker is draining (SIGTERM): it accepts no new work."""
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str  # the decode worker's id of this attempt
+    prompt: list[int]
+    params: SamplingParams
+    decode_agent: str
+    remote_block_ids: tuple[int, ...]  # for prompt tokens [num_cached_tokens, end), block by block
+    num_cached_tokens: int
+    attempt: int
+    transfer_timeout_s: float
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    state: TransferState  # terminal; CANCELLED = aborted (before or during the WRITE)
+    reason: str = ""
+    first_token_id: int | None = None
+    first_logprobs: TokenLogprobs | None = None
+    prefill_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+    num_prefill_cached_tokens: int = 0
+
+
+@dataclass
+class _Job:
+    spec: PrefillJob
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    prefilling: bool = True  # counts toward in-flight prefill tokens until the first token
+    task: asyncio.Task[PrefillResult] | None = None
+
+
+class PrefillService:
+    def __init__(self, engine: AsyncEngine, link: KVLink, config: TransferConfig, faults: WorkerFaults,
+                 metrics: WorkerMetrics, block_size: int) -> None:
+        self._engine = engine
+        self._link = link
+        self._config = config
+        self._faults = faults
+        self._metrics = metrics
+        self._block_size = block_size
+        self._peers: set[str] = set()
+        self._jobs: dict[str, _Job] = {}
+        self._tombstones: dict[str, float] = {}
+        self.draining = False
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def inflight_prefill_tokens(self) -> int:
+        return sum(len(j.spec.prompt) for j in self._jobs.values() if j.prefilling)
+
+    async def handshake(self, decode: HandshakeInfo) -> HandshakeInfo:
+        """Check the decode worker's layout (IncompatiblePeerError names each field), connect once."""
+        name = await self._link.add_peer(decode)
+        self._peers.add(name)
+        return self._link.handshake_info
+
+    async def prefill(self, spec: PrefillJob) -> PrefillResult:
+        """Run one job to its terminal state. Raises (nothing started) InvalidRequestError,
+        UnknownPeerError or DrainingError. If the caller is cancelled, the job is aborted and
+        finishes on its own (its blocks are released only once its WRITE is terminal)."""
+        self._check(spec)
+        if self._tombstones.pop(spec.request_id, None) is not None:
+            return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted before it arrived")
+        job = _Job(spec)
+        job.task = asyncio.create_task(self._run(job), name=f"prefill-{spec.request_id}")
+        self._jobs[spec.request_id] = job
+        job.task.add_done_callback(lambda _: self._jobs.pop(spec.request_id, None))
+        try:
+            return await asyncio.shield(job.task)
+        except asyncio.CancelledError:
+            job.aborted.set()  # the decode side gave up on the RPC: stop early, clean up alone
+            raise
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a job at any phase; returns whether it was known. An unknown id is remembered so a
+        Prefill that arrives after its Abort is refused at once (the two RPCs race)."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            now = time.monotonic()
+            self._tombstones = {rid: t for rid, t in self._tombstones.items() if t > now}
+            self._tombstones[request_id] = now + _TOMBSTONE_S
+            return False
+        job.aborted.set()
+        return True
+
+    def abort_all(self) -> None:
+        for job in self._jobs.values():
+            job.aborted.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        tasks = [j.task for j in self._jobs.values() if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return not self._jobs
+
+    # ---- one job --------------------------------------------------------------------------------
+    def _check(self, spec: PrefillJob) -> None:
+        if self.draining:
+            raise DrainingError("the prefill worker is draining")
+        if spec.decode_agent not in self._peers:
+            raise UnknownPeerError(f"decode agent {spec.decode_agent!r} has not done the Handshake")
+        if spec.request_id in self._jobs:
+            raise InvalidRequestError(f"duplicate request id {spec.request_id!r}")
+        bs, n = self._block_size, len(spec.prompt)
+        if spec.num_cached_tokens % bs or not 0 <= spec.num_cached_tokens < n:
+            raise InvalidRequestError(
+                f"num_cached_tokens={spec.num_cached_tokens} must be a multiple of block_size {bs} below {n}")
+        want = -(-n // bs) - spec.num_cached_tokens // bs
+        if len(spec.remote_block_ids) != want:
+            raise InvalidRequestError(f"remote_block_ids has {len(spec.remote_block_ids)} ids; "
+                                      f"{n} prompt tokens with {spec.num_cached_tokens} cached need {want}")
+
+    async def _run(self, job: _Job) -> PrefillResult:
+        spec, start = job.spec, time.monotonic()
+        try:
+            if not await self._delay(job):
+                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted before prefill")
+            first = await self._first_token(job)
+            job.prefilling = False
+            if first is None:
+                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted during prefill")
+            held = await self._engine.call(lambda: self._engine.engine.held_blocks(spec.request_id))
+            if held is None:
+                return PrefillResult(spec.request_id, TransferState.FAILED, "held blocks were lost (lease expired)")
+            prefill_s = time.monotonic() - start
+            if job.aborted.is_set():
+                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted after prefill")
+            sent = await self._transfer(job, held)
+            self._metrics.transfer_seconds.labels(sent.state.value).observe(sent.seconds)
+            if sent.state is TransferState.DONE:
+                self._metrics.transfer_bytes.inc(sent.num_bytes)
+            logprobs = first.logprobs[0] if first.logprobs else None
+            return PrefillResult(spec.request_id, sent.state, sent.reason, first.new_token_ids[0], logprobs,
+                                 prefill_s, sent.seconds, sent.num_bytes, held.num_cached_tokens)
+        finally:
+            # Reached only once no WRITE reads the blocks (see _transfer); idempotent.
+            await self._engine.call(lambda: self._engine.engine.release_held(spec.request_id))
+
+    async def _delay(self, job: _Job) -> bool:
+        """Injected slowness (delay_prefill); False when aborted meanwhile."""
+        delay = self._faults.take_prefill_delay()
+        if delay:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.aborted.wait(), delay)
+        return not job.aborted.is_set()
+
+    async def _first_token(self, job: _Job) -> RequestOutput | None:
+        """Prefill in the engine with the blocks held afterwards; None when aborted first."""
+        spec = job.spec
+        stream = self._engine.generate(spec.prompt, spec.params, spec.request_id,
+                                       hold_for_s=self._config.hold_lease_s)
+        first = asyncio.ensure_future(_first_output(stream))
+        aborted = asyncio.ensure_future(job.aborted.wait())
+        try:
+            await asyncio.wait(_futures(first, aborted), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                await self._engine.abort(spec.request_id)
+            out = await first  # the held output if it won the race, else the ABORT output
+        finally:
+            aborted.cancel()
+        if out.finish_reason is FinishReason.ABORT or not out.new_token_ids:
+            return None
+        return out
+
+    async def _transfer(self, job: _Job, held: HeldBlocks) -> TransferResult:
+        """Post the WRITE and wait until it is terminal, cancelling it if the job is aborted."""
+        spec = job.spec
+        first_block = spec.num_cached_tokens // self._block_size
+        local = held.block_ids[first_block:first_block + len(spec.remote_block_ids)]
+        plan = TransferPlan.create(spec.request_id, local, spec.remote_block_ids, now=time.monotonic(),
+                                   timeout_s=spec.transfer_timeout_s, attempt=spec.attempt)
+        done = await self._link.send(spec.decode_agent, plan)  # raises before posting: nothing to wait for
+        aborted = asyncio.ensure_future(job.aborted.wait())
+        try:
+            await asyncio.wait(_futures(done, aborted), return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                self._link.cancel(spec.request_id, spec.attempt)
+            return await done  # terminal: CANCELLED, or DONE if the WRITE won the race
+        finally:
+            aborted.cancel()
+
+
+async def _first_output(stream: object) -> RequestOutput:
+    """The first output of a hold request's stream (it finishes with it)."""
+    agen = stream.__aiter__()  # type: ignore[attr-defined]
+    try:
+        return await agen.__anext__()  # type: ignore[no-any-return]
+    finally:
+        await agen.aclose()
+
+
+def _futures(*futures: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
+    """A set of differently typed futures for asyncio.wait."""
+    return set(futures)

@@ -1,0 +1,197 @@
+"""`WorkerServer`: wires one engine, the KV link and the role's services into a grpc.aio server.
+
+The only place engine + kvtransfer + rpc meet (DESIGN.md). Also serves the gRPC health service, the
+Prometheus endpoint, registration/heartbeats and the SIGTERM drain:
+
+    drain: health NOT_SERVING -> refuse new Generate/Prefill (UNAVAILABLE) -> let in-flight work
+    finish for `drain_grace_s` -> abort the rest (every block released on both sides, WRITEs
+    cancelled and waited for) -> stop the gRPC server -> close NIXL -> stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine, StepStats
+from kvtransfer.base import KVLayoutInfo
+from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from services.rpc.gen.baton.v1 import worker_pb2_grpc
+from services.worker.config import WorkerConfig, WorkerRole
+from services.worker.decode_service import DecodeService
+from services.worker.faults import WorkerFaults
+from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
+from services.worker.kv_link import KVLink
+from services.worker.metrics import WorkerMetrics
+from services.worker.prefill_peers import PrefillPeers
+from services.worker.prefill_service import PrefillService
+from services.worker.remote_prefill import RemotePrefill
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "baton.v1.Worker"
+_KV_EVENT_DRAIN_S = 5.0  # without a scheduler, KV events are still drained so they never pile up
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.worker_id = config.worker_id or f"{config.role.value}-{uuid.uuid4().hex[:8]}"
+        self.metrics = WorkerMetrics(config.role.value)
+        self.faults = WorkerFaults(config.faults)
+        self.telemetry = TelemetryBuffer()
+        self.port = 0
+        self._link: KVLink | None = None
+        self._decode: DecodeService | None = None
+        self._prefill: PrefillService | None = None
+        self._peers: PrefillPeers | None = None
+        self._heartbeat: HeartbeatClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._draining = False
+        self._stopped = asyncio.Event()
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server()
+        self._async_engine: AsyncEngine | None = None
+
+    @property
+    def advertise_address(self) -> str:
+        return self.config.advertise_address or f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Build the services, start serving; returns the bound port. Health turns SERVING last."""
+        self._async_engine = AsyncEngine(self.engine, on_step=self._on_step)
+        self._build_role_services(self._async_engine)
+        servicer = WorkerServicer(self.worker_id, self.metrics, self.faults, self.config.allow_fault_injection,
+                                  self.status, self._decode, self._prefill)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+        if self._link is not None:
+            self._link.start()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port, self.config.host)
+        self.metrics.total_blocks.set(self.engine.block_manager.num_total_blocks)
+        self._start_telemetry()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("worker %s (%s) serving on %s", self.worker_id, self.config.role.value, self.advertise_address)
+        return self.port
+
+    def _build_role_services(self, engine: AsyncEngine) -> None:
+        cfg, block_size = self.config, self.engine.block_manager.block_size
+        if cfg.uses_nixl:
+            layout = KVLayoutInfo.from_spec(self.engine.runner.kv_spec, cfg.model_id)
+            self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", self.engine.runner.kv_cache, layout,
+                                cfg.transfer, self.faults.kv, self._on_reclaimable)
+        if cfg.role is WorkerRole.PREFILL:
+            assert self._link is not None
+            self._prefill = PrefillService(engine, self._link, cfg.transfer, self.faults, self.metrics, block_size)
+        elif cfg.role is WorkerRole.DECODE:
+            assert self._link is not None
+            self._peers = PrefillPeers(cfg.prefill_peers, self._link, self.worker_id, cfg.transfer.peer_down_s)
+            remote = RemotePrefill(self._link, self._peers, cfg.transfer, block_size)
+            self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers)
+        else:
+            self._decode = DecodeService(engine, cfg.policy, self.metrics)
+
+    def _start_telemetry(self) -> None:
+        if self.config.scheduler_address:
+            self._heartbeat = HeartbeatClient(self.config.scheduler_address, self.worker_id, self.advertise_address,
+                                              self.status, self._collect_kv_events, self.telemetry,
+                                              self.config.heartbeat_interval_s)
+            self._tasks.append(asyncio.create_task(self._heartbeat.run(), name="heartbeat"))
+        else:
+            self._tasks.append(asyncio.create_task(self._drain_kv_events_forever(), name="kv-events"))
+
+    # ---- status and telemetry -------------------------------------------------------------------
+    async def status(self) -> pb.WorkerStatus:
+        """A consistent snapshot, taken on the engine thread between steps."""
+        assert self._async_engine is not None
+        engine = self.engine
+
+        def snapshot() -> tuple[int, int, int, int, int, int]:
+            b, bm = engine.batcher, engine.block_manager
+            return (b.num_waiting, b.num_running, bm.num_free_blocks, bm.num_total_blocks,
+                    b.num_waiting_for_remote_kv, engine.num_held_blocks)
+
+        waiting, running, free, total, remote, held = await self._async_engine.call(snapshot)
+        self.metrics.free_blocks.set(free)
+        self.metrics.held_blocks.set(held)
+        quarantined = self._decode.num_quarantined if self._decode is not None else 0
+        self.metrics.quarantined.set(quarantined)
+        return pb.WorkerStatus(
+            worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
+            queue_depth=waiting, running_seqs=running, free_blocks=free, total_blocks=total,
+            block_size=engine.block_manager.block_size,
+            inflight_prefill_tokens=self._prefill.inflight_prefill_tokens if self._prefill is not None else 0,
+            held_blocks=held, quarantined_requests=quarantined, waiting_for_remote_kv=remote,
+            inflight_transfers=self._link.num_inflight if self._link is not None else 0,
+            draining=self._draining)
+
+    def _on_step(self, stats: StepStats) -> None:
+        """Engine thread, after every step that ran something."""
+        self.metrics.observe_step(stats)
+        self.metrics.free_blocks.set(self.engine.block_manager.num_free_blocks)
+        self.telemetry.add_step(stats)
+
+    def _on_reclaimable(self, engine_rid: str) -> None:
+        if self._decode is not None:
+            self._decode.on_reclaimable(engine_rid)
+
+    async def _collect_kv_events(self) -> None:
+        assert self._async_engine is not None
+        events = await self._async_engine.call(self.engine.block_manager.drain_events)
+        self.telemetry.add_kv_events(events)
+
+    async def _drain_kv_events_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_KV_EVENT_DRAIN_S)
+            await self._collect_kv_events()
+            self.telemetry.take()  # no scheduler to send them to
+
+    # ---- shutdown -------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Graceful stop (SIGTERM); see the module docstring. Idempotent."""
+        if self._draining:
+            return
+        self._draining = True
+        log.warning("draining: finishing in-flight work for up to %.1f s", self.config.drain_grace_s)
+        await self._health.enter_graceful_shutdown()
+        services = [s for s in (self._decode, self._prefill) if s is not None]
+        for service in services:
+            service.draining = True
+        give_up = time.monotonic() + self.config.drain_grace_s
+        for service in services:
+            await service.wait_idle(max(give_up - time.monotonic(), 0.0))
+        for service in services:
+            service.abort_all()  # whatever is left: every block released on both sides
+        for service in services:
+            if not await service.wait_idle(30.0):
+                log.error("drain: %s still has work after aborting it", type(service).__name__)
+        await self._stop_everything()
+
+    async def _stop_everything(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+        await self._server.stop(grace=1.0)
+        if self._peers is not None:
+            await self._peers.close()
+        if self._link is not None:
+            await self._link.aclose()
+        if self._async_engine is not None:
+            self._async_engine.shutdown()
+        self._stopped.set()
+        log.warning("worker %s stopped", self.worker_id)
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()

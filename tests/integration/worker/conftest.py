@@ -1,0 +1,89 @@
+"""A session-scoped prefill + decode + both cluster of real worker subprocesses on the default model.
+
+The decode worker uses low conditional-disaggregation thresholds (prompts >= 8 tokens prefill
+remotely), a short transfer deadline (3 s) and quarantine (6 s) so the failure tests run quickly,
+and both NIXL workers accept InjectFault. Logs go to tmp files; a failing start shows their tail.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from worker_procs import WorkerProcess  # noqa: E402
+
+from kvtransfer.nixl import nixl_available  # noqa: E402
+
+if not nixl_available():
+    pytest.skip("nixl is not importable (pip install nixl==1.5.1 after CPU torch)", allow_module_level=True)
+
+NUM_BLOCKS = "256"
+TRANSFER_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Cluster:
+    prefill: WorkerProcess
+    decode: WorkerProcess
+    both: WorkerProcess
+    log_dir: Path
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return [self.prefill, self.decode, self.both]
+
+
+def decode_args(*prefill_addresses: str) -> list[str]:
+    return ["--num-blocks", NUM_BLOCKS, "--prefill-peers", ",".join(prefill_addresses), "--max-num-seqs", "8",
+            "--min-remote-prompt-tokens", "8", "--min-remote-uncached-tokens", "4",
+            "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--kv-quarantine-s", "6", "--prefill-timeout-s", "20",
+            "--allow-fault-injection"]
+
+
+@pytest.fixture(scope="session")
+def worker_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("worker-logs")
+
+
+@pytest.fixture(scope="session")
+def cluster(default_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
+    prefill = WorkerProcess("prefill-1", "prefill", default_model_dir, worker_log_dir, "--num-blocks", NUM_BLOCKS,
+                            "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--allow-fault-injection").start()
+    both = WorkerProcess("both-1", "both", default_model_dir, worker_log_dir, "--num-blocks", NUM_BLOCKS).start()
+    decode = WorkerProcess("decode-1", "decode", default_model_dir, worker_log_dir,
+                           *decode_args(prefill.address)).start()
+    started = Cluster(prefill, decode, both, worker_log_dir)
+    try:
+        for worker in started.workers:
+            worker.wait_serving()
+        yield started
+    finally:
+        for worker in started.workers:
+            worker.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """On a failure, append the tail of every worker log this test used to the report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or report.passed:
+        return
+    funcargs = getattr(item, "funcargs", {})
+    workers = [w for v in funcargs.values() for w in _workers_of(v)]
+    for worker in workers:
+        report.sections.append((f"log tail of {worker.name}", worker.log_tail(40)))
+
+
+def _workers_of(value: object) -> list[WorkerProcess]:
+    if isinstance(value, WorkerProcess):
+        return [value]
+    if isinstance(value, Cluster):
+        return value.workers
+    return [w for w in getattr(value, "workers", []) if isinstance(w, WorkerProcess)]

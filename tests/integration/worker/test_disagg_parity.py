@@ -1,0 +1,90 @@
+"""1 prefill + 1 decode worker give the same greedy tokens as a `both` worker and the in-process engine."""
+
+from __future__ import annotations
+
+import pytest
+from worker_client import QUESTIONS, generate, generate_many, request, wait_baseline
+
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from services.rpc.gen.baton.v1 import worker_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts(tokenizer) -> list[tuple[list[int], int]]:
+    """16 (prompt, max_tokens): chat prompts of 30-60 tokens, two raw 3-5 token prompts (local)."""
+    out = []
+    for i in range(16):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        prompt = tokenizer.encode(q)[:5] if i in (3, 11) else tokenizer.encode_chat(
+            [{"role": "user", "content": f"{q} (variant {i // len(QUESTIONS)})"}])
+        out.append((prompt, 16 + (i * 5) % 17))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_reference(default_model_dir, mixed_prompts) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), cache=CacheConfig(num_blocks=256)))
+    out: dict[str, list[int]] = {}
+    for i, (p, n) in enumerate(mixed_prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        out[str(i)] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(mixed_prompts))]
+
+
+def test_sixteen_concurrent_requests_match_both_worker_and_engine(cluster, mixed_prompts, engine_reference):
+    reqs = [request(p, n) for p, n in mixed_prompts]
+    disagg = generate_many(cluster.decode, reqs)
+    both = generate_many(cluster.both, [request(p, n) for p, n in mixed_prompts])
+    assert [r.code for r in disagg + both] == [None] * 32
+    assert [r.token_ids for r in disagg] == engine_reference
+    assert [r.token_ids for r in both] == engine_reference
+    assert [r.text for r in disagg] == [r.text for r in both]
+    paths = [r.prefill_path for r in disagg]
+    assert paths == [pb.PREFILL_PATH_LOCAL if len(p) < 8 else pb.PREFILL_PATH_REMOTE for p, _ in mixed_prompts]
+    wait_baseline([cluster.decode, cluster.prefill])
+    handshakes = cluster.prefill.log_path.read_text().count("kv peer added: decode-1-")
+    assert handshakes == 1  # once per peer pair, however many requests
+
+
+def test_first_token_logprobs_cross_the_handoff(cluster, mixed_prompts):
+    prompt, _ = mixed_prompts[0]
+    remote = generate(cluster.decode, request(prompt, 3, logprobs=2))
+    local = generate(cluster.both, request(prompt, 3, logprobs=2))
+    assert remote.prefill_path == pb.PREFILL_PATH_REMOTE
+    assert [lp.token_id for lp in remote.logprobs] == [lp.token_id for lp in local.logprobs] == local.token_ids
+    for a, b in zip(remote.logprobs, local.logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+
+
+def test_decode_prefix_cache_skips_blocks_it_already_holds(cluster, tokenizer):
+    shared = tokenizer.encode_chat([{"role": "user", "content": "Summarise the plot of Hamlet in detail, "
+                                     "act by act, naming every major character and what happens to them."}])
+    first = generate(cluster.decode, request(shared, 4))
+    longer = shared + tokenizer.encode(" Then compare it with Macbeth, scene by scene, in a long table format.")
+    second = generate(cluster.decode, request(longer, 8))
+    reference = generate(cluster.both, request(longer, 8))
+    assert first.prefill_path == second.prefill_path == pb.PREFILL_PATH_REMOTE
+    assert second.num_cached_tokens >= 16 * (len(shared) // 16) - 16  # whole cached blocks, not sent again
+    assert second.token_ids == reference.token_ids
+
+
+def test_mostly_cached_prompt_prefills_locally(cluster, tokenizer):
+    text = "Recite the alphabet backwards, slowly, one letter per line, and then forwards again, twice."
+    prompt = tokenizer.encode_chat([{"role": "user", "content": text}])[:49]  # 3 whole blocks + 1 token
+    assert len(prompt) == 49
+    first = generate(cluster.decode, request(prompt, 4))
+    again = generate(cluster.decode, request(prompt, 4))
+    assert (first.prefill_path, again.prefill_path) == (pb.PREFILL_PATH_REMOTE, pb.PREFILL_PATH_LOCAL)
+    assert again.num_cached_tokens == 48 and again.token_ids == first.token_ids

@@ -1,0 +1,108 @@
+"""Worker subprocesses for the integration tests: free ports, health-gated start, logs to a file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from services.rpc.gen.baton.v1 import worker_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerProcess:
+    """One `python -m services.worker` subprocess. Its stdout/stderr go to `log_path`."""
+
+    def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path, *extra: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.args = [sys.executable, "-m", "services.worker", "--role", role, "--model", str(model_dir),
+                     "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+                     "--worker-id", name, "--torch-threads", "1", *extra]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._channel: grpc.Channel | None = None
+
+    def start(self) -> WorkerProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        return self
+
+    def wait_serving(self, timeout_s: float = 120.0) -> WorkerProcess:
+        """Poll gRPC health until SERVING; raise with the log tail if the process dies or it times out."""
+        give_up = time.monotonic() + timeout_s
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        while time.monotonic() < give_up:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service="baton.v1.Worker"), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"worker {self.name} not SERVING after {timeout_s} s:\n{self.log_tail()}")
+
+    @property
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return self._channel
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self.channel)
+
+    def status(self) -> pb.WorkerStatus:
+        return self.stub.GetStatus(pb.StatusRequest(), timeout=10.0)
+
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL if it lingers; returns the exit code."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
