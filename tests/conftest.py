@@ -1,16 +1,21 @@
-"""Fixtures shared by every test suite. Keep each one small and named for what it provides."""
+"""Fixtures shared by every test suite. Keep each one small and named for what it provides.
+
+The infrastructure fixtures start real servers lazily, at most once per session, on first use: a
+missing binary is a test ERROR with the install hint, never a skip (`make test` runs
+scripts/install-system-deps.sh first, so a missing server means the set-up is broken).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-# Triton's interpreter must be chosen before triton's first import, whichever test imports it first:
-# on CPU-only machines (CI) every Triton kernel runs interpreted against the torch reference.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from services.launcher.postgres import EmbeddedPostgres
+from services.launcher.redis_server import EmbeddedRedis
+from services.launcher.tansu import EmbeddedKafka
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +28,40 @@ def default_model_dir() -> Path:
     from engine.loader.prepare import default_model_dir as prepare_default_model
 
     return prepare_default_model(os.environ.get("BATON_CACHE_DIR") or None)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[EmbeddedKafka]:
+    broker = EmbeddedKafka()
+    broker.start()
+    yield broker
+    broker.close()
+
+
+@pytest.fixture(scope="session")
+def gateway_stack(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, postgres: EmbeddedPostgres,
+                  redis_server: EmbeddedRedis, kafka_broker: EmbeddedKafka) -> Iterator[object]:
+    """A `both` worker + billing consumer + gateway (tests/support/gateway_stack.py), once per session."""
+    from tests.support.gateway_stack import start_stack
+
+    database_url = postgres.create_database("baton_gateway")
+    stack = start_stack(tmp_path_factory.mktemp("gateway-stack"), default_model_dir, database_url,
+                        redis_server.url, kafka_broker.url)
+    yield stack
+    stack.close()

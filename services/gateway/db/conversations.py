@@ -92,6 +92,14 @@ class ConversationStore:
             if cur.rowcount == 0:
                 raise NotFoundError(f"conversation {conversation_id} not found")
 
+    async def purge_deleted(self, deleted_before: datetime) -> int:
+        """Hard-delete conversations soft-deleted before `deleted_before` (their messages cascade)."""
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                "DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < %s",
+                (deleted_before,))
+            return cur.rowcount
+
     async def append(self, org_id: uuid.UUID, conversation_id: uuid.UUID, role: Role, content: str, *,
                      prompt_tokens: int | None = None, completion_tokens: int | None = None) -> Message:
         """Add a message and bump the conversation's `updated_at`, in one transaction."""

@@ -1,7 +1,6 @@
-"""Real Postgres 15, Redis and the Tansu Kafka-protocol broker, started once per test session.
+"""Per-test views of the session's real Postgres, Redis and Kafka broker (started in
+tests/integration/conftest.py, shared with the gateway suite).
 
-A missing binary is a test ERROR with the install hint, never a skip: `make test` runs
-scripts/install-system-deps.sh first, so a missing server means the set-up is broken.
 Each test starts from empty tables (one migrated database, truncated before every test), so tests never
 see each other's rows; Redis keys and Kafka topics are made unique per test instead.
 """
@@ -9,7 +8,7 @@ see each other's rows; Redis keys and Kafka topics are made unique per test inst
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
@@ -20,36 +19,11 @@ from services.gateway.db.migrations import apply_migrations
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.redis_server import EmbeddedRedis
-from services.launcher.tansu import EmbeddedKafka
 
 # Kafka client settings for tests (DESIGN.md): fast group membership so a killed consumer's
 # partitions move to its successor in about two seconds.
 KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 300,
                               "max.poll.interval.ms": 10000}
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres()
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis()
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="session")
-def kafka_broker() -> Iterator[EmbeddedKafka]:
-    broker = EmbeddedKafka()
-    broker.start()
-    yield broker
-    broker.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,95 @@
+"""`python -m services.gateway`: the OpenAI-compatible HTTP gateway.
+
+The only place the gateway reads its environment: `BatonSettings` (database, Redis, Kafka, pricing,
+tier limits) and `GatewaySettings` (scheduler or static workers, safety, model, SSE). The clients are
+built inside the server's event loop (gRPC aio channels belong to the loop that made them), then
+handed to `create_app`. SIGTERM/SIGINT drain: the listener closes, running streams get
+`BATON_DRAIN_TIMEOUT_S` to finish, then what is left is aborted (KV freed, usage billed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+from redis.asyncio import Redis
+
+from engine.tokenizer import Tokenizer
+from services.billing.producer import ProducerConfig, UsageProducer
+from services.common.errors import BatonError, ConfigError
+from services.common.settings import BatonSettings
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.db.pool import Database, DatabaseConfig
+from services.gateway.deps import GatewayDeps
+from services.gateway.ratelimit import RateLimitConfig
+from services.gateway.routing import RouterClient, StaticWorkers
+from services.gateway.safety_gate import SafetyGate
+from services.gateway.settings import GatewaySettings
+from services.gateway.tracing import setup_tracing
+
+log = logging.getLogger("services.gateway")
+
+
+def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings) -> GatewayDeps:
+    """Every client from settings; call inside the running event loop."""
+    if not settings.redis_url:
+        raise ConfigError("no Redis: set BATON_REDIS_URL (or run `baton serve`)")
+    if not gw.scheduler_address and not gw.worker_addresses:
+        raise ConfigError("no workers: set BATON_SCHEDULER_ADDRESS or BATON_WORKER_ADDRESSES")
+    static = StaticWorkers(tuple(gw.worker_addresses)) if gw.worker_addresses else None
+    safety: SafetyGate | None = None
+    if gw.safety_address:
+        from services.safety.client import SafetyClient
+
+        safety = SafetyGate(SafetyClient(gw.safety_address))
+    else:
+        log.warning("BATON_SAFETY_ADDRESS unset: prompts and outputs are NOT safety-checked")
+    return GatewayDeps(
+        config=config, db=Database(DatabaseConfig.from_settings(settings)),
+        redis=Redis.from_url(settings.redis_url), tokenizer=Tokenizer.from_dir(config.model.path),
+        router=RouterClient(gw.scheduler_address, static), usage=UsageProducer(ProducerConfig.from_settings(settings)),
+        rate_limits=RateLimitConfig.from_settings(settings), safety=safety)
+
+
+async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings) -> None:
+    app = create_app(build_deps(config, gw, settings))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, lifespan="on", log_level=gw.log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=int(max(1, config.drain_timeout_s)), timeout_keep_alive=30))
+    await server.serve()
+    if not server.started:  # e.g. the port was taken, or the lifespan failed (database unreachable)
+        raise ConfigError(f"the gateway did not start on {host}:{port}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    try:
+        settings, gw = BatonSettings(), GatewaySettings()
+        logging.basicConfig(level=gw.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = GatewayConfig.from_settings(gw, settings)
+        setup_tracing(gw.otel_exporter)
+        # uvicorn drains on SIGTERM, then re-raises it into the handler that was there before: make
+        # that one a no-op, so a completed drain exits 0 instead of dying of the signal.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        asyncio.run(serve(args.host, args.port, config, gw, settings))
+    except (BatonError, ValidationError, SettingsError) as e:
+        print(f"gateway: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

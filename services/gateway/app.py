@@ -1,0 +1,87 @@
+"""`create_app(deps)`: the gateway's FastAPI application.
+
+Routes are thin (routes/*); what they need comes from `deps` through typed dependencies (deps.py);
+typed errors become OpenAI error JSON (errors.py). The lifespan starts the dependencies and the
+conversation purge loop, and on shutdown drains: running streams get `drain_timeout_s` to finish
+before they are aborted (their KV freed and their usage billed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.deps import GatewayDeps
+from services.gateway.errors import install_error_handlers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.retention import run_purge_loop
+from services.gateway.routes import completions, conversations, health, models, page, usage
+from services.gateway.routes.page import STATIC_DIR
+from services.gateway.tracing import instrument_app
+
+API_VERSION = "0.1.0"
+
+
+class RequestMetricsMiddleware:
+    """Counts requests by route template and status, and times them to the response head (pure ASGI,
+    so streaming responses and disconnect detection are untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                route = scope.get("route")
+                self.metrics.request_seconds.labels(getattr(route, "path", "unmatched")).observe(
+                    time.monotonic() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).inc()
+
+
+def create_app(deps: GatewayDeps) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await deps.start()
+        purge = asyncio.create_task(run_purge_loop(
+            deps.conversations, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
+        try:
+            yield
+        finally:
+            purge.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await purge
+            await deps.close()
+
+    app = FastAPI(title="Baton", version=API_VERSION, lifespan=lifespan,
+                  description="OpenAI-compatible gateway of a disaggregated prefill/decode cluster")
+    app.state.deps = deps
+    install_error_handlers(app)
+    for module in (completions, models, conversations, usage, health, page):
+        app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(RequestMetricsMiddleware, metrics=deps.metrics)
+    instrument_app(app)
+    return app

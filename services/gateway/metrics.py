@@ -1,0 +1,47 @@
+"""Prometheus metrics of the gateway (`baton_gateway_*`), in a registry of its own per app.
+
+A registry per app (not the process-global one) lets tests build several apps in one process and
+keeps `/metrics` to what this gateway measures.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("baton_gateway_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=r)
+        self.request_seconds = Histogram("baton_gateway_request_seconds",
+                                         "HTTP handling time to the response head", ["route"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("baton_gateway_ttft_seconds", "Time to first token of a generation",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("baton_gateway_e2e_seconds", "Request arrival to the last token",
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("baton_gateway_tokens", "Tokens by kind (prompt, cached, completion)",
+                              ["model", "kind"], registry=r)
+        self.finished = Counter("baton_gateway_generations_finished", "Generations by finish reason",
+                                ["model", "finish_reason"], registry=r)
+        self.inflight = Gauge("baton_gateway_inflight_generations", "Generations running now", registry=r)
+        self.refusals = Counter("baton_gateway_refusals", "Requests refused before generating, by reason",
+                                ["reason"], registry=r)
+        self.replays = Counter("baton_gateway_stream_resumes", "Last-Event-ID stream resumes", registry=r)
+
+    def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
+                           ttft_s: float | None, e2e_s: float) -> None:
+        self.tokens.labels(model, "prompt").inc(prompt)
+        self.tokens.labels(model, "cached").inc(cached)
+        self.tokens.labels(model, "completion").inc(completion)
+        self.finished.labels(model, finish_reason).inc()
+        if ttft_s is not None:
+            self.ttft.labels(model).observe(ttft_s)
+        self.e2e.labels(model).observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""HTTP routes, one module per resource. Thin: validate, call a service or store, render."""

@@ -1,0 +1,67 @@
+"""`POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/streams/{stream_id}` (SSE resume).
+
+Resuming a stream: every SSE event carries `id: <stream_id>:<n>`. After a broken connection, send
+`GET /v1/streams/<stream_id>` with `Last-Event-ID: <stream_id>:<n>` (or re-POST the same request with
+that header) within the replay window: the events after `n` are replayed, then the live rest.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from services.gateway.deps import Completions, CurrentPrincipal, Deps
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.service import ClientGone, Outcome, StreamOutcome
+from services.gateway.sse import SSEResponse
+from services.gateway.streams import parse_last_event_id
+
+router = APIRouter(tags=["completions"])
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=300)]
+
+
+def _client_gone(request: Request) -> ClientGone:
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    return wait
+
+
+def _render(outcome: Outcome, deps: Deps) -> Response:
+    if isinstance(outcome, StreamOutcome):
+        return SSEResponse(outcome.event_log, outcome.after_seq, deps.config.stream.keepalive_s, outcome.headers)
+    return JSONResponse(outcome.body, headers=outcome.headers)
+
+
+def _resume(service: Completions, principal: CurrentPrincipal, last_event_id: str, deps: Deps) -> Response:
+    stream_id, seq = parse_last_event_id(last_event_id)
+    return _render(service.resume(stream_id, seq, principal), deps)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, principal: CurrentPrincipal, service: Completions,
+                           deps: Deps, request: Request, last_event_id: LastEventId = None) -> Response:
+    """OpenAI chat completions; `conversation_id` (extension) continues a stored conversation."""
+    if last_event_id and body.stream:
+        return _resume(service, principal, last_event_id, deps)
+    return _render(await service.chat(body, principal, _client_gone(request)), deps)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, principal: CurrentPrincipal, service: Completions, deps: Deps,
+                      request: Request, last_event_id: LastEventId = None) -> Response:
+    """OpenAI (legacy) text completions."""
+    if last_event_id and body.stream:
+        return _resume(service, principal, last_event_id, deps)
+    return _render(await service.text(body, principal, _client_gone(request)), deps)
+
+
+@router.get("/v1/streams/{stream_id}")
+async def resume_stream(stream_id: str, principal: CurrentPrincipal, service: Completions, deps: Deps,
+                        last_event_id: LastEventId = None) -> Response:
+    """Replay a stream's events after `Last-Event-ID` (all of them without it), then follow it live."""
+    seq = -1 if not last_event_id else parse_last_event_id(last_event_id, stream_id)[1]
+    return _render(service.resume(stream_id, seq, principal), deps)

@@ -1,0 +1,61 @@
+"""Conversations: `POST/GET /v1/conversations`, `GET/DELETE /v1/conversations/{id}`.
+
+Scoped to the caller's organisation by the store: another organisation's id is a 404, exactly like
+an unknown one. Deleting is soft; the rows are purged after the retention period (retention.py).
+Continue one with `conversation_id` in a chat completion request.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter
+
+from services.gateway.db.conversations import Conversation, Message
+from services.gateway.deps import Conversations, CurrentPrincipal
+from services.gateway.schemas import ConversationCreate
+
+router = APIRouter(tags=["conversations"])
+
+
+def conversation_object(c: Conversation, messages: list[Message] | None = None) -> dict[str, object]:
+    body: dict[str, object] = {"id": str(c.id), "object": "conversation", "title": c.title,
+                               "created_at": int(c.created_at.timestamp()),
+                               "updated_at": int(c.updated_at.timestamp())}
+    if messages is not None:
+        body["messages"] = [{"id": m.id, "role": m.role, "content": m.content,
+                             "created_at": int(m.created_at.timestamp())} for m in messages]
+    return body
+
+
+@router.post("/v1/conversations")
+async def create_conversation(body: ConversationCreate, principal: CurrentPrincipal,
+                              store: Conversations) -> dict[str, object]:
+    conversation = await store.create(principal.org_id, principal.user_id, body.title)
+    messages = []
+    for m in body.messages:
+        message = m.for_template()
+        messages.append(await store.append(principal.org_id, conversation.id, message["role"],  # type: ignore[arg-type]
+                                           message["content"]))
+    return conversation_object(conversation, messages)
+
+
+@router.get("/v1/conversations")
+async def list_conversations(principal: CurrentPrincipal, store: Conversations) -> dict[str, object]:
+    """The caller's live conversations, most recently active first."""
+    found = await store.list_live(principal.org_id, principal.user_id)
+    return {"object": "list", "data": [conversation_object(c) for c in found]}
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: uuid.UUID, principal: CurrentPrincipal,
+                           store: Conversations) -> dict[str, object]:
+    conversation = await store.get(principal.org_id, conversation_id)
+    return conversation_object(conversation, await store.messages(principal.org_id, conversation_id))
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: uuid.UUID, principal: CurrentPrincipal,
+                              store: Conversations) -> dict[str, object]:
+    await store.soft_delete(principal.org_id, conversation_id)
+    return {"id": str(conversation_id), "object": "conversation.deleted", "deleted": True}

@@ -1,0 +1,68 @@
+"""`/healthz` (the process is up), `/readyz` (DB, Redis and a worker answer) and Prometheus `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from services.gateway.deps import Deps
+from services.gateway.routing import RouterClient
+
+router = APIRouter(tags=["health"])
+log = logging.getLogger(__name__)
+_PROBE_TIMEOUT_S = 2.0
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def _check(name: str, probe: asyncio.Future[object] | object) -> tuple[str, str]:
+    try:
+        await asyncio.wait_for(probe, _PROBE_TIMEOUT_S)  # type: ignore[arg-type]
+    except Exception as e:
+        return name, f"failed: {type(e).__name__}: {e}"[:300]
+    return name, "ok"
+
+
+def _decode_addresses(router_client: RouterClient) -> list[str]:
+    return [w.address for w in router_client.view.workers if w.role.can_decode]
+
+
+async def _any_worker(deps: Deps) -> None:
+    if not _decode_addresses(deps.router):
+        await deps.router.refresh_view()
+    addresses = _decode_addresses(deps.router)
+    if not addresses:
+        raise LookupError("no decode worker known")
+    errors = []
+    for address in addresses:
+        try:
+            await deps.workers.status(address, _PROBE_TIMEOUT_S)
+            return
+        except Exception as e:
+            errors.append(f"{address}: {e}")
+    raise ConnectionError("; ".join(errors))
+
+
+@router.get("/readyz")
+async def readyz(deps: Deps) -> JSONResponse:
+    if deps.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    checks = dict(await asyncio.gather(
+        _check("database", deps.db.ping()), _check("redis", deps.redis.ping()),
+        _check("worker", _any_worker(deps))))
+    ready = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
+                        status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(deps: Deps) -> Response:
+    return Response(deps.metrics.render(), media_type=CONTENT_TYPE_LATEST)

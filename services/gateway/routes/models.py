@@ -1,0 +1,31 @@
+"""`GET /v1/models` and `GET /v1/models/{model_id}`: the served model, its context window and price."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from services.gateway.config import ServedModel
+from services.gateway.deps import CurrentPrincipal, Deps
+from services.gateway.errors import ModelNotFoundError
+
+router = APIRouter(tags=["models"])
+
+
+def model_object(model: ServedModel) -> dict[str, object]:
+    price = model.price
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "baton",
+            "context_window": model.context_window, "max_model_len": model.context_window,
+            "pricing": {"currency": "USD", "unit": "1K tokens", "input": float(price.input),
+                        "cached_input": float(price.cached_input), "output": float(price.output)}}
+
+
+@router.get("/v1/models")
+async def list_models(principal: CurrentPrincipal, deps: Deps) -> dict[str, object]:
+    return {"object": "list", "data": [model_object(deps.config.model)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, principal: CurrentPrincipal, deps: Deps) -> dict[str, object]:
+    if model_id != deps.config.model.name:
+        raise ModelNotFoundError(model_id, [deps.config.model.name])
+    return model_object(deps.config.model)

@@ -1,0 +1,263 @@
+"""`CompletionRunner`: safety pre-check, placement, the n generations, and everything at the end.
+
+Order for one request (the HTTP layer has authenticated, tokenized and admitted it already):
+1. `precheck`: the safety pre-filter on the new user text; a refusal means no worker is called.
+2. `place`: one routing decision per choice (each choice is its own request to the scheduler). A
+   REJECT is a 503 with Retry-After, and releases the choices already placed.
+3. `Generation.run`: the choices stream concurrently; each delta goes through the safety output
+   filter (a HALT aborts that worker stream and finishes the choice with `content_filter`), then to
+   `emit`. Setting `abort` (client gone, shutdown) cancels every choice: the worker call is cancelled
+   and `Abort` is sent, so its KV blocks are freed.
+4. `Generation.finish`: always runs, also after an abort. One usage event per generation that reached
+   a worker (finish reason stop/length/abort/content_filter/error, timings), the rate-limit lease
+   settled with the real token count, the scheduler told, the conversation appended, metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Protocol
+
+from scheduler.types import SLO, RequestSummary, Tier
+from services.billing.events import UsageEvent
+from services.common.errors import BatonError
+from services.gateway.db.conversations import ConversationStore, Role
+from services.gateway.errors import OverloadedError, UpstreamError
+from services.gateway.generation import GenerateTarget, GenerationDelta, WorkerClient
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.ratelimit import RateLimiter
+from services.gateway.routing import RouterClient, RouteSource, RoutingDecision
+from services.gateway.run_state import ChoiceEvent, ChoiceState, GenerationPlan
+from services.gateway.safety_gate import OutputFilter, OutputGate, SafetyGate, SafetyVerdict
+from services.gateway.tracing import tracer
+
+log = logging.getLogger(__name__)
+Emit = Callable[[ChoiceEvent], None]
+
+
+class UsageSink(Protocol):
+    """Where usage events go (the Kafka `UsageProducer`); `emit` must not block."""
+
+    def emit(self, event: UsageEvent) -> None: ...
+
+    @property
+    def pending(self) -> int: ...
+
+
+class CompletionRunner:
+    def __init__(self, workers: WorkerClient, router: RouterClient, safety: SafetyGate | None,
+                 usage: UsageSink, rate_limiter: RateLimiter, conversations: ConversationStore,
+                 metrics: GatewayMetrics, slos: dict[str, SLO]) -> None:
+        self.workers = workers
+        self.router = router
+        self.safety = safety
+        self.usage = usage
+        self.rate_limiter = rate_limiter
+        self.conversations = conversations
+        self.metrics = metrics
+        self.slos = slos
+        self._background: set[asyncio.Task[None]] = set()
+
+    def spawn_close(self, output_filter: OutputFilter) -> None:
+        """Close a safety filter in the background (a cancelled choice must not wait on it)."""
+        task = asyncio.get_running_loop().create_task(output_filter.close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def precheck(self, plan: GenerationPlan, text: str) -> SafetyVerdict | None:
+        """The refusing verdict, or None when the prompt may be served."""
+        if self.safety is None or not text:
+            return None
+        verdict = await self.safety.check_input(plan.principal.org_id, text, plan.completion_id)
+        return None if verdict.allowed else verdict
+
+    async def place(self, plan: GenerationPlan) -> list[RoutingDecision]:
+        decisions: list[RoutingDecision] = []
+        try:
+            for spec in plan.choices:
+                prompt = spec.prompt
+                summary = RequestSummary(
+                    request_id=spec.request_id, num_prompt_tokens=len(prompt.token_ids),
+                    prefix_hashes=tuple(prompt.prefix_hashes), tier=Tier(plan.principal.tier),
+                    slo=self.slos[plan.principal.tier], max_tokens=spec.sampling.max_tokens, model=plan.model,
+                    conversation_id=str(plan.conversation_id) if plan.conversation_id else None)
+                decision = await self.router.route(summary)
+                if not decision.is_placed or decision.decode_address is None:
+                    self.metrics.refusals.labels("scheduler_reject").inc()
+                    raise OverloadedError(f"no capacity for this request now ({decision.reason or 'rejected'})",
+                                          decision.retry_after_s)
+                decisions.append(decision)
+        except BaseException:
+            for placed in decisions:
+                await self.router.finished(placed.request_id)
+            raise
+        return decisions
+
+    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision]) -> Generation:
+        return Generation(self, plan, decisions)
+
+
+class Generation:
+    """The running choices of one plan. `run` once, then `finish` once (also after errors)."""
+
+    def __init__(self, runner: CompletionRunner, plan: GenerationPlan, decisions: list[RoutingDecision]) -> None:
+        self.runner = runner
+        self.plan = plan
+        self.decisions = decisions
+        self.states = [ChoiceState(spec) for spec in plan.choices]
+
+    @property
+    def error(self) -> BatonError | None:
+        return next((s.error for s in self.states if s.error is not None), None)
+
+    async def run(self, emit: Emit | None, abort: asyncio.Event) -> None:
+        metrics = self.runner.metrics
+        metrics.inflight.inc(len(self.states))
+        tasks = [asyncio.create_task(self._run_choice(state, decision, emit))
+                 for state, decision in zip(self.states, self.decisions, strict=True)]
+        watcher = asyncio.create_task(abort.wait())
+
+        def on_abort(_: object) -> None:
+            if abort.is_set():
+                for task in tasks:
+                    task.cancel()
+        watcher.add_done_callback(on_abort)
+        try:
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            for state, outcome in zip(self.states, outcomes, strict=True):
+                if isinstance(outcome, Exception):  # a bug: _run_choice handles expected failures
+                    log.error("choice %s failed unexpectedly", state.spec.request_id, exc_info=outcome)
+                    state.error = UpstreamError(f"generation failed: {outcome!r}")
+                    state.finish("error")
+        finally:
+            watcher.cancel()
+            metrics.inflight.dec(len(self.states))
+            for state in self.states:
+                if state.finish_reason is None:
+                    state.finish("abort")  # a resumed stream sees how an aborted choice ended
+                    if emit is not None:
+                        emit(ChoiceEvent(state.spec.index, "", (), (), "abort"))
+
+    async def _run_choice(self, state: ChoiceState, decision: RoutingDecision, emit: Emit | None) -> None:
+        spec, plan = state.spec, self.plan
+        assert decision.decode_address is not None
+        sampling = spec.sampling
+        if decision.max_tokens is not None and decision.max_tokens < sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=decision.max_tokens)  # degraded by the scheduler
+        target = GenerateTarget(decision.decode_address, decision.prefill_address,
+                                local_prefill_decided=decision.source is RouteSource.SCHEDULER)
+        with tracer.start_as_current_span("gateway.generate", attributes={
+                "baton.request_id": spec.request_id, "baton.decode_worker": target.decode_address,
+                "baton.prompt_tokens": len(spec.prompt.token_ids)}):
+            stream = self.runner.workers.generate(target, spec.request_id, spec.prompt.token_ids, sampling,
+                                                  plan.principal.tier)
+            gate = OutputGate(None)
+            try:
+                if self.runner.safety is not None:
+                    gate = OutputGate(await self.runner.safety.open_output_filter(plan.principal.org_id,
+                                                                                 spec.request_id))
+                async for delta in stream:
+                    if await self._on_delta(state, delta, gate, emit):
+                        return
+                state.error = UpstreamError(f"worker {target.decode_address} ended the stream without finishing")
+                state.finish("error")
+            except BatonError as e:
+                state.error = e
+                state.finish("error")
+            finally:
+                stream.abort()  # no-op after a finish; else cancels the call and frees the KV
+                if gate.output_filter is not None:
+                    self.runner.spawn_close(gate.output_filter)
+
+    async def _on_delta(self, state: ChoiceState, delta: GenerationDelta, gate: OutputGate,
+                        emit: Emit | None) -> bool:
+        """Account one worker response and pass it on; True when the choice is finished."""
+        if delta.num_prompt_tokens:
+            state.worker_answered = True
+            state.prompt_tokens, state.cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
+        if delta.token_ids and state.first_token_at is None:
+            state.first_token_at = time.monotonic()
+        state.token_ids.extend(delta.token_ids)  # billed even when the filter withholds their text
+        # The final feed runs every tier on the tail before the last chunk goes out.
+        text, halt = await gate.admit(delta.text, final=delta.finish_reason is not None)
+        if halt is not None:
+            self._halt(state, halt, emit)
+            return True
+        state.text_parts.append(text)
+        state.logprobs.extend(delta.logprobs)
+        if delta.finish_reason == "error":
+            state.error = UpstreamError(f"the worker failed the generation: {delta.error}")
+        if emit is not None and (text or delta.finish_reason or delta.logprobs):
+            emit(ChoiceEvent(state.spec.index, text, delta.token_ids, delta.logprobs, delta.finish_reason))
+        if delta.finish_reason is not None:
+            state.finish(delta.finish_reason)
+            return True
+        return False
+
+    def _halt(self, state: ChoiceState, verdict: SafetyVerdict, emit: Emit | None) -> None:
+        self.runner.metrics.refusals.labels("output_filter").inc()
+        state.refusal = f"the output was stopped by the content policy ({verdict.category or 'unsafe'})"
+        state.finish("content_filter")
+        if emit is not None:
+            emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter"))
+
+    async def finish(self) -> None:
+        """Bill, settle, release, store. Errors here are logged, never raised: the response is out."""
+        runner, plan = self.runner, self.plan
+        actual = 0
+        for state in self.states:
+            state.finish("abort")
+            billed = state.worker_answered or bool(state.token_ids)
+            if billed:
+                actual += state.prompt_tokens + len(state.token_ids)
+                self._emit_usage(state)
+            runner.metrics.observe_generation(
+                plan.model, state.finish_reason or "abort", state.prompt_tokens if billed else 0,
+                state.cached_tokens, len(state.token_ids),
+                None if state.first_token_at is None else state.first_token_at - plan.started_at,
+                (state.finished_at or time.monotonic()) - plan.started_at)
+        for decision in self.decisions:
+            await runner.router.finished(decision.request_id)
+        try:
+            await runner.rate_limiter.reconcile(plan.lease, actual)
+        except Exception as e:  # Redis down: the estimate stays charged, which errs on the safe side
+            log.warning("rate-limit reconcile for %s failed: %s", plan.completion_id, e)
+        await self._store_conversation()
+
+    def _emit_usage(self, state: ChoiceState) -> None:
+        plan = self.plan
+        ttft = None if state.first_token_at is None else (state.first_token_at - plan.started_at) * 1000
+        end = state.finished_at or time.monotonic()
+        try:
+            self.runner.usage.emit(UsageEvent(
+                request_id=state.spec.request_id, org_id=plan.principal.org_id, api_key_id=plan.principal.key_id,
+                model=plan.model, prompt_tokens=state.prompt_tokens,
+                cached_tokens=min(state.cached_tokens, state.prompt_tokens), completion_tokens=len(state.token_ids),
+                finish_reason=state.finish_reason or "abort", ttft_ms=ttft, e2e_ms=(end - plan.started_at) * 1000,
+                created_at=datetime.now(UTC)))
+        except BatonError as e:
+            log.error("usage event %s not recorded: %s", state.spec.request_id, e)
+
+    async def _store_conversation(self) -> None:
+        plan = self.plan
+        if plan.conversation_id is None or not any(s.worker_answered for s in self.states):
+            return
+        org = plan.principal.org_id
+        first = self.states[0]
+        try:
+            last = len(plan.conversation_messages) - 1
+            for i, message in enumerate(plan.conversation_messages):
+                role: Role = message["role"]  # type: ignore[assignment]
+                await self.runner.conversations.append(
+                    org, plan.conversation_id, role, message["content"],
+                    prompt_tokens=first.prompt_tokens if i == last else None)
+            if first.text:
+                await self.runner.conversations.append(org, plan.conversation_id, "assistant", first.text,
+                                                       completion_tokens=len(first.token_ids))
+        except BatonError as e:  # deleted meanwhile: the reply was served, nothing to store it in
+            log.info("conversation %s not appended: %s", plan.conversation_id, e)

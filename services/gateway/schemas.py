@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic (a failure is a 400 naming the field).
+
+Responses are plain dicts built in `formatting.py`: they are produced per token and must be cheap.
+Unknown fields are ignored (OpenAI clients send many optional ones); fields we cannot honour
+(`tools`, `suffix`, non-text content parts) are refused with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_CHOICES = 16  # n (times the number of prompts, for /v1/completions)
+MAX_STOP = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+StopField = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template sees it ("developer" is OpenAI's newer name for "system")."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    """Sampling and streaming fields common to chat and text completions."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: StopField | list[StopField] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=2048)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    # Baton extension: continue a stored conversation (history assembled server-side).
+    conversation_id: uuid.UUID | None = None
+
+    @model_validator(mode="after")
+    def _storable_in_conversation(self) -> ChatCompletionRequest:
+        if self.conversation_id is not None:
+            _storable(self.messages)
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """Top alternatives per token for the worker, or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptField = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: PromptField
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: PromptField) -> PromptField:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts in one request")
+            if any(isinstance(p, list) and not p for p in v):
+                raise ValueError("a token-id prompt must not be empty")
+            ids = [t for p in v for t in (p if isinstance(p, list) else [p]) if isinstance(t, int)]
+            if any(t < 0 for t in ids):
+                raise ValueError("token ids must be >= 0")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [[x for x in p if isinstance(x, int)]]
+        return [x for x in p if not isinstance(x, int)]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def _storable(messages: list[ChatMessage]) -> None:
+    # Postgres text cannot hold NUL characters: what is stored must not contain them.
+    if any("\x00" in m.text() for m in messages):
+        raise ValueError("messages stored in a conversation must not contain NUL characters")
+
+
+class ConversationCreate(_Strict):
+    title: str = Field(default="", max_length=200, pattern=r"^[^\x00]*$")
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="after")
+    def _no_nul(self) -> ConversationCreate:
+        _storable(self.messages)
+        return self

@@ -1,0 +1,277 @@
+"""`CompletionService`: what `/v1/chat/completions` and `/v1/completions` do, below the HTTP layer.
+
+It turns a validated request into a `GenerationPlan` (model check, conversation history, prompt and
+context window, sampling per choice), admits it (monthly budget, usage backlog, RPM/TPM lease), then
+hands it to the `CompletionRunner` and returns an outcome for the route to render: a JSON body, or
+an `EventLog` to stream. It raises typed errors only; the routes render them.
+
+Streams run in a task of their own that writes the log; the response follows the log (so a client
+can resume with Last-Event-ID). Non-streaming requests run in the request's task and are aborted when
+`client_gone` returns (the client hung up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from opentelemetry import trace
+
+from services.common.errors import UsageBacklogFullError
+from services.gateway.auth import Principal
+from services.gateway.budget import BudgetGuard
+from services.gateway.config import GatewayConfig
+from services.gateway.db.conversations import ConversationStore
+from services.gateway.errors import BadRequestError, ModelNotFoundError, error_body
+from services.gateway.formatting import ChatFormatter, Formatter, ResponseMeta, TextFormatter, TokenTexts, json_data
+from services.gateway.generation import SamplingSpec, derive_seed
+from services.gateway.prompt import PreparedPrompt, PromptBuilder, TemplateMessage
+from services.gateway.ratelimit import RateLimiter, RateLimitLease
+from services.gateway.run_state import ChoiceEvent, ChoiceSpec, GenerationPlan
+from services.gateway.runner import CompletionRunner, Generation
+from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from services.gateway.streams import EventLog, StreamHub
+
+log = logging.getLogger(__name__)
+ClientGone = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class JsonOutcome:
+    body: dict[str, object]
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StreamOutcome:
+    event_log: EventLog
+    after_seq: int
+    headers: dict[str, str]
+
+
+Outcome = JsonOutcome | StreamOutcome
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What chat and text requests share once their prompts are built."""
+
+    kind: str  # "chat" | "text"
+    prompts: list[PreparedPrompt]
+    n: int
+    sampling: SamplingSpec  # max_tokens of the first prompt; each choice uses its prompt's own
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+    safety_text: str
+    echo: bool = False
+    user: str | None = None
+    conversation_id: uuid.UUID | None = None
+    conversation_messages: tuple[TemplateMessage, ...] = ()
+
+
+class CompletionService:
+    def __init__(self, config: GatewayConfig, prompts: PromptBuilder, runner: CompletionRunner,
+                 rate_limiter: RateLimiter, budget: BudgetGuard, conversations: ConversationStore,
+                 streams: StreamHub) -> None:
+        self.config = config
+        self.prompts = prompts
+        self.runner = runner
+        self.rate_limiter = rate_limiter
+        self.budget = budget
+        self.conversations = conversations
+        self.streams = streams
+        self.tokens = TokenTexts(prompts.tokenizer)
+        self._producers: set[asyncio.Task[None]] = set()
+        self._logs: set[EventLog] = set()
+
+    # ---- the two endpoints -------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
+        self._check_model(body.model)
+        if body.tools:
+            raise BadRequestError("tools / function calling is not supported by this server", "tools")
+        new = [m.for_template() for m in body.messages]
+        history = await self._history(principal, body.conversation_id)
+        prompt = self.prompts.chat(new, body.requested_max_tokens(), history)
+        request = _Request(
+            "chat", [prompt], body.n, self._sampling(body, body.logprobs_count()), body.stream,
+            body.include_usage, body.logprobs, "\n".join(m["content"] for m in new if m["role"] == "user"),
+            user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new))
+        return await self._serve(request, principal, client_gone)
+
+    async def text(self, body: CompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
+        self._check_model(body.model)
+        if body.suffix:
+            raise BadRequestError("suffix (insertion) is not supported by this model", "suffix")
+        if body.n * len(body.prompts()) > MAX_CHOICES:
+            raise BadRequestError(f"n times the number of prompts may be at most {MAX_CHOICES}", "n")
+        prompts = [self.prompts.text(p, body.requested_max_tokens()) for p in body.prompts()]
+        request = _Request("text", prompts, body.n, self._sampling(body, body.logprobs), body.stream,
+                           body.include_usage, body.logprobs is not None, "\n".join(p.text for p in prompts),
+                           echo=body.echo, user=body.user)
+        return await self._serve(request, principal, client_gone)
+
+    def resume(self, stream_id: str, after_seq: int, principal: Principal) -> StreamOutcome:
+        event_log = self.streams.get(stream_id, principal.org_id)
+        event_log.events_after(after_seq)  # 410 now, before the 200 head, if they are gone
+        self.runner.metrics.replays.inc()
+        return StreamOutcome(event_log, after_seq, {})
+
+    # ---- building and admitting --------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model.name:
+            raise ModelNotFoundError(model, [self.config.model.name])
+
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, logprobs: int | None) -> SamplingSpec:
+        return SamplingSpec(max_tokens=1, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                            stop=tuple(body.stop_list()), presence_penalty=body.presence_penalty,
+                            frequency_penalty=body.frequency_penalty, logprobs=logprobs)
+
+    async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
+        if conversation_id is None:
+            return []
+        messages = await self.conversations.messages(principal.org_id, conversation_id)
+        return [{"role": m.role, "content": m.content} for m in messages]
+
+    def _plan(self, request: _Request, principal: Principal, lease: RateLimitLease,
+              started_at: float) -> GenerationPlan:
+        completion_id = ("chatcmpl-" if request.kind == "chat" else "cmpl-") + secrets.token_urlsafe(18)
+        choices = []
+        for p, prompt in enumerate(request.prompts):
+            for i in range(request.n):
+                index = p * request.n + i
+                request_id = completion_id if len(request.prompts) * request.n == 1 else f"{completion_id}-{index}"
+                sampling = replace(request.sampling, max_tokens=prompt.max_tokens,
+                                   seed=derive_seed(request.sampling.seed, index))
+                choices.append(ChoiceSpec(index, request_id, prompt, sampling))
+        return GenerationPlan(completion_id, int(time.time()), self.config.model.name, principal, tuple(choices),
+                              lease, started_at, request.conversation_id, request.conversation_messages)
+
+    async def _admit(self, request: _Request, principal: Principal) -> RateLimitLease:
+        await self.budget.check(principal.org_id)
+        pending = self.runner.usage.pending
+        if pending >= self.config.usage_backlog_limit:  # fail closed rather than serve unbillable work
+            raise UsageBacklogFullError(f"{pending} usage events await the broker; try again later")
+        estimate = sum(len(p.token_ids) + p.max_tokens for p in request.prompts) * request.n
+        return await self.rate_limiter.acquire(principal, estimate)
+
+    async def _serve(self, request: _Request, principal: Principal, client_gone: ClientGone) -> Outcome:
+        started_at = time.monotonic()
+        span = trace.get_current_span()
+        span.set_attribute("baton.org_id", str(principal.org_id))
+        if request.user:
+            span.set_attribute("enduser.id", request.user)  # OpenAI's `user`: recorded, not interpreted
+        lease = await self._admit(request, principal)
+        plan = self._plan(request, principal, lease, started_at)
+        headers = plan.lease.status.headers()
+        formatter = self._formatter(request, plan)
+        try:
+            refusal = await self.runner.precheck(plan, request.safety_text)
+            decisions = [] if refusal is not None else await self.runner.place(plan)
+        except BaseException:
+            await self.rate_limiter.reconcile(plan.lease, 0)
+            raise
+        generation = self.runner.start(plan, decisions)
+        if refusal is not None:
+            await self.rate_limiter.reconcile(plan.lease, 0)
+            for state in generation.states:
+                state.refusal = f"the request was refused by the content policy ({refusal.category or 'unsafe'})"
+                state.finish("content_filter")
+            self.runner.metrics.refusals.labels("input_filter").inc()
+            if not request.stream:
+                return JsonOutcome(formatter.response(generation.states, False), headers)
+            return self._refusal_stream(plan, generation, formatter, request.include_usage, headers)
+        if request.stream:
+            return self._stream(plan, generation, formatter, request.include_usage, headers)
+        return await self._collect(generation, formatter, request.want_logprobs, client_gone, headers)
+
+    def _formatter(self, request: _Request, plan: GenerationPlan) -> Formatter:
+        meta = ResponseMeta(plan.completion_id, plan.created, plan.model, request.n, request.include_usage,
+                            tuple(p.text for p in request.prompts) if request.echo else (),
+                            str(request.conversation_id) if request.conversation_id else None)
+        return ChatFormatter(meta, self.tokens) if request.kind == "chat" else TextFormatter(meta, self.tokens)
+
+    # ---- responding --------------------------------------------------------------------------
+
+    async def _collect(self, generation: Generation, formatter: Formatter, want_logprobs: bool,
+                       client_gone: ClientGone, headers: dict[str, str]) -> JsonOutcome:
+        abort = asyncio.Event()
+        watcher = asyncio.ensure_future(client_gone())
+        watcher.add_done_callback(lambda f: None if f.cancelled() else abort.set())
+        try:
+            await generation.run(None, abort)
+        finally:
+            watcher.cancel()
+            await generation.finish()
+        if generation.error is not None:
+            raise generation.error
+        return JsonOutcome(formatter.response(generation.states, want_logprobs), headers)
+
+    def _stream(self, plan: GenerationPlan, generation: Generation, formatter: Formatter, include_usage: bool,
+                headers: dict[str, str]) -> StreamOutcome:
+        event_log = self.streams.open(plan.completion_id, plan.principal.org_id)
+        self._spawn(self._produce(generation, formatter, include_usage, event_log), event_log)
+        return StreamOutcome(event_log, -1, headers)
+
+    def _refusal_stream(self, plan: GenerationPlan, generation: Generation, formatter: Formatter,
+                        include_usage: bool, headers: dict[str, str]) -> StreamOutcome:
+        event_log = self.streams.open(plan.completion_id, plan.principal.org_id)
+        for state in generation.states:
+            event_log.append(json_data(formatter.chunk(ChoiceEvent(state.spec.index, "", (), (), "content_filter"))))
+        self._finish_log(event_log, formatter, generation, include_usage)
+        return StreamOutcome(event_log, -1, headers)
+
+    async def _produce(self, generation: Generation, formatter: Formatter, include_usage: bool,
+                       event_log: EventLog) -> None:
+        try:
+            def emit(event: ChoiceEvent) -> None:
+                event_log.append(json_data(formatter.chunk(event)))
+
+            await generation.run(emit, event_log.abort_requested)
+            error = generation.error
+            if error is not None:
+                event_log.append(json_data(error_body(error.http_status, str(error), error.code)))
+            self._finish_log(event_log, formatter, generation, include_usage)
+        finally:
+            event_log.finish()
+            await generation.finish()
+
+    @staticmethod
+    def _finish_log(event_log: EventLog, formatter: Formatter, generation: Generation, include_usage: bool) -> None:
+        if include_usage:
+            event_log.append(json_data(formatter.usage_chunk(generation.states)))
+        event_log.append("[DONE]")
+        event_log.finish()
+
+    def _spawn(self, coroutine: Awaitable[None], event_log: EventLog) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._producers.add(task)
+        self._logs.add(event_log)
+
+        def done(t: asyncio.Future[None]) -> None:
+            self._producers.discard(t)  # type: ignore[arg-type]
+            self._logs.discard(event_log)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("stream %s failed", event_log.stream_id, exc_info=t.exception())
+        task.add_done_callback(done)
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._producers)
+
+    async def close(self, timeout_s: float) -> None:
+        """Shutdown: let running streams finish for `timeout_s`, then abort the rest (KV freed, billed)."""
+        if self._producers:
+            await asyncio.wait(set(self._producers), timeout=timeout_s)
+        for event_log in list(self._logs):
+            event_log.abort_requested.set()
+        if self._producers:
+            await asyncio.wait(set(self._producers), timeout=5.0)
+

@@ -1,0 +1,59 @@
+"""`GatewaySettings`: the gateway's own `BATON_*` environment variables, read in its main only.
+
+The platform-wide ones (database, Redis, Kafka, pricing, tier limits) stay in `BatonSettings`; these
+say where the rest of the cluster is and how the HTTP edge behaves. Lists are JSON in the environment,
+e.g. `BATON_WORKER_ADDRESSES='["127.0.0.1:50061"]'`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.settings import Tier
+
+
+class SLOSettings(BaseModel):
+    """The latency targets the scheduler places a tier's requests for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+
+
+def default_slos() -> dict[Tier, SLOSettings]:
+    # Lax on purpose: the default cluster is a CPU laptop; GPU deployments set BATON_SLOS.
+    return {"free": SLOSettings(ttft_ms=20_000, tpot_ms=1_000),
+            "plus": SLOSettings(ttft_ms=10_000, tpot_ms=500),
+            "enterprise": SLOSettings(ttft_ms=5_000, tpot_ms=250)}
+
+
+class GatewaySettings(BaseSettings):
+    """Gateway settings; env prefix `BATON_`, e.g. `BATON_SCHEDULER_ADDRESS`."""
+
+    model_config = SettingsConfigDict(env_prefix="BATON_", extra="ignore", frozen=True)
+
+    # Routing: a scheduler, or (no scheduler) a static list of decode-capable worker addresses.
+    scheduler_address: str | None = None
+    worker_addresses: list[str] = Field(default_factory=list)
+    safety_address: str | None = None  # None: no safety checks (development only)
+
+    # The served model: a prepared HF directory (None: the default model in the cache).
+    model: str | None = None
+    served_model_name: str | None = None  # None: the model directory's name
+    cache_dir: str | None = None
+    max_model_len: int | None = Field(default=None, ge=16)  # None: the model's max_position_embeddings
+    block_size: int = Field(default=16, ge=1)  # must equal the workers' KV block size (prefix hashes)
+    default_max_tokens: int = Field(default=1024, ge=1)
+    slos: dict[Tier, SLOSettings] = Field(default_factory=default_slos)
+
+    sse_keepalive_s: float = Field(default=15.0, gt=0)
+    stream_replay_window_s: float = Field(default=60.0, ge=0)
+    stream_replay_max_events: int = Field(default=4096, ge=16)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    conversation_retention_days: int = Field(default=30, ge=0)
+    purge_interval_s: float = Field(default=3600.0, gt=0)
+
+    otel_exporter: str = "none"  # none | console | otlp (otlp needs opentelemetry-exporter-otlp)
+    log_level: str = "INFO"

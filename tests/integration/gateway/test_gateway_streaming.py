@@ -1,0 +1,115 @@
+"""SSE done right: ids on every event, keep-alives, [DONE], disconnect aborts, Last-Event-ID replays."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.integration.gateway.sse_events import Event, events, text_of
+from tests.support.gateway_stack import MODEL, WORKER_BLOCKS, GatewayStack, Tenant
+
+LONG_PROMPT = "Tell me a long story about a lighthouse keeper. " * 30  # ~300 tokens: a visible prefill
+ESSAY = "Write a long, detailed essay about the history of lighthouses."  # greedy output runs long
+
+
+def _body(max_tokens: int, content: str = "Count from one to twenty.") -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+
+
+def _stream(stack: GatewayStack, key: str, body: dict[str, object],
+            comments: list[str] | None = None) -> list[Event]:
+    with stack.http(key) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return list(events(r.iter_lines(), comments))
+
+
+def _wait_idle(stack: GatewayStack, timeout_s: float = 10.0) -> float:
+    """Seconds until the worker runs nothing and every block is free again."""
+    start = time.monotonic()
+    while True:
+        status = stack.worker_status()
+        if status.running_seqs == 0 and status.queue_depth == 0 and status.free_blocks == WORKER_BLOCKS:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"worker not idle: {status}"
+        time.sleep(0.05)
+
+
+def test_every_event_has_a_sequential_id_and_the_stream_ends_with_done(stack: GatewayStack,
+                                                                       tenant: Tenant) -> None:
+    comments: list[str] = []
+    evs = _stream(stack, tenant.key, _body(6, LONG_PROMPT), comments)
+    stream_id = evs[0].json["id"]
+    assert [e.id for e in evs] == [f"{stream_id}:{i}" for i in range(len(evs))]
+    assert evs[-1].data == "[DONE]"
+    assert evs[-2].json["choices"][0]["finish_reason"] in ("stop", "length")
+    assert comments and set(comments) == {": keep-alive"}  # 0.1 s keep-alives during the prefill
+
+
+def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: GatewayStack,
+                                                                      tenant: Tenant) -> None:
+    _wait_idle(stack)
+    with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
+                                                     json=_body(400, ESSAY)) as r:
+        seen, lines = 0, r.iter_lines()  # held: a dropped line iterator would close the connection
+        for line in lines:
+            seen += line.startswith("data:")
+            if seen == 3:
+                break
+        running = stack.worker_status()
+        assert running.running_seqs == 1 and running.free_blocks < WORKER_BLOCKS
+    # 400 tokens would take many seconds on this CPU; the abort frees everything at once.
+    assert _wait_idle(stack, timeout_s=5.0) < 5.0
+
+
+def test_last_event_id_replays_the_missed_events(stack: GatewayStack, tenant: Tenant) -> None:
+    original = _stream(stack, tenant.key, _body(8))
+    stream_id = original[0].json["id"]
+    with stack.http(tenant.key) as http:
+        with http.stream("GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}:2"}) as r:
+            assert r.status_code == 200
+            replayed = list(events(r.iter_lines()))
+        with http.stream("POST", "/v1/chat/completions", json=_body(8),
+                         headers={"Last-Event-ID": f"{stream_id}:4"}) as r:
+            reposted = list(events(r.iter_lines()))
+    assert replayed == original[3:]
+    assert reposted == original[5:]
+
+
+def test_a_resume_after_a_disconnect_replays_up_to_the_abort(stack: GatewayStack, tenant: Tenant) -> None:
+    with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
+                                                     json=_body(400, ESSAY)) as r:
+        head = []
+        for ev in events(r.iter_lines()):
+            head.append(ev)
+            if len(head) == 2:
+                break
+    stream_id = head[0].json["id"]
+    _wait_idle(stack)
+    with stack.http(tenant.key) as http, http.stream(
+            "GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": head[1].id}) as r:
+        rest = list(events(r.iter_lines()))
+    assert rest[0].id == f"{stream_id}:2"
+    assert rest[-1].data == "[DONE]"
+    assert rest[-2].json["choices"][0]["finish_reason"] == "abort"
+    assert len(text_of(head + rest)) > 0
+
+
+def test_another_organisation_cannot_resume_a_stream(stack: GatewayStack, tenant: Tenant) -> None:
+    stream_id = _stream(stack, tenant.key, _body(2))[0].json["id"]
+    other = stack.tenant()
+    with stack.http(other.key) as http:
+        r = http.get(f"/v1/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}:0"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_too(stack: GatewayStack, tenant: Tenant) -> None:
+    _wait_idle(stack)
+    body = {**_body(400, ESSAY), "stream": False}
+    with stack.http(tenant.key) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=body, timeout=1.0)  # the client gives up and hangs up
+    assert _wait_idle(stack, timeout_s=5.0) < 5.0

@@ -1,0 +1,137 @@
+"""The real serving stack for gateway tests: a `both` worker, the billing consumer and the gateway, as
+subprocesses (started by the launcher's `Supervisor`), on the session's Postgres, Redis and broker.
+
+Tenants are real organisations and keys in the gateway's database, created per test with unique
+names, so tests never share rate-limit buckets, conversations or usage rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+
+import grpc
+import httpx
+from openai import OpenAI
+
+from services.common.settings import Tier
+from services.gateway.admin import create_key, create_org
+from services.gateway.db.pool import Database, DatabaseConfig
+from services.launcher.process import SupervisedProcess, free_port
+from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, log_line
+from services.rpc.gen.baton.v1 import worker_pb2 as wpb
+from services.rpc.gen.baton.v1 import worker_pb2_grpc as wpb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+WORKER_BLOCKS = 256
+CONTEXT_WINDOW = 2048  # gateway and worker agree; the KV pool holds two full-length sequences
+KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 300,
+                              "max.poll.interval.ms": 10000}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    org_id: uuid.UUID
+    org_name: str
+    key: str
+    key_id: uuid.UUID
+
+
+@dataclass
+class GatewayStack:
+    url: str  # http://127.0.0.1:<port>, no trailing slash
+    database_url: str
+    worker_address: str
+    infra_env: dict[str, str]
+    supervisor: Supervisor
+    model_dir: Path
+    _channel: grpc.Channel | None = field(default=None, repr=False)
+
+    def openai(self, key: str, **kwargs: object) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def tenant(self, tier: Tier = "free", *, rpm: int | None = None, tpm: int | None = None,
+               budget_usd: Decimal | None = None, email: str | None = None) -> Tenant:
+        coroutine = _make_tenant(self.database_url, tier, rpm, tpm, budget_usd, email)
+        # In a thread of its own: callers may run inside an event loop (async tests, Playwright).
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, coroutine).result()
+
+    def worker_status(self) -> wpb.WorkerStatus:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.worker_address)
+        return wpb_grpc.WorkerStub(self._channel).GetStatus(wpb.StatusRequest(), timeout=10)
+
+    def gateway_env(self, **extra: str) -> dict[str, str]:
+        return {**self.infra_env, "BATON_WORKER_ADDRESSES": json.dumps([self.worker_address]),
+                "BATON_SSE_KEEPALIVE_S": "0.1", "BATON_STREAM_REPLAY_WINDOW_S": "60",
+                "BATON_DRAIN_TIMEOUT_S": "20", "PYTHONUNBUFFERED": "1", **extra}
+
+    def start_gateway(self, name: str, **extra_env: str) -> tuple[SupervisedProcess, str]:
+        """Another gateway on this stack (e.g. with safety, or to be drained); stopped with the stack."""
+        return start_gateway(self.supervisor, name, self.gateway_env(**extra_env))
+
+    def log_tail(self, name: str = "gateway", lines: int = 40) -> str:
+        return self.supervisor.log_tail(name, lines)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self.supervisor.stop_all()
+
+
+async def _make_tenant(database_url: str, tier: Tier, rpm: int | None, tpm: int | None,
+                       budget_usd: Decimal | None, email: str | None) -> Tenant:
+    async with Database(DatabaseConfig(database_url, min_size=1, max_size=1, migrate=False)) as db:
+        org = await create_org(db, f"org-{uuid.uuid4().hex[:12]}", tier, budget_usd)
+        issued = await create_key(db, str(org.id), rpm_limit=rpm, tpm_limit=tpm, user_email=email)
+    return Tenant(org.id, org.name, issued.key, issued.record.id)
+
+
+def start_gateway(supervisor: Supervisor, name: str, env: dict[str, str]) -> tuple[SupervisedProcess, str]:
+    port = free_port()
+    process = supervisor.start(ChildSpec(name, [sys.executable, "-m", "services.gateway", "--port", str(port)],
+                                         http_ok(f"http://127.0.0.1:{port}/readyz"), env=env, ready_timeout_s=60,
+                                         stop_timeout_s=30))
+    return process, f"http://127.0.0.1:{port}"
+
+
+def start_worker(supervisor: Supervisor, name: str, role: str, model_dir: Path, *extra: str) -> str:
+    port = free_port()
+    argv = [sys.executable, "-m", "services.worker", "--role", role, "--model", str(model_dir), "--model-id", MODEL,
+            "--port", str(port), "--worker-id", name, "--torch-threads", "1", "--num-blocks", str(WORKER_BLOCKS),
+            "--max-model-len", str(CONTEXT_WINDOW), *extra]
+    supervisor.start(ChildSpec(name, argv, log_line("BATON_WORKER_READY"), env={"OMP_NUM_THREADS": "1"},
+                               ready_timeout_s=180))
+    return f"127.0.0.1:{port}"
+
+
+def start_stack(log_dir: Path, model_dir: Path, database_url: str, redis_url: str, kafka: str) -> GatewayStack:
+    supervisor = Supervisor(log_dir, cwd=ROOT)
+    topic = f"baton.usage.{uuid.uuid4().hex[:8]}"
+    infra_env = {"BATON_DATABASE_URL": database_url, "BATON_REDIS_URL": redis_url, "BATON_KAFKA_BOOTSTRAP": kafka,
+                 "BATON_USAGE_TOPIC": topic, "BATON_MODEL": str(model_dir), "BATON_SERVED_MODEL_NAME": MODEL,
+                 "BATON_MAX_MODEL_LEN": str(CONTEXT_WINDOW),
+                 "BATON_BILLING_GROUP_ID": f"billing-{topic}", "BATON_BILLING_BATCH_SIZE": "20",
+                 "BATON_KAFKA_CONSUMER_CONFIG": json.dumps(KAFKA_TEST_CONSUMER_CONFIG)}
+    try:
+        worker = start_worker(supervisor, "worker-both", "both", model_dir)
+        supervisor.start(ChildSpec("billing", [sys.executable, "-m", "services.billing"],
+                                   log_line("billing consumer:"), env=infra_env))
+        stack = GatewayStack("", database_url, worker, infra_env, supervisor, model_dir)
+        _, stack.url = start_gateway(supervisor, "gateway", stack.gateway_env())
+    except BaseException:
+        supervisor.stop_all()
+        raise
+    return stack

@@ -1,0 +1,113 @@
+"""Replay buffers: ordered follow, bounded replay, org scoping, expiry, abort when the last follower leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from services.common.errors import NotFoundError
+from services.gateway.config import StreamConfig
+from services.gateway.errors import BadRequestError, StreamGoneError
+from services.gateway.streams import EventLog, StreamHub, parse_last_event_id
+
+ORG = uuid.uuid4()
+
+
+async def _collect(log: EventLog, after: int, keepalive_s: float = 10.0) -> list[str | None]:
+    return [None if e is None else e.data async for e in log.follow(after, keepalive_s)]
+
+
+async def test_a_follower_gets_buffered_then_live_events_until_the_end() -> None:
+    log = EventLog("s", ORG, 16)
+    log.append("a")
+    follower = asyncio.create_task(_collect(log, -1))
+    await asyncio.sleep(0.01)
+    log.append("b")
+    log.append("[DONE]")
+    log.finish()
+    assert await follower == ["a", "b", "[DONE]"]
+
+
+async def test_replay_starts_after_the_given_event() -> None:
+    log = EventLog("s", ORG, 16)
+    for data in "abcd":
+        log.append(data)
+    log.finish()
+    assert await _collect(log, 1) == ["c", "d"]
+
+
+async def test_an_idle_stream_yields_keepalives() -> None:
+    log = EventLog("s", ORG, 16)
+    follower = asyncio.create_task(_collect(log, -1, keepalive_s=0.02))
+    await asyncio.sleep(0.07)
+    log.finish()
+    assert (await follower).count(None) >= 2
+
+
+def test_events_dropped_from_the_bounded_buffer_are_gone() -> None:
+    log = EventLog("s", ORG, 3)
+    for data in "abcde":
+        log.append(data)
+    assert [e.data for e in log.events_after(1)] == ["c", "d", "e"]
+    with pytest.raises(StreamGoneError):
+        log.events_after(0)
+
+
+def test_the_last_follower_disconnecting_requests_an_abort() -> None:
+    log = EventLog("s", ORG, 3)
+    log.attach()
+    log.attach()
+    log.detach(disconnected=True)
+    assert not log.abort_requested.is_set()
+    log.detach(disconnected=True)
+    assert log.abort_requested.is_set()
+
+
+def test_a_finished_stream_is_never_aborted() -> None:
+    log = EventLog("s", ORG, 3)
+    log.attach()
+    log.finish()
+    log.detach(disconnected=True)
+    assert not log.abort_requested.is_set()
+
+
+def test_another_organisation_cannot_see_a_stream() -> None:
+    hub = StreamHub(StreamConfig())
+    hub.open("s", ORG)
+    assert hub.get("s", ORG).stream_id == "s"
+    with pytest.raises(NotFoundError):
+        hub.get("s", uuid.uuid4())
+
+
+def test_finished_streams_expire_after_the_window_and_the_cap_drops_the_oldest() -> None:
+    hub = StreamHub(StreamConfig(replay_window_s=60, max_streams=2))
+    first = hub.open("a", ORG)
+    first.finish()
+    hub.open("b", ORG)
+    hub.open("c", ORG)  # over the cap: the oldest finished one goes
+    with pytest.raises(NotFoundError):
+        hub.get("a", ORG)
+    finished = hub.get("b", ORG)
+    finished.finish()
+    assert finished.finished_at is not None
+    hub.sweep(now=finished.finished_at + 61)
+    assert len(hub) == 1
+
+
+@pytest.mark.parametrize(("value", "expected"), [("cmpl-x:3", ("cmpl-x", 3)), ("a:b:7", ("a:b", 7))])
+def test_last_event_id_parsing(value: str, expected: tuple[str, int]) -> None:
+    assert parse_last_event_id(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "nocolon", "s:x", "s:-5"])
+def test_bad_last_event_ids_are_400(value: str) -> None:
+    with pytest.raises(BadRequestError):
+        parse_last_event_id(value)
+
+
+def test_a_bare_number_needs_the_stream_from_the_path() -> None:
+    assert parse_last_event_id("4", "s") == ("s", 4)
+    with pytest.raises(BadRequestError):
+        parse_last_event_id("other:4", "s")

@@ -1,0 +1,86 @@
+"""The supervisor: readiness gates, reverse-order stop of whole process groups, dead children, set-up steps."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InfraStartError
+from services.launcher.supervisor import ChildSpec, Supervisor, log_line
+
+# A child that prints READY, forks a grandchild into its own process group, and logs SIGTERM.
+CHILD = """
+import os, signal, sys, time
+name = sys.argv[1]
+def bye(*_):
+    print(f"{name} got SIGTERM", flush=True)
+    with open(sys.argv[2], "a") as f: f.write(name + "\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn grandchild: only the group kill ends it
+    time.sleep(300)
+    os._exit(0)
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _spec(name: str, order_file: Path) -> ChildSpec:
+    return ChildSpec(name, [sys.executable, "-c", CHILD, name, str(order_file)], log_line("READY"),
+                     ready_timeout_s=20, stop_timeout_s=5)
+
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def test_children_stop_in_reverse_order_with_their_process_groups(tmp_path: Path) -> None:
+    order = tmp_path / "order"
+    supervisor = Supervisor(tmp_path / "logs")
+    pids = [supervisor.start(_spec(name, order)).pid for name in ("infra", "worker", "gateway")]
+    assert all(pid is not None and _group_members(pid) for pid in pids)
+    supervisor.stop_all()
+    assert order.read_text().split() == ["gateway", "worker", "infra"]
+    deadline = time.monotonic() + 5
+    while any(_group_members(pid) for pid in pids if pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_group_members(pid) for pid in pids if pid)  # grandchildren included
+
+
+def test_a_child_that_exits_is_reported(tmp_path: Path) -> None:
+    with Supervisor(tmp_path / "logs") as supervisor:
+        supervisor.start(_spec("steady", tmp_path / "order"))
+        brief = "import time; print('READY', flush=True); time.sleep(0.5)"
+        supervisor.start(ChildSpec("brief", [sys.executable, "-c", brief], log_line("READY")))
+        assert supervisor.watch(lambda: False, poll_s=0.05) == "brief"
+
+
+def test_a_child_that_dies_during_start_up_raises_with_its_log(tmp_path: Path) -> None:
+    with Supervisor(tmp_path / "logs") as supervisor, pytest.raises(InfraStartError, match="no such thing"):
+        supervisor.start(ChildSpec("broken", [sys.executable, "-c", "raise SystemExit('no such thing')"],
+                                   log_line("READY")))
+
+
+def test_a_failing_setup_step_raises_with_its_log(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    supervisor.run_once("ok", [sys.executable, "-c", "print('fine')"], 20)
+    with pytest.raises(InfraStartError, match="exit code 3"):
+        supervisor.run_once("bad", [sys.executable, "-c", "import sys; print('oops'); sys.exit(3)"], 20)
+    assert supervisor.children == []
