@@ -52,6 +52,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="dummy: random weights from --model's config.json alone (benchmarks)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed: dummy weights (same seed, same weights) and unseeded sampling")
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--num-blocks", type=int, default=None)
@@ -101,7 +105,7 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
+        load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           enable_prefix_caching=not args.no_prefix_caching),
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,47 @@
+"""`baton worker` flags reach the engine config: --load-format dummy and --seed (benchmark workers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.loader.loaded_model import load_model
+from services.worker.main import add_worker_args, build_engine_config
+
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser)
+    return parser.parse_args(["--role", "both", *argv])
+
+
+def _config_only_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))  # no weights, no tokenizer
+    return tmp_path
+
+
+def test_defaults_keep_auto_format_and_seed_zero() -> None:
+    config = build_engine_config(_parse())
+    assert (config.load_format, config.seed) == ("auto", 0)
+
+
+def test_unknown_load_format_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        _parse("--load-format", "pickle")
+
+
+def test_dummy_workers_with_one_seed_load_identical_weights(tmp_path: Path) -> None:
+    model = str(_config_only_dir(tmp_path))
+    configs = [build_engine_config(_parse("--model", model, "--load-format", "dummy", "--seed", s))
+               for s in ("5", "5", "6")]
+    assert [(c.load_format, c.seed) for c in configs] == [("dummy", 5), ("dummy", 5), ("dummy", 6)]
+    a, b, c = (dict(load_model(x.model, x.load_format, x.dtype, x.device, seed=x.seed).weights) for x in configs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
