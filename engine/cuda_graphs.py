@@ -97,7 +97,7 @@ class DecodeGraphRunner:
             self._forward(ids, pos, meta)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self._capture_error_mode):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self._capture_error_mode):  # type: ignore[arg-type]
             logits = self._forward(ids, pos, meta)
         if logits.dim() != 2 or logits.shape[0] != size:
             raise RuntimeError(f"decode forward returned {tuple(logits.shape)}; expected [{size}, vocab]")

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -31,6 +32,7 @@ from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.input_buffers import DecodeInputBuffers
 from engine.kv_cache import KVCacheSpec
 from engine.models import get_model_class
+from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TensorParallel, local_kv_heads
 from engine.sampler import Sampler
 
@@ -72,11 +74,12 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.graphs = self._build_graphs()
 
-    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
         start = time.perf_counter()
         cls = get_model_class(self.model_config.architecture)
         with torch.device(self.device):
-            model = cls(self.model_config, self.backend, self.tp).to(self.dtype)
+            model = cast(LlamaForCausalLM, cls(self.model_config, self.backend, self.tp))
+            model.to(self.dtype)
         model.load_weights(weights)
         model.eval()
         log.info("model %s loaded in %.2fs (tp rank %d/%d)", self.model_config.architecture,
