@@ -43,11 +43,14 @@ reported during that experiment's real runs (all policies pooled; simulate.py ex
 each run's trace is the request stream the real scheduler received (arrival times, prompt
 lengths, the gateway's prefix hashes, tiers); the simulated workers report like the real ones.
 Simulated goodput is averaged over 5 noise seeds. "sim error" = simulated minus real goodput
-fraction, in percentage points. Simulated TTFT starts at the scheduler, the client's at the send:
+fraction, in percentage points. A second replay ("own-fit") uses profiles fitted to that run's
+samples alone; it carries that run's background load, so the gap between the two errors is how
+much the shared machine's load drifted between runs. Simulated TTFT starts at the scheduler, the client's at the send:
 the gateway's own time (auth, tokenising, SSE) is in the real figure only.
 
 Output: `<out>/<run>/bench*.json` (baton bench results), `<out>/<run>/scheduler_tap.json`,
-`<out>/<run>/logs/`, and `<out>/summary.json` + the tables on stdout. Takes ~12-15 minutes.
+`<out>/<run>/logs/`, and `<out>/summary.json` + the tables on stdout. Took 13 minutes with
+little background load and 18 with a CI test run alongside (the overloaded runs drain longer).
 Not part of `make test`.
 """
 
