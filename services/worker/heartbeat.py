@@ -38,15 +38,21 @@ class TelemetryBuffer:
         self._lock = threading.Lock()
 
     def add_step(self, stats: StepStats) -> None:
-        samples = []
+        """Record a step-time sample. Only pure steps are reported: a step that mixes prefill chunks with
+        decodes would otherwise count its whole time once as prefill and again as decode, and the
+        scheduler's cost models (one for each) would both learn an inflated time."""
+        if stats.prefill_tokens and stats.decode_seqs:
+            return
         if stats.prefill_tokens:
-            samples.append(spb.StepSample(kind=spb.StepSample.KIND_PREFILL, tokens=stats.prefill_tokens,
-                                          seconds=stats.seconds, attention_tokens_sq=stats.attention_tokens_sq))
-        if stats.decode_seqs:
-            samples.append(spb.StepSample(kind=spb.StepSample.KIND_DECODE, tokens=stats.decode_seqs,
-                                          context_tokens=stats.decode_context_tokens, seconds=stats.seconds))
+            sample = spb.StepSample(kind=spb.StepSample.KIND_PREFILL, tokens=stats.prefill_tokens,
+                                    seconds=stats.seconds, attention_tokens_sq=stats.attention_tokens_sq)
+        elif stats.decode_seqs:
+            sample = spb.StepSample(kind=spb.StepSample.KIND_DECODE, tokens=stats.decode_seqs,
+                                    context_tokens=stats.decode_context_tokens, seconds=stats.seconds)
+        else:
+            return
         with self._lock:
-            self._samples.extend(samples)
+            self._samples.append(sample)
 
     def add_kv_events(self, events: list[KVEvent]) -> None:
         converted = [spb.KVEvent(kind=spb.KVEvent.KIND_STORED if e.kind is KVEventKind.STORED

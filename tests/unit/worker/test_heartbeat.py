@@ -33,8 +33,10 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
 def test_buffer_puts_failed_items_back_in_order() -> None:
     buf = TelemetryBuffer()
     buf.add_kv_events([KVEvent(KVEventKind.STORED, 1), KVEvent(KVEventKind.EVICTED, 2)])
-    buf.add_step(StepStats(prefill_tokens=10, attention_tokens_sq=100, decode_seqs=2, decode_context_tokens=50,
+    buf.add_step(StepStats(prefill_tokens=10, attention_tokens_sq=100, decode_seqs=0, decode_context_tokens=0,
                            seconds=0.1))
+    buf.add_step(StepStats(prefill_tokens=0, attention_tokens_sq=0, decode_seqs=2, decode_context_tokens=50,
+                           seconds=0.05))
     samples, events = buf.take()
     buf.add_kv_events([KVEvent(KVEventKind.STORED, 3)])
     buf.put_back(samples, events)
@@ -42,6 +44,13 @@ def test_buffer_puts_failed_items_back_in_order() -> None:
     assert [e.block_hash for e in events2] == [1, 2, 3]
     assert [(s.kind, s.tokens) for s in samples2] == [(spb.StepSample.KIND_PREFILL, 10),
                                                       (spb.StepSample.KIND_DECODE, 2)]
+
+
+def test_a_mixed_prefill_and_decode_step_is_not_reported_twice() -> None:
+    buf = TelemetryBuffer()
+    buf.add_step(StepStats(prefill_tokens=10, attention_tokens_sq=100, decode_seqs=2, decode_context_tokens=50,
+                           seconds=0.1))
+    assert buf.take()[0] == []
 
 
 def test_negative_hashes_travel_as_uint64() -> None:
