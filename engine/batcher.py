@@ -83,6 +83,13 @@ class Batcher:
         return len(self._remote)
 
     @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens still to be prefilled here: queued work for the scheduler's TTFT
+        predictions. A running decode's single pending token does not count."""
+        waiting = sum(seq.num_pending_tokens for seq in self._waiting)
+        return waiting + sum(seq.num_pending_tokens for seq in self._running if seq.num_pending_tokens > 1)
+
+    @property
     def num_preemptions(self) -> int:
         """Preemptions since start (each costs a recompute of the victim's tokens)."""
         return self._num_preemptions

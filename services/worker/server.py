@@ -117,12 +117,12 @@ class WorkerServer:
         assert self._async_engine is not None
         engine = self.engine
 
-        def snapshot() -> tuple[int, int, int, int, int, int]:
+        def snapshot() -> tuple[int, int, int, int, int, int, int]:
             b, bm = engine.batcher, engine.block_manager
             return (b.num_waiting, b.num_running, bm.num_free_blocks, bm.num_total_blocks,
-                    b.num_waiting_for_remote_kv, engine.num_held_blocks)
+                    b.num_waiting_for_remote_kv, engine.num_held_blocks, b.num_pending_prefill_tokens)
 
-        waiting, running, free, total, remote, held = await self._async_engine.call(snapshot)
+        waiting, running, free, total, remote, held, local_prefill = await self._async_engine.call(snapshot)
         self.metrics.free_blocks.set(free)
         self.metrics.held_blocks.set(held)
         quarantined = self._decode.num_quarantined if self._decode is not None else 0
@@ -131,7 +131,10 @@ class WorkerServer:
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=waiting, running_seqs=running, free_blocks=free, total_blocks=total,
             block_size=engine.block_manager.block_size,
-            inflight_prefill_tokens=self._prefill.inflight_prefill_tokens if self._prefill is not None else 0,
+            # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
+            # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum.
+            inflight_prefill_tokens=max(local_prefill, self._prefill.inflight_prefill_tokens
+                                        if self._prefill is not None else 0),
             held_blocks=held, quarantined_requests=quarantined, waiting_for_remote_kv=remote,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,
             draining=self._draining)

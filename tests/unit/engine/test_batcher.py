@@ -502,3 +502,15 @@ def test_random_traffic_keeps_block_accounting_and_returns_every_block(max_model
         check_events(d.b.block_manager, d.registered)
         preemptions += d.preemptions
     assert preemptions > 0  # the pool is small enough that the preemption path really ran
+
+
+def test_pending_prefill_tokens_count_queued_prompts_not_decodes() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    batcher = Batcher(BatcherConfig(max_num_seqs=4, max_num_batched_tokens=8, max_prefill_chunk=8), bm, 256)
+    batcher.add(Sequence(request_id="a", prompt_token_ids=list(range(1, 6)), sampling=SamplingParams()))
+    batcher.add(Sequence(request_id="b", prompt_token_ids=list(range(1, 11)), sampling=SamplingParams()))
+    assert batcher.num_pending_prefill_tokens == 15
+    plan = batcher.schedule()  # a: all 5 tokens; b: the first 3 (budget 8)
+    batcher.postprocess(plan, StepResult(sampled={c.request_id: SampledToken(7) for c in plan.chunks
+                                                  if c.needs_sample}))
+    assert batcher.num_pending_prefill_tokens == 7  # b's remaining 7; a now only decodes
