@@ -48,7 +48,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._idle_sleep_s = idle_sleep_s
         self._ids = itertools.count()
-        self.step_times: list[tuple[int, float]] = []  # (tokens in step, seconds): recent samples
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -148,7 +147,6 @@ class AsyncEngine:
                 time.sleep(self._idle_sleep_s)
 
     def _step_once(self) -> None:
-        start = time.perf_counter()
         outputs = self.engine.step()
         stats = self.engine.last_step
         if self._on_step is not None and stats is not None:
@@ -157,8 +155,6 @@ class AsyncEngine:
             if not self.engine.batcher.has_work():
                 time.sleep(self._idle_sleep_s)  # nothing runnable (e.g. waiting for remote KV)
             return
-        self.step_times.append((len(outputs), time.perf_counter() - start))
-        del self.step_times[:-256]
         self.publish(outputs)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
