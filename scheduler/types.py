@@ -85,10 +85,13 @@ class WorkerSnapshot:
     inflight_prefill_tokens: int  # prompt tokens queued or being prefilled here, not yet done
     heartbeat_at: float  # the worker's send time; informational, liveness uses the receipt time
     running_context_tokens: int = 0  # sum of context lengths in the decode batch (drives step time)
+    # Batch slots (the engine's max_num_seqs): sequences beyond it wait inside the worker for one to
+    # finish, however fast a step is. 0: unknown (an older worker), treated as unlimited.
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         counts = (self.queue_depth, self.running_seqs, self.free_blocks, self.inflight_prefill_tokens)
-        if min(counts) < 0 or self.running_context_tokens < 0:
+        if min(counts) < 0 or self.running_context_tokens < 0 or self.max_num_seqs < 0:
             raise ValueError(f"worker {self.worker_id}: load counts must be non-negative")
         if self.block_size <= 0 or not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(

@@ -77,6 +77,7 @@ def snapshot_from_status(
             inflight_prefill_tokens=status.inflight_prefill_tokens,
             heartbeat_at=now,  # WorkerStatus carries no send time; liveness uses receipt time anyway
             running_context_tokens=running_context_tokens,
+            max_num_seqs=status.max_num_seqs,
         )
     except InvalidMessageError:
         raise
@@ -95,6 +96,7 @@ def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
         total_blocks=snapshot.total_blocks,
         block_size=snapshot.block_size,
         inflight_prefill_tokens=snapshot.inflight_prefill_tokens,
+        max_num_seqs=snapshot.max_num_seqs,
     )
 
 

@@ -39,7 +39,10 @@ class SchedulerServiceConfig:
     policy: str = "goodput"
     profile_path: str | None = None  # see profiles.py for the file's two forms
     metrics_port: int | None = None  # None: no /metrics server; 0: any free port
-    heartbeat_timeout_s: float = 3.0  # silence after which a worker is dead and never routed to
+    # Silence after which a worker is dead and never routed to. 10 s, not 3: a busy CPU `both`
+    # worker's heartbeat waits for engine step boundaries (1-2 s steps under load), and each false
+    # death resets its cost model and prefix index (docs/benchmarks.md, scheduler policies).
+    heartbeat_timeout_s: float = 10.0
     drain_grace_s: float = 5.0
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
 

@@ -39,6 +39,20 @@ class WorkerLoad:
     def block_size(self) -> int:
         return self.snapshot.block_size
 
+    @property
+    def max_num_seqs(self) -> int | None:
+        """Decode batch slots; None when the worker does not say (treated as unlimited)."""
+        return self.snapshot.max_num_seqs or None
+
+    @property
+    def slot_queue(self) -> float:
+        """Sequences a newcomer would wait behind for a slot, per slot: 0 while a slot is free (and
+        when slots are unknown), 1/S for the first in line on S full slots, 1 a whole batch ahead."""
+        slots = self.max_num_seqs
+        if slots is None or self.decode_batch < slots:
+            return 0.0
+        return (self.decode_batch - slots + 1) / slots
+
     def idle(self) -> WorkerLoad:
         """The same worker with nothing running: what it could do for a request at best."""
         return replace(

@@ -5,15 +5,24 @@ decode step   = d + e*batch  + f*context_tokens (memory-bound: weights once, KV 
 KV transfer   = g + h*tokens                    (not fitted yet: workers report no transfer samples)
 
 The fit is windowed least squares pulled towards the profile (ridge to the prior): with no samples
-the profile is the answer, a handful of samples nudges it, and a full window of recent samples
-dominates it, so a worker that slows down (thermal throttling, a noisy neighbour) is tracked
-within one window. Features are rescaled to O(1) before solving; tokens**2 reaches 1e8 and would
-otherwise make the normal equations numerically useless. Pure Python: the systems are 3x3.
+the profile is the answer; samples replace it along the directions they measure (one step size
+fixes the prediction at that size, the per-unit costs stay the profile's until sizes vary), and a
+full window of recent samples dominates it, so a worker that slows down (thermal throttling, a
+noisy neighbour) is tracked within one window. The ridge is relative to the data: `prior_weight`
+is worth that many samples in the units of the sizes the window actually holds (see
+`WindowedLeastSquares._penalty`). Fixed feature scales did not do that: a CPU worker's batches
+of 1-8 scaled by 1/100 left the data's pull on the per-sequence term ~1e-4 of the prior's, and the
+fit never left the default profile. The default weight is a tenth of a sample: a wrong profile
+(the default one on a CPU is off 10-100x) is one pseudo-sample with a huge error, and a whole
+sample of it still biased poorly separable terms (fixed vs per-token over prompts of 32-512
+tokens) by 30% after 300 real samples.
+Pure Python: the systems are 3x3.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -21,6 +30,8 @@ from pathlib import Path
 from scheduler.types import DecodeSample, PrefillSample, StepSample
 
 _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would attract every request
+_MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
+_TINY = 1e-12  # keeps the penalty positive for a feature that is 0 throughout the window
 
 
 @dataclass(frozen=True)
@@ -86,32 +97,31 @@ class WorkerProfile:
 class WindowedLeastSquares:
     """Least squares over the last `window` samples, regularised towards `prior` coefficients.
 
-    The normal equations are kept as running sums (a sample's outer product is added on arrival
-    and subtracted when it leaves the window), so a refit is a small k-by-k solve however large
-    the window. The sums are rebuilt from the window once per `window` samples to stop
-    floating-point drift from accumulating.
+    The normal equations are kept as running sums of raw features (a sample's outer product is
+    added on arrival and subtracted when it leaves the window), so a refit is a small k-by-k solve
+    however large the window. The sums are rebuilt from the window once per `window` samples to
+    stop floating-point drift from accumulating. `prior_weight` is how many samples the prior is
+    worth (see the module docstring). The first feature must be the constant 1 (the fixed cost).
     """
 
-    def __init__(
-        self, prior: tuple[float, ...], scales: tuple[float, ...], window: int, prior_weight: float
-    ) -> None:
-        if len(prior) != len(scales) or window <= 0 or prior_weight <= 0:
-            raise ValueError("need len(prior) == len(scales), window > 0 and prior_weight > 0")
-        self._scales = scales
-        self._prior_scaled = [p * s for p, s in zip(prior, scales, strict=True)]
+    def __init__(self, prior: tuple[float, ...], window: int, prior_weight: float) -> None:
+        if window <= 0 or prior_weight <= 0:
+            raise ValueError("need window > 0 and prior_weight > 0")
+        self._prior = prior
         self._prior_weight = prior_weight
         self._window = window
-        self._samples: deque[tuple[list[float], float]] = deque()
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque()
         self._since_rebuild = 0
-        self._xtx = [[0.0] * len(scales) for _ in scales]
-        self._xty = [0.0] * len(scales)
+        self._xtx = [[0.0] * len(prior) for _ in prior]
+        self._xty = [0.0] * len(prior)
         self._coefficients = tuple(prior)
         self._dirty = False
 
     def add(self, features: tuple[float, ...], target: float) -> None:
-        scaled = [f / s for f, s in zip(features, self._scales, strict=True)]
-        self._samples.append((scaled, target))
-        self._accumulate(scaled, target, 1.0)
+        if len(features) != len(self._prior) or features[0] != 1.0:
+            raise ValueError(f"expected {len(self._prior)} features, the first the constant 1.0")
+        self._samples.append((features, target))
+        self._accumulate(features, target, 1.0)
         if len(self._samples) > self._window:
             old, old_target = self._samples.popleft()
             self._accumulate(old, old_target, -1.0)
@@ -132,7 +142,7 @@ class WindowedLeastSquares:
             self._dirty = False
         return self._coefficients
 
-    def _accumulate(self, x: list[float], target: float, sign: float) -> None:
+    def _accumulate(self, x: tuple[float, ...], target: float, sign: float) -> None:
         for i, xi in enumerate(x):
             self._xty[i] += sign * xi * target
             row = self._xtx[i]
@@ -140,20 +150,68 @@ class WindowedLeastSquares:
                 row[j] += sign * xi * xj
 
     def _rebuild(self) -> None:
-        self._xtx = [[0.0] * len(self._scales) for _ in self._scales]
-        self._xty = [0.0] * len(self._scales)
+        self._xtx = [[0.0] * len(self._prior) for _ in self._prior]
+        self._xty = [0.0] * len(self._prior)
         for x, target in self._samples:
             self._accumulate(x, target, 1.0)
         self._since_rebuild = 0
 
+    def _penalty(self) -> list[list[float]]:
+        """The ridge's quadratic form P (penalty = prior_weight * d'Pd, d = theta - prior), from the
+        window's feature means mu and variances var: P = mu mu' + diag(var).
+
+        That is `prior_weight` samples' worth of evidence on each direction the data can see, in
+        the data's own units: mu mu' holds the prediction at the window's mean sizes, diag(var)
+        holds each per-unit cost over the spread of sizes actually seen (the standardised-feature
+        ridge, with features centred so the fixed term is not collinear with the others). A
+        variance is floored at `_MIN_RELATIVE_VAR` of the feature's mean square: a feature that
+        never varies in the window (always batch 1) is collinear with the fixed term, and the
+        floor keeps its per-unit cost at the prior while the fixed term absorbs what the data
+        say about their sum, which predicts the sizes actually seen exactly.
+        """
+        n = len(self._samples)
+        k = len(self._prior)
+        mu = [self._xtx[0][j] / n for j in range(k)]  # feature 0 is the constant 1
+        var = []
+        for j in range(k):
+            mean_sq = self._xtx[j][j] / n
+            var.append(max(mean_sq - mu[j] ** 2, _MIN_RELATIVE_VAR * mean_sq, _TINY))
+        return [[mu[i] * mu[j] + (var[i] if i == j else 0.0) for j in range(k)] for i in range(k)]
+
     def _solve(self) -> tuple[float, ...]:
+        if not self._samples:
+            return tuple(self._prior)
+        penalty = self._penalty()
+        free = list(range(len(self._prior)))
+        theta = [0.0] * len(self._prior)
+        # Every true coefficient is a cost, so a negative one is noise: pin it at 0 and refit the
+        # others (clamping alone would leave them fitted around the negative value, e.g. long
+        # prompts predicted cheaper than short ones). At most k rounds: one pin per round.
+        while free:
+            solved = self._solve_free(free, penalty)
+            negative = [i for i in free if solved[i] < 0]
+            theta = [max(v, 0.0) for v in solved]
+            if not negative:
+                break
+            free.remove(min(negative, key=lambda i: solved[i] * math.sqrt(self._xtx[i][i])))
+        return tuple(theta)
+
+    def _solve_free(self, free: list[int], penalty: list[list[float]]) -> list[float]:
+        """(X'X + lam P) theta = X'y + lam P prior over the `free` coefficients, the others held
+        at 0. The system is solved Jacobi-scaled (tokens**2 reaches 1e8, its sums 1e18)."""
         lam = self._prior_weight
-        a = [[v + (lam if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xtx)]
-        b = [v + lam * p for v, p in zip(self._xty, self._prior_scaled, strict=True)]
-        theta_scaled = _solve_spd(a, b)
-        # Every true coefficient is a cost, so a negative one is noise; clamping keeps long prompts
-        # from being predicted as cheaper than short ones.
-        return tuple(max(t / s, 0.0) for t, s in zip(theta_scaled, self._scales, strict=True))
+        prior = self._prior
+        a = [[self._xtx[i][j] + lam * penalty[i][j] for j in free] for i in free]
+        b = [
+            self._xty[i] + lam * sum(penalty[i][j] * prior[j] for j in range(len(prior))) for i in free
+        ]
+        scale = [math.sqrt(a[r][r]) for r in range(len(free))]
+        a = [[v / (scale[r] * scale[c]) for c, v in enumerate(row)] for r, row in enumerate(a)]
+        b = [v / scale[r] for r, v in enumerate(b)]
+        theta = [0.0] * len(prior)
+        for r, value in enumerate(_solve_spd(a, b)):
+            theta[free[r]] = value / scale[r]
+        return theta
 
 
 def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
@@ -178,21 +236,15 @@ class CostModel:
     """One worker's predicted step times; `observe` samples as heartbeats deliver them."""
 
     def __init__(
-        self, profile: WorkerProfile | None = None, window: int = 512, prior_weight: float = 1.0
+        self, profile: WorkerProfile | None = None, window: int = 512, prior_weight: float = 0.1
     ) -> None:
         self._profile = profile or WorkerProfile()
         p = self._profile
         self._prefill = WindowedLeastSquares(
-            (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s),
-            (1.0, 1e3, 1e6),
-            window,
-            prior_weight,
+            (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s), window, prior_weight
         )
         self._decode = WindowedLeastSquares(
-            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s),
-            (1.0, 1e2, 1e5),
-            window,
-            prior_weight,
+            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight
         )
 
     def observe(self, sample: StepSample) -> None:

@@ -1,8 +1,10 @@
 """Predicting what a request would see on a (decode worker, prefill worker or local) pair.
 
-TTFT = prefill queue ahead + own prefill (+ the decode step it shares when prefilled locally)
+TTFT = wait for a decode slot (only when the worker's max_num_seqs slots are all taken)
+       + prefill queue ahead + own prefill (+ the decode step it shares when prefilled locally)
        + KV transfer of the blocks the decode worker lacks (remote prefill only)
-TPOT = decode step time with this request added, at its mid-life context length
+TPOT = decode step time with this request added, at its mid-life context length, the batch
+       capped at the worker's slots (a full worker runs max_num_seqs sequences, never more)
 (the arithmetic is `CostModel.predict_ttft_s` / `predict_tpot_s`; this module picks the inputs:
 which worker's queue, which cache hits, how many tokens cross the link).
 
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
+from scheduler.core.cost_model import CostModel
 from scheduler.types import DecisionKind, RequestSummary, RouteDecision
 
 
@@ -102,14 +105,16 @@ def evaluate(
     decode_cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
     decode_cached = cached_tokens(prompt, cached_blocks, decode.block_size)
+    running = running_batch(decode)
+    running_context = batch_context(decode, running)
+    slot_wait = slot_wait_s(decode, decode_cost, request.max_tokens)
     if prefill is None:
-        shared_step = (
-            decode_cost.decode_step_s(decode.decode_batch, decode.context_tokens)
-            if decode.decode_batch
-            else 0.0
-        )
+        shared_step = decode_cost.decode_step_s(running, running_context) if running else 0.0
         compute_tokens = prompt - decode_cached
-        ttft = decode_cost.predict_ttft_s(
+        # Sequences waiting for a slot on a `both`/decode worker are also in its prefill queue:
+        # their prefills and the decode steps of the slot wait run one after the other on the
+        # same engine, so the two add up (no double count).
+        ttft = slot_wait + decode_cost.predict_ttft_s(
             queued_tokens=decode.queued_prefill_tokens,
             queued_requests=decode.queued_prefill_requests,
             new_tokens=compute_tokens,
@@ -120,21 +125,57 @@ def evaluate(
         prefill_blocks = view.cached_blocks(prefill.worker_id, request.prefix_hashes)
         prefill_cached = cached_tokens(prompt, prefill_blocks, prefill.block_size)
         compute_tokens = prompt - prefill_cached
-        ttft = view.cost(prefill.worker_id).predict_ttft_s(
+        # Decode-first: the prefill is asked for once the decode side has taken the request on.
+        # (A real decode engine takes a remote prefill's KV beyond its slots and then holds back
+        # its decode steps instead: the wait lands on the second token rather than the first.)
+        ttft = slot_wait + view.cost(prefill.worker_id).predict_ttft_s(
             queued_tokens=prefill.queued_prefill_tokens,
             queued_requests=prefill.queued_prefill_requests,
             new_tokens=compute_tokens,
             cached_tokens=prefill_cached,
             transfer_tokens=prompt - decode_cached,
         )
+    others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
     tpot = decode_cost.predict_tpot_s(
-        batch=decode.decode_batch,
-        context_tokens=decode.context_tokens,
+        batch=others,
+        context_tokens=batch_context(decode, others),
         prompt_tokens=prompt,
         max_tokens=request.max_tokens,
     )
     blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - cached_blocks
     return Placement(decode, prefill, cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot)
+
+
+def running_batch(decode: WorkerLoad) -> int:
+    """Sequences in the decode batch: all of them, or the slots' worth when some wait for one."""
+    slots = decode.max_num_seqs
+    return decode.decode_batch if slots is None else min(decode.decode_batch, slots)
+
+
+def batch_context(decode: WorkerLoad, seqs: int) -> int:
+    """Context of `seqs` of the worker's sequences, each at the batch's mean context."""
+    if decode.decode_batch <= 0:
+        return 0
+    return decode.context_tokens * min(seqs, decode.decode_batch) // decode.decode_batch
+
+
+def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
+    """Predicted wait for a decode slot when all `max_num_seqs` are taken (0 otherwise).
+
+    The sequences already holding slots are taken to be as long as this request (`max_tokens`, the
+    only length known) and uniformly far along, so their finishing times spread evenly over one
+    lifetime L = max_tokens steps: the j-th slot to free (j = 1..S of S slots) frees after about
+    j/(S+1) of L. A request with `ahead` sequences waiting before it takes the slot freed by the
+    (ahead+1)-th finish: `waves` = ahead // S whole lifetimes, plus (ahead % S + 1)/(S+1) of one.
+    With one slot that is half the running request's life, plus a whole life per waiting one.
+    Steps are priced at a full batch of S sequences.
+    """
+    slots = decode.max_num_seqs
+    if slots is None or decode.decode_batch < slots:
+        return 0.0
+    waves, position = divmod(decode.decode_batch - slots, slots)
+    step = cost.decode_step_s(slots, batch_context(decode, slots))
+    return step * max_tokens * (waves + (position + 1) / (slots + 1))
 
 
 def prefill_options(

@@ -37,7 +37,7 @@ from scheduler.types import (
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    heartbeat_timeout_s: float = 3.0  # silent this long: dead, never routed to again
+    heartbeat_timeout_s: float = 10.0  # silent this long: dead, never routed to again (adapters/server.py: why 10)
     dispatch_grace_s: float = 0.05  # see registry: how long a placement may be missing from heartbeats
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     default_profile: WorkerProfile = field(default_factory=WorkerProfile)  # for unprofiled workers

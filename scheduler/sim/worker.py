@@ -217,6 +217,8 @@ class SimWorker:
         """The snapshot, samples and KV events a real worker would send now."""
         in_step = self._step[0] if self._step is not None else []
         queued_tokens = sum(j.new_tokens for j in self._prefill_queue) + sum(j.new_tokens for j in in_step)
+        # Like the engine's pending prefill tokens: prompts waiting for a slot here count too.
+        queued_tokens += sum(s.arrival.prompt_tokens for s in self._waiting if s.prefill_worker is None)
         not_running = len(self._waiting) + self._holding - len(self._running)
         if self.spec.role is WorkerRole.PREFILL:
             not_running = len(self._prefill_queue)
@@ -233,6 +235,7 @@ class SimWorker:
             inflight_prefill_tokens=queued_tokens,
             heartbeat_at=now,
             running_context_tokens=sum(s.context for s in self._running),
+            max_num_seqs=self.spec.max_batch,
         )
         samples, self._samples = self._samples, []
         return snapshot, samples, self.cache.drain_events()

@@ -130,7 +130,7 @@ class WorkerServer:
         return pb.WorkerStatus(
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=waiting, running_seqs=running, free_blocks=free, total_blocks=total,
-            block_size=engine.block_manager.block_size,
+            block_size=engine.block_manager.block_size, max_num_seqs=engine.config.batcher.max_num_seqs,
             # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
             # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum.
             inflight_prefill_tokens=max(local_prefill, self._prefill.inflight_prefill_tokens

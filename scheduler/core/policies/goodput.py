@@ -6,7 +6,10 @@ there costs several. The policy therefore:
 1. predicts TTFT/TPOT for every (decode worker, prefill worker | local) candidate, with the
    conditional-disaggregation rule deciding when only local prefill is considered;
 2. keeps candidates that fit in KV memory, meet the request's targets and keep the tightest TPOT
-   target already on the decode worker; a conversation's later turn prefers the worker that
+   target already on the decode worker, and, for a lighter tier, leave room somewhere for a
+   heavier-tier request of the same size (trunk reservation, see `_leaves_room`: under overload
+   free requests otherwise fill every batch, and enterprise, arriving later, is the one that
+   waits); a conversation's later turn prefers the worker that
    served the previous one (its prefix is there), otherwise the candidate with the most slack wins;
 3. when no candidate qualifies: degrade to a shorter max_tokens if configured and that qualifies;
    serve best-effort what waiting can't help (unattainable even on an idle worker, or TTFT
@@ -20,10 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from scheduler.core.cluster_view import ClusterView
-from scheduler.core.placement import DisaggregationRule, Placement, candidate_placements, evaluate
+from scheduler.core.cluster_view import ClusterView, WorkerLoad
+from scheduler.core.placement import (
+    DisaggregationRule,
+    Placement,
+    candidate_placements,
+    evaluate,
+    prefill_options,
+)
 from scheduler.core.policies.base import Policy, reject, reject_no_workers
-from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision
+from scheduler.types import SLO, DecisionKind, Reason, RequestSummary, RouteDecision, Tier
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,10 @@ class GoodputPolicy(Policy):
     def __init__(self, config: GoodputConfig | None = None, rule: DisaggregationRule | None = None) -> None:
         self.config = config or GoodputConfig()
         self._rule = rule or DisaggregationRule()
+        self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
 
     def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
+        self._remember(request)
         placements = candidate_placements(request, view, self._rule)
         if not placements:
             return reject_no_workers(request)
@@ -62,6 +73,11 @@ class GoodputPolicy(Policy):
         self, request: RequestSummary, view: ClusterView, placements: Sequence[Placement]
     ) -> Placement | None:
         qualifying = [p for p in placements if p.meets(request)]
+        probe = self._heavier_probe(request)
+        if probe is not None and qualifying:
+            workers = view.decode_workers(request.model)
+            open_now = {d.worker_id for d in workers if _serves(probe, view, d, self._rule)}
+            qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, self._rule)]
         if not qualifying:
             return None
         return max(qualifying, key=lambda p: (self._affinity(request, view, p), p.slack(request)))
@@ -135,8 +151,67 @@ class GoodputPolicy(Policy):
                 return True
         return False
 
+    def _remember(self, request: RequestSummary) -> None:
+        seen = self._tightest.get(request.tier)
+        slo = request.slo
+        if seen is not None:
+            slo = SLO(ttft_ms=min(seen.ttft_ms, slo.ttft_ms), tpot_ms=min(seen.tpot_ms, slo.tpot_ms))
+        self._tightest[request.tier] = slo
+
+    def _heavier_probe(self, request: RequestSummary) -> RequestSummary | None:
+        """The request as a heavier tier would send it (same size, the tightest heavier targets
+        seen), or None when no heavier tier has been seen."""
+        heavier = [self._tightest[t] for t in _TIER_ORDER[_TIER_ORDER.index(request.tier) + 1 :]
+                   if t in self._tightest]
+        if not heavier:
+            return None
+        slo = SLO(ttft_ms=min(s.ttft_ms for s in heavier), tpot_ms=min(s.tpot_ms for s in heavier))
+        return replace(request, request_id=f"{request.request_id}#probe", slo=slo, waited_s=0.0)
+
     def _retry_after(self, request: RequestSummary, placements: Sequence[Placement]) -> float:
         # The smallest predicted TTFT overshoot is roughly how long the best queue takes to drain.
         overshoot_s = min((request.waited_s + p.ttft_s) - request.slo.ttft_ms / 1e3 for p in placements)
         estimate = max(overshoot_s, self.config.default_retry_after_s)
         return min(estimate, self.config.max_retry_after_s)
+
+
+_TIER_ORDER = (Tier.FREE, Tier.PLUS, Tier.ENTERPRISE)  # lightest first
+
+
+def _serves(probe: RequestSummary, view: ClusterView, decode: WorkerLoad, rule: DisaggregationRule) -> bool:
+    """Whether the heavier-tier probe would meet its latency targets on `decode`. KV room is not
+    reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
+    yet, and heavier requests already waiting get freed blocks first through the admission queue."""
+    options = prefill_options(probe, view, decode, rule)
+    return any(evaluate(probe, view, decode, prefill).slack(probe) >= 0.0 for prefill in options)
+
+
+def _leaves_room(
+    request: RequestSummary,
+    probe: RequestSummary,
+    view: ClusterView,
+    placement: Placement,
+    open_now: set[str],
+    rule: DisaggregationRule,
+) -> bool:
+    """Trunk reservation for heavier tiers: a lighter request takes a placement only if a heavier
+    request of the same size arriving next could still meet its targets somewhere (another worker
+    that can serve it now, or this one with the lighter request added). Without it, under
+    overload free requests (looser TPOT) fill every batch to where no enterprise request meets
+    its TPOT, and enterprise, arriving later, is the one that waits and times out."""
+    decode = placement.decode
+    if open_now - {decode.worker_id}:
+        return True
+    if decode.worker_id not in open_now:
+        return False  # it could not serve the heavier request before; adding load will not help
+    local = placement.prefill is None
+    loaded = replace(
+        decode,
+        decode_batch=decode.decode_batch + 1,
+        context_tokens=decode.context_tokens + request.num_prompt_tokens + request.max_tokens // 2,
+        queued_prefill_tokens=decode.queued_prefill_tokens + (placement.prefill_tokens if local else 0),
+        queued_prefill_requests=decode.queued_prefill_requests + int(local),
+        free_blocks=max(decode.free_blocks - placement.blocks_needed, 0),
+        tightest_tpot_ms=min(decode.tightest_tpot_ms or request.slo.tpot_ms, request.slo.tpot_ms),
+    )
+    return _serves(probe, view, loaded, rule)

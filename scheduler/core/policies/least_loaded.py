@@ -1,4 +1,5 @@
-"""Baseline: the decode worker with the fewest sequences, the prefill worker with the least queued."""
+"""Baseline: the decode worker with the fewest sequences (with a free batch slot first), the prefill
+worker with the least queued."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ class LeastLoadedPolicy(Policy):
         decode_workers = view.decode_workers(request.model)
         if not decode_workers:
             return reject_no_workers(request)
-        # Ties go to the worker with more free KV, then to the lower id (reproducible).
-        decode = min(decode_workers, key=lambda w: (w.decode_batch, -w.free_blocks, w.worker_id))
+        # A worker with a free batch slot beats one where the request would wait for a slot (1 running
+        # on 1 slot is busier than 3 on 8); then fewest sequences, then more free KV, then the lower
+        # id (reproducible).
+        decode = min(
+            decode_workers, key=lambda w: (w.slot_queue, w.decode_batch, -w.free_blocks, w.worker_id)
+        )
         options = prefill_options(request, view, decode, self._rule)
         prefill = min(options, key=_prefill_key)
         placement = evaluate(request, view, decode, prefill)

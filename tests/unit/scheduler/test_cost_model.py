@@ -111,3 +111,53 @@ def test_tpot_is_the_decode_step_with_the_request_added_at_mid_life() -> None:
     model = CostModel(TRUE)
     tpot = model.predict_tpot_s(batch=10, context_tokens=10_000, prompt_tokens=1000, max_tokens=200)
     assert tpot == pytest.approx(TRUE.decode_step_s(11, 10_000 + 1000 + 100))
+
+
+# A CPU worker: batches of 1-8, steps of tens to hundreds of ms (SmolLM2-135M on one core).
+CPU = WorkerProfile(
+    prefill_fixed_s=0.05,
+    prefill_per_token_s=3e-3,
+    prefill_per_token_sq_s=0.0,
+    decode_fixed_s=0.02,
+    decode_per_seq_s=0.015,
+    decode_per_context_token_s=1e-6,
+)
+
+
+def _cpu_samples(model: CostModel, rng: random.Random, count: int, slowdown: float = 1.0) -> None:
+    for _ in range(count):
+        batch = rng.randint(1, 8)
+        context = batch * rng.randint(100, 2000)
+        seconds = CPU.decode_step_s(batch, context) * slowdown * rng.gauss(1.0, 0.01)
+        model.observe(DecodeSample(batch, context, seconds))
+        tokens = rng.randint(32, 512)
+        model.observe(PrefillSample(tokens, CPU.prefill_s(tokens) * slowdown * rng.gauss(1.0, 0.01)))
+
+
+def test_cpu_sized_samples_move_the_fit_off_the_default_profile() -> None:
+    model = CostModel(WorkerProfile(), window=512)  # the default profile is 10-100x off here
+    _cpu_samples(model, random.Random(4), 300)
+    fitted = model.fitted_profile()
+    assert fitted.decode_fixed_s == pytest.approx(CPU.decode_fixed_s, rel=0.1)
+    assert fitted.decode_per_seq_s == pytest.approx(CPU.decode_per_seq_s, rel=0.1)
+    assert fitted.decode_per_context_token_s == pytest.approx(CPU.decode_per_context_token_s, rel=0.1)
+    assert fitted.prefill_fixed_s == pytest.approx(CPU.prefill_fixed_s, rel=0.1)
+    assert fitted.prefill_per_token_s == pytest.approx(CPU.prefill_per_token_s, rel=0.1)
+
+
+def test_cpu_worker_that_slows_down_twofold_is_tracked_within_one_window() -> None:
+    model = CostModel(WorkerProfile(), window=256)
+    rng = random.Random(5)
+    _cpu_samples(model, rng, 256)
+    _cpu_samples(model, rng, 256, slowdown=2.0)  # one window of each kind (the fits have one each)
+    assert model.decode_step_s(4, 4000) == pytest.approx(2 * CPU.decode_step_s(4, 4000), rel=0.05)
+    assert model.prefill_s(256) == pytest.approx(2 * CPU.prefill_s(256), rel=0.05)
+
+
+def test_a_batch_size_that_never_varies_is_predicted_from_its_samples() -> None:
+    model = CostModel(WorkerProfile(), window=100)
+    for _ in range(100):  # a worker with one slot: always batch 1
+        model.observe(DecodeSample(1, 500, CPU.decode_step_s(1, 500)))
+    assert model.decode_step_s(1, 500) == pytest.approx(CPU.decode_step_s(1, 500), rel=0.01)
+    # Collinear with the fixed term: the ridge splits the sum, the data fix the prediction.
+    assert model.fitted_profile().decode_fixed_s > WorkerProfile().decode_fixed_s

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler.core.placement import DisaggregationRule
+from scheduler.core.placement import DisaggregationRule, evaluate
 from scheduler.core.policies import (
     GoodputConfig,
     GoodputPolicy,
@@ -210,3 +210,56 @@ def test_tier_is_carried_but_placement_uses_the_request_slo(make_request, make_l
     assert GoodputPolicy().route(strict, make_view(loads), 0.0).kind is DecisionKind.QUEUE
     lenient = make_request(tier=Tier.ENTERPRISE, slo=SLO(ttft_ms=2000, tpot_ms=100))
     assert GoodputPolicy().route(lenient, make_view(loads), 0.0).kind is DecisionKind.ROUTE
+
+
+def _slotted(make_snapshot, make_load, worker_id: str, batch: int, slots: int):
+    snap = make_snapshot(worker_id, running_seqs=min(batch, slots), queue_depth=max(batch - slots, 0),
+                         max_num_seqs=slots)
+    return make_load(worker_id, batch=batch, snapshot=snap)
+
+
+def test_a_full_worker_predicts_a_wait_for_a_slot_and_a_capped_batch(
+    make_request, make_snapshot, make_load, make_view, fast_profile
+) -> None:
+    request = make_request(prompt=64, max_tokens=64)
+    full = _slotted(make_snapshot, make_load, "one", batch=2, slots=1)  # one running, one waiting
+    unlimited = make_load("one", batch=2)
+    with_slots = evaluate(request, make_view([full]), full, None)
+    without = evaluate(request, make_view([unlimited]), unlimited, None)
+    step = fast_profile.decode_step_s(1, 0)
+    # Half the running request's life, then the whole life of the one waiting ahead (64 steps each).
+    expected_wait = step * 64 * (1 + 1 / 2)
+    assert with_slots.ttft_s - without.ttft_s == pytest.approx(expected_wait, rel=0.01)
+    assert with_slots.tpot_s == pytest.approx(fast_profile.decode_step_s(1, 0))  # alone in its slot
+
+
+def test_goodput_avoids_a_full_one_slot_worker_that_looks_faster(
+    make_request, make_snapshot, make_load, make_view
+) -> None:
+    loads = [
+        _slotted(make_snapshot, make_load, "eight", batch=3, slots=8),
+        _slotted(make_snapshot, make_load, "one", batch=1, slots=1),
+    ]
+    decision = GoodputPolicy().route(make_request(max_tokens=256), make_view(loads), 0.0)
+    assert decision.decode_worker_id == "eight"
+
+
+def test_least_loaded_prefers_a_free_slot_over_fewer_sequences(
+    make_request, make_snapshot, make_load, make_view
+) -> None:
+    loads = [
+        _slotted(make_snapshot, make_load, "a-one", batch=1, slots=1),
+        _slotted(make_snapshot, make_load, "b-eight", batch=3, slots=8),
+    ]
+    assert LeastLoadedPolicy().route(make_request(), make_view(loads), 0.0).decode_worker_id == "b-eight"
+
+
+def test_goodput_keeps_room_for_a_heavier_tier_seen_before(make_request, make_load, make_view) -> None:
+    """Trunk reservation: a free request may not take the last placement an enterprise one could use."""
+    policy = GoodputPolicy()
+    tight, loose = SLO(ttft_ms=2000, tpot_ms=10.15), SLO(ttft_ms=2000, tpot_ms=100)
+    view = make_view([make_load("d0", batch=0)])  # step 10 ms + 0.1 ms/seq: 10.1 ms alone, 10.2 ms beside the free one
+    assert policy.route(make_request("ent", tier=Tier.ENTERPRISE, slo=tight), view, 0.0).is_placed
+    busy = make_view([make_load("d0", batch=0)])
+    assert policy.route(make_request("free", tier=Tier.FREE, slo=loose), busy, 1.0).kind is DecisionKind.QUEUE
+    assert GoodputPolicy().route(make_request("free", tier=Tier.FREE, slo=loose), busy, 1.0).is_placed

@@ -13,6 +13,7 @@ from scheduler.adapters.convert import (
     response_from_decision,
     sample_from_proto,
     snapshot_from_status,
+    status_from_snapshot,
     summary_from_proto,
     summary_to_proto,
 )
@@ -87,3 +88,10 @@ def test_a_profile_with_an_unknown_key_names_the_model_and_the_valid_keys(tmp_pa
     path.write_text(json.dumps({"small": {"decode_fast_s": 1.0}}))
     with pytest.raises(ValueError, match=r"model 'small'.*valid keys: decode_fixed_s"):
         ProfileBook.load(path)
+
+
+def test_a_status_carries_the_worker_batch_slots_both_ways() -> None:
+    snapshot = snapshot_from_status(status("w", max_num_seqs=8), "w:7000", now=1.0)
+    assert snapshot.max_num_seqs == 8
+    assert status_from_snapshot(snapshot).max_num_seqs == 8
+    assert snapshot_from_status(status("old"), "old:7000", now=1.0).max_num_seqs == 0  # unknown

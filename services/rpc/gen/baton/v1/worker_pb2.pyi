@@ -222,7 +222,7 @@ class KVLayout(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class KVHandshake(_message.Message):
-    __slots__ = ("layout", "agent_name", "agent_metadata", "base_address", "num_blocks", "bytes_per_block", "device_kind", "device_id")
+    __slots__ = ("layout", "agent_name", "agent_metadata", "base_address", "num_blocks", "bytes_per_block", "device_kind", "device_id", "ranks")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class KVHandshake(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     agent_name: str
     agent_metadata: bytes
@@ -239,7 +240,8 @@ class KVHandshake(_message.Message):
     bytes_per_block: int
     device_kind: str
     device_id: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KVHandshake]
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVHandshake, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("decode", "worker_id")
@@ -262,7 +264,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining")
+    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +279,7 @@ class WorkerStatus(_message.Message):
     WAITING_FOR_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -291,7 +294,8 @@ class WorkerStatus(_message.Message):
     waiting_for_remote_kv: int
     inflight_transfers: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class InjectFaultRequest(_message.Message):
     __slots__ = ("fault", "times", "delay_s")
