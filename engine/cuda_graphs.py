@@ -47,9 +47,13 @@ def capture_sizes(ladder: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
 
 class DecodeGraphRunner:
     def __init__(self, forward: DecodeForward, buffers: DecodeInputBuffers, sizes: Sequence[int],
-                 capture_max_seq_len: int, capture_error_mode: str = "global") -> None:
-        """`capture_error_mode="thread_local"` under tensor parallelism: the process group's watchdog
-        thread polls CUDA events during capture, which "global" mode would count as an error."""
+                 capture_max_seq_len: int, capture_error_mode: str = "global",
+                 align: Callable[[], None] = lambda: None) -> None:
+        """Under tensor parallelism: `capture_error_mode="thread_local"` (the process group's watchdog
+        thread polls CUDA events during capture, which "global" mode would count as an error) and
+        `align` = a barrier of the group, so every rank's device is idle and every rank is at the same
+        graph when capture begins (a captured collective is only recorded, never run: a rank still
+        running a warm-up collective would wait for a peer that is capturing)."""
         if not sizes or max(sizes) > buffers.max_batch:
             raise ValueError(f"capture sizes {tuple(sizes)} must be non-empty and <= {buffers.max_batch}")
         self._forward = forward
@@ -57,6 +61,7 @@ class DecodeGraphRunner:
         self.sizes = tuple(sorted(sizes))
         self._capture_max_seq_len = capture_max_seq_len
         self._capture_error_mode = capture_error_mode
+        self._align = align
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -96,6 +101,7 @@ class DecodeGraphRunner:
         for _ in range(2):  # compiles the Triton kernels and creates cuBLAS / NCCL state outside the capture
             self._forward(ids, pos, meta)
         torch.cuda.synchronize()
+        self._align()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=self._capture_error_mode):  # type: ignore[arg-type]
             logits = self._forward(ids, pos, meta)

@@ -12,7 +12,8 @@ a step is reading the sampled token ids back.
 Tensor parallelism: every rank runs `execute` on the same plan (the launcher broadcasts it). The
 logits are all-gathered, so every rank holds them whole, but only rank 0 samples: the tokens matter
 only to rank 0's batcher, and they reach the other ranks inside the next plan. Followers return an
-empty `StepResult`.
+empty `StepResult`. Decode graphs capture the NCCL collectives too: every rank replays the same graph
+for the same plan, so the captured all-reduces meet.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine.input_buffers import DecodeInputBuffers
 from engine.kv_cache import KVCacheSpec
 from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
-from engine.parallel.group import TensorParallel, local_kv_heads
+from engine.parallel.group import TensorParallel, local_kv_heads, mark_collectives_captured
 from engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -91,10 +92,6 @@ class ModelRunner:
         cfg = self.config
         if cfg.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
             return None
-        if self.tp.size > 1:
-            # Capturing NCCL collectives hung on 2xH200 (2026-11-26, torch 2.11): TP decode runs eagerly
-            # until that is understood; TP=1 graphs are tested on the GPU.
-            return None
         sizes = capture_sizes(cfg.cuda_graph_batch_sizes, cfg.batcher.max_num_seqs)
         if not sizes:
             return None
@@ -102,8 +99,11 @@ class ModelRunner:
         max_blocks = min(-(-self.max_model_len // block_size), self.num_blocks)
         buffers = DecodeInputBuffers(max(sizes), max_blocks, block_size, self.device)
         mode = "thread_local" if self.tp.size > 1 else "global"
-        graphs = DecodeGraphRunner(self._decode_logits, buffers, sizes, self.max_model_len, mode)
+        graphs = DecodeGraphRunner(self._decode_logits, buffers, sizes, self.max_model_len, mode,
+                                   align=self.tp.barrier)
         graphs.capture()
+        if self.tp.size > 1:
+            mark_collectives_captured()
         return graphs
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,

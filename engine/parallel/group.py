@@ -96,8 +96,25 @@ def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_ty
     return TensorParallel(rank=rank, size=size, device=device, cpu_group=cpu_group)
 
 
+# Set once this process captured NCCL collectives into CUDA graphs (ModelRunner does under TP).
+_captured_collectives = False
+
+
+def mark_collectives_captured() -> None:
+    global _captured_collectives
+    _captured_collectives = True
+
+
 def shutdown_tensor_parallel() -> None:
-    if dist.is_initialized():
+    """Leave the group. After NCCL collectives were captured into CUDA graphs, `destroy_process_group`
+    hangs in ncclCommDestroy (pytorch#115388; seen on 2xH200, torch 2.11), so such a process aborts its
+    communicators instead: nothing is in flight at shutdown, and abort also clears torch's group state."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if _captured_collectives and abort is not None:
+        abort()
+    else:
         dist.destroy_process_group()
 
 

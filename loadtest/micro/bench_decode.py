@@ -221,25 +221,32 @@ def run_single(args: argparse.Namespace, model_dir: str, ceilings: dict) -> list
     return rows
 
 
-def run_tensor_parallel(args: argparse.Namespace, model_dir: str, ceilings: dict, single: list[dict]) -> list[dict]:
-    """Batch 64 over `args.tp` ranks (rank 0 here, the others spawned); speed-up against TP=1's rows."""
+def run_tensor_parallel(args: argparse.Namespace, model_dir: str, ceilings: dict, single: list[dict],
+                        eager: bool) -> list[dict]:
+    """Every batch at the first context over `args.tp` ranks (rank 0 here, the others spawned), with
+    decode CUDA graphs (NCCL collectives captured) or eagerly; speed-up against TP=1's graph rows."""
     from engine.loader import load_model
     from engine.parallel.launcher import TensorParallelRunner
 
-    cases = [(64, c) for c in args.contexts if any(r["batch"] == 64 and r["ctx"] == c and "step_ms" in r
-                                                   for r in single)]
+    ctx = args.contexts[0]
+    cases = [(b, ctx) for b in args.batches if any(r["batch"] == b and r["ctx"] == ctx and "step_ms" in r
+                                                  for r in single)]
     num_blocks = max(b * math.ceil(c / BLOCK) for b, c in cases) + 1
-    config = bench_engine_config(model_dir, args.smoke, num_blocks, max_num_seqs=max(args.batches), tp=args.tp)
+    config = bench_engine_config(model_dir, args.smoke, num_blocks, max_num_seqs=max(args.batches), tp=args.tp,
+                                 eager=eager)
     loaded = load_model(model_dir, "dummy", config.dtype, config.device)
+    start = time.perf_counter()
     runner = TensorParallelRunner(config, loaded.model_config, loaded.weights)
+    print("tp runner ready", json.dumps({"eager": eager, "start_s": time.perf_counter() - start}), flush=True)
     try:
         runner.call("randomize_kv_cache", 1)
-        rows = [step_row(runner, b, c, args.tp, args.iters, ceilings, args.smoke) for b, c in cases]
+        rows = [step_row(runner, b, c, args.tp, args.iters, ceilings, args.smoke)
+                for b, c in cases]
     finally:
         runner.shutdown()
     for row in rows:
         base = next(r for r in single if r["batch"] == row["batch"] and r["ctx"] == row["ctx"])
-        # TP=1 replays CUDA graphs while TP=2 runs eagerly: a conservative speed-up.
+        row["mode"] = "eager" if eager else "graphs"
         row["speedup_vs_tp1"] = base["step_ms"] / row["step_ms"]
     return rows
 
@@ -251,6 +258,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--tp-modes", nargs="+", choices=["graphs", "eager"], default=["graphs"],
+                        help="TP runs: with decode CUDA graphs and/or eagerly (each its own group)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code, not the speed")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -259,11 +268,13 @@ def main() -> None:
     rows = run_single(args, model_dir, ceilings)
     gpus = torch.cuda.device_count() if not args.smoke else args.tp
     if args.tp > 1 and gpus >= args.tp:
-        rows += run_tensor_parallel(args, model_dir, ceilings, rows)
+        single = list(rows)
+        for mode in args.tp_modes:
+            rows += run_tensor_parallel(args, model_dir, ceilings, single, eager=mode == "eager")
     elif args.tp > 1:
         rows.append({"tp": args.tp, "skipped": f"{gpus} GPU(s) visible"})
-    write_report(args.out, env, ceilings, rows, ["tp", "batch", "ctx", "step_ms", "replay_ms", "floor_ms", "of_floor",
-                                                 "replay_of_floor", "tok_s", "speedup_vs_tp1", "skipped"])
+    write_report(args.out, env, ceilings, rows, ["tp", "mode", "batch", "ctx", "step_ms", "replay_ms", "floor_ms",
+                                                 "of_floor", "replay_of_floor", "tok_s", "speedup_vs_tp1", "skipped"])
 
 
 if __name__ == "__main__":
