@@ -1,7 +1,9 @@
 """`python -m services.gateway`: the OpenAI-compatible HTTP gateway.
 
 The only place the gateway reads its environment: `BatonSettings` (database, Redis, Kafka, pricing,
-tier limits) and `GatewaySettings` (scheduler or static workers, safety, model, SSE). The clients are
+tier limits) and `GatewaySettings` (auth mode, scheduler or static workers, safety, model, SSE).
+`BATON_AUTH_MODE=none` builds the gateway without tenants (no Postgres, Redis or Kafka; see
+tenancy.py) and says so loudly at start. The clients are
 built inside the server's event loop (gRPC aio channels belong to the loop that made them), then
 handed to `create_app`. SIGTERM/SIGINT drain: the listener closes, running streams get
 `BATON_DRAIN_TIMEOUT_S` to finish, then what is left is aborted (KV freed, usage billed).
@@ -19,29 +21,35 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
-from redis.asyncio import Redis
 
 from engine.tokenizer import Tokenizer
-from services.billing.producer import ProducerConfig, UsageProducer
 from services.common.errors import BatonError, ConfigError
 from services.common.settings import BatonSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from services.gateway.db.pool import Database, DatabaseConfig
 from services.gateway.deps import GatewayDeps
-from services.gateway.ratelimit import RateLimitConfig
 from services.gateway.routing import RouterClient, StaticWorkers
 from services.gateway.safety_gate import SafetyGate
 from services.gateway.settings import GatewaySettings
+from services.gateway.tenancy import TenantServices, build_open_tenancy, build_platform_tenancy
 from services.gateway.tracing import setup_tracing
 
 log = logging.getLogger("services.gateway")
 
 
+def build_tenancy(gw: GatewaySettings, settings: BatonSettings) -> TenantServices:
+    if gw.auth_mode == "none":
+        log.warning("!" * 100)
+        log.warning("BATON_AUTH_MODE=none: NO API key is checked, NO rate limits, budgets or billing, NO conversation "
+                    "storage; every request is one anonymous '%s' organisation. For benchmarks and single-user "
+                    "development only: never expose this gateway to a network.", gw.anonymous_tier)
+        log.warning("!" * 100)
+        return build_open_tenancy(gw.anonymous_tier)
+    return build_platform_tenancy(settings)
+
+
 def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings) -> GatewayDeps:
     """Every client from settings; call inside the running event loop."""
-    if not settings.redis_url:
-        raise ConfigError("no Redis: set BATON_REDIS_URL (or run `baton serve`)")
     if not gw.scheduler_address and not gw.worker_addresses:
         raise ConfigError("no workers: set BATON_SCHEDULER_ADDRESS or BATON_WORKER_ADDRESSES")
     static = StaticWorkers(tuple(gw.worker_addresses)) if gw.worker_addresses else None
@@ -52,11 +60,9 @@ def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettin
         safety = SafetyGate(SafetyClient(gw.safety_address))
     else:
         log.warning("BATON_SAFETY_ADDRESS unset: prompts and outputs are NOT safety-checked")
-    return GatewayDeps(
-        config=config, db=Database(DatabaseConfig.from_settings(settings)),
-        redis=Redis.from_url(settings.redis_url), tokenizer=Tokenizer.from_dir(config.model.path),
-        router=RouterClient(gw.scheduler_address, static), usage=UsageProducer(ProducerConfig.from_settings(settings)),
-        rate_limits=RateLimitConfig.from_settings(settings), safety=safety)
+    return GatewayDeps(config=config, tokenizer=Tokenizer.from_dir(config.model.path),
+                       router=RouterClient(gw.scheduler_address, static), tenancy=build_tenancy(gw, settings),
+                       safety=safety)
 
 
 async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings) -> None:

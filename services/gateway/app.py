@@ -65,14 +65,16 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await deps.start()
-        purge = asyncio.create_task(run_purge_loop(
-            deps.conversations, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
+        store = deps.tenancy.conversations
+        purge = None if store is None else asyncio.create_task(run_purge_loop(
+            store, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
         try:
             yield
         finally:
-            purge.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await purge
+            if purge is not None:
+                purge.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await purge
             await deps.close()
 
     app = FastAPI(title="Baton", version=API_VERSION, lifespan=lifespan,

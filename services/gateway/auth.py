@@ -15,10 +15,13 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.errors import AuthenticationError, RevokedKeyError
 from services.common.settings import Tier
-from services.gateway.db.api_keys import ApiKeyRecord, ApiKeyStore
+
+if TYPE_CHECKING:  # API keys live in Postgres; BATON_AUTH_MODE=none runs without psycopg
+    from services.gateway.db.api_keys import ApiKeyRecord, ApiKeyStore
 
 KEY_PREFIX = "bt-"
 _RANDOM_BYTES = 32
@@ -79,6 +82,12 @@ class ApiKeyAuthenticator:
         record = await self._store.insert(org_id, hash_api_key(key), display_prefix(key), user_id=user_id,
                                           name=name, rpm_limit=rpm_limit, tpm_limit=tpm_limit)
         return IssuedKey(key, record)
+
+    async def authenticate_bearer(self, token: str | None) -> Principal:
+        """The principal of a request's `Authorization: Bearer` token; no token is a 401."""
+        if token is None:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer bt-...'")
+        return await self.authenticate(token)
 
     async def authenticate(self, presented: str) -> Principal:
         """The principal of a presented key. Unknown, malformed and revoked keys raise 401 errors."""

@@ -13,9 +13,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from services.common.errors import BudgetExceededError, NotFoundError
-from services.gateway.db.pool import Database
+
+if TYPE_CHECKING:
+    from services.gateway.db.pool import Database
 
 _SPEND_SQL = """
 SELECT o.monthly_budget_usd, COALESCE(SUM(d.cost_usd), 0)

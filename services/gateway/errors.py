@@ -69,6 +69,18 @@ class UpstreamError(BatonError):
     code = "upstream_error"
 
 
+class FeatureDisabledError(BatonError):
+    """A feature this gateway runs without (e.g. conversation storage in `BATON_AUTH_MODE=none`): 501,
+    with `x-should-retry: false` so OpenAI SDKs don't retry it like other 5xx."""
+
+    http_status = 501
+    code = "feature_disabled"
+
+    def __init__(self, feature: str, auth_mode: str) -> None:
+        super().__init__(f"{feature} is disabled in auth_mode={auth_mode} (BATON_AUTH_MODE): this gateway runs "
+                         "without a database")
+
+
 class StreamGoneError(BatonError):
     """A Last-Event-ID resume asked for events no longer buffered."""
 
@@ -95,6 +107,8 @@ def error_headers(exc: BatonError) -> dict[str, str]:
             headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
     elif isinstance(exc, OverloadedError) and exc.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
+    elif isinstance(exc, FeatureDisabledError):
+        headers["x-should-retry"] = "false"
     return headers
 
 

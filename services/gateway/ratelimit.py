@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-
-from redis.asyncio import Redis
+from typing import TYPE_CHECKING
 
 from services.common.errors import RateLimitError
 from services.common.settings import BatonSettings, Tier, TierLimitSettings
 from services.gateway.auth import Principal
+
+if TYPE_CHECKING:  # the gateway without tenants (BATON_AUTH_MODE=none) runs without the redis package
+    from redis.asyncio import Redis
 
 # KEYS: bucket keys. ARGV: capacity_1, cost_1, capacity_2, cost_2, ...
 # Returns {admitted 0|1, refusing index (0: none), wait seconds, level_1, ..., level_n} (floats as strings:
@@ -133,9 +135,12 @@ class RateLimitLease:
 
     org_id: uuid.UUID
     key_id: uuid.UUID
-    limits: BucketLimits
+    limits: BucketLimits | None  # None: admitted without limits (BATON_AUTH_MODE=none)
     charged_tokens: int
-    status: RateLimitStatus
+    status: RateLimitStatus | None
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.status is None else self.status.headers()
 
 
 class RateLimiter:
@@ -175,7 +180,7 @@ class RateLimiter:
     async def reconcile(self, lease: RateLimitLease, actual_tokens: int) -> None:
         """Settle a finished (or aborted) request: refund or charge `actual - charged` tokens."""
         delta = actual_tokens - lease.charged_tokens
-        if delta == 0:
+        if delta == 0 or lease.limits is None:
             return
         keys = self._keys(lease.org_id, lease.key_id)
         await self._adjust(keys=[keys[1], keys[3]],

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
-from services.gateway.db.conversations import ConversationStore
+if TYPE_CHECKING:
+    from services.gateway.db.conversations import ConversationStore
 
 log = logging.getLogger(__name__)
 

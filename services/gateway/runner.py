@@ -21,20 +21,22 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.types import SLO, RequestSummary, Tier
 from services.billing.events import UsageEvent
 from services.common.errors import BatonError
-from services.gateway.db.conversations import ConversationStore, Role
 from services.gateway.errors import OverloadedError, UpstreamError
 from services.gateway.generation import GenerateTarget, GenerationDelta, WorkerClient
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.ratelimit import RateLimiter
 from services.gateway.routing import RouterClient, RouteSource, RoutingDecision
 from services.gateway.run_state import ChoiceEvent, ChoiceState, GenerationPlan
 from services.gateway.safety_gate import OutputFilter, OutputGate, SafetyGate, SafetyVerdict
 from services.gateway.tracing import tracer
+
+if TYPE_CHECKING:
+    from services.gateway.db.conversations import ConversationStore, Role
+    from services.gateway.tenancy import Admission
 
 log = logging.getLogger(__name__)
 Emit = Callable[[ChoiceEvent], None]
@@ -51,7 +53,7 @@ class UsageSink(Protocol):
 
 class CompletionRunner:
     def __init__(self, workers: WorkerClient, router: RouterClient, safety: SafetyGate | None,
-                 usage: UsageSink, rate_limiter: RateLimiter, conversations: ConversationStore,
+                 usage: UsageSink, rate_limiter: Admission, conversations: ConversationStore | None,
                  metrics: GatewayMetrics, slos: dict[str, SLO]) -> None:
         self.workers = workers
         self.router = router
@@ -244,8 +246,8 @@ class Generation:
             log.error("usage event %s not recorded: %s", state.spec.request_id, e)
 
     async def _store_conversation(self) -> None:
-        plan = self.plan
-        if plan.conversation_id is None or not any(s.worker_answered for s in self.states):
+        plan, store = self.plan, self.runner.conversations
+        if store is None or plan.conversation_id is None or not any(s.worker_answered for s in self.states):
             return
         org = plan.principal.org_id
         first = self.states[0]
@@ -253,11 +255,11 @@ class Generation:
             last = len(plan.conversation_messages) - 1
             for i, message in enumerate(plan.conversation_messages):
                 role: Role = message["role"]  # type: ignore[assignment]
-                await self.runner.conversations.append(
+                await store.append(
                     org, plan.conversation_id, role, message["content"],
                     prompt_tokens=first.prompt_tokens if i == last else None)
             if first.text:
-                await self.runner.conversations.append(org, plan.conversation_id, "assistant", first.text,
+                await store.append(org, plan.conversation_id, "assistant", first.text,
                                                        completion_tokens=len(first.token_ids))
         except BatonError as e:  # deleted meanwhile: the reply was served, nothing to store it in
             log.info("conversation %s not appended: %s", plan.conversation_id, e)

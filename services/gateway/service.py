@@ -19,23 +19,25 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
 from services.common.errors import UsageBacklogFullError
 from services.gateway.auth import Principal
-from services.gateway.budget import BudgetGuard
 from services.gateway.config import GatewayConfig
-from services.gateway.db.conversations import ConversationStore
 from services.gateway.errors import BadRequestError, ModelNotFoundError, error_body
 from services.gateway.formatting import ChatFormatter, Formatter, ResponseMeta, TextFormatter, TokenTexts, json_data
 from services.gateway.generation import SamplingSpec, derive_seed
 from services.gateway.prompt import PreparedPrompt, PromptBuilder, TemplateMessage
-from services.gateway.ratelimit import RateLimiter, RateLimitLease
+from services.gateway.ratelimit import RateLimitLease
 from services.gateway.run_state import ChoiceEvent, ChoiceSpec, GenerationPlan
 from services.gateway.runner import CompletionRunner, Generation
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from services.gateway.streams import EventLog, StreamHub
+
+if TYPE_CHECKING:
+    from services.gateway.tenancy import TenantServices
 
 log = logging.getLogger(__name__)
 ClientGone = Callable[[], Awaitable[None]]
@@ -77,14 +79,13 @@ class _Request:
 
 class CompletionService:
     def __init__(self, config: GatewayConfig, prompts: PromptBuilder, runner: CompletionRunner,
-                 rate_limiter: RateLimiter, budget: BudgetGuard, conversations: ConversationStore,
-                 streams: StreamHub) -> None:
+                 tenancy: TenantServices, streams: StreamHub) -> None:
         self.config = config
         self.prompts = prompts
         self.runner = runner
-        self.rate_limiter = rate_limiter
-        self.budget = budget
-        self.conversations = conversations
+        self.tenancy = tenancy
+        self.rate_limiter = tenancy.admission
+        self.budget = tenancy.budget
         self.streams = streams
         self.tokens = TokenTexts(prompts.tokenizer)
         self._producers: set[asyncio.Task[None]] = set()
@@ -137,7 +138,7 @@ class CompletionService:
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:
             return []
-        messages = await self.conversations.messages(principal.org_id, conversation_id)
+        messages = await self.tenancy.conversation_store().messages(principal.org_id, conversation_id)
         return [{"role": m.role, "content": m.content} for m in messages]
 
     def _plan(self, request: _Request, principal: Principal, lease: RateLimitLease,
@@ -170,7 +171,7 @@ class CompletionService:
             span.set_attribute("enduser.id", request.user)  # OpenAI's `user`: recorded, not interpreted
         lease = await self._admit(request, principal)
         plan = self._plan(request, principal, lease, started_at)
-        headers = plan.lease.status.headers()
+        headers = plan.lease.headers()
         formatter = self._formatter(request, plan)
         try:
             refusal = await self.runner.precheck(plan, request.safety_text)

@@ -7,6 +7,8 @@ e.g. `BATON_WORKER_ADDRESSES='["127.0.0.1:50061"]'`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -33,6 +35,12 @@ class GatewaySettings(BaseSettings):
     """Gateway settings; env prefix `BATON_`, e.g. `BATON_SCHEDULER_ADDRESS`."""
 
     model_config = SettingsConfigDict(env_prefix="BATON_", extra="ignore", frozen=True)
+
+    # Tenants: "api_key" (keys, budgets, conversations in Postgres, rate limits in Redis, usage to Kafka)
+    # or "none": no key checked, every caller one anonymous organisation at `anonymous_tier`, no rate
+    # limits, budgets, billing or conversation storage. For benchmarks and single-user development only.
+    auth_mode: Literal["api_key", "none"] = "api_key"
+    anonymous_tier: Tier = "enterprise"
 
     # Routing: a scheduler, or (no scheduler) a static list of decode-capable worker addresses.
     scheduler_address: str | None = None

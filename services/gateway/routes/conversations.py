@@ -2,18 +2,22 @@
 
 Scoped to the caller's organisation by the store: another organisation's id is a 404, exactly like
 an unknown one. Deleting is soft; the rows are purged after the retention period (retention.py).
-Continue one with `conversation_id` in a chat completion request.
+Continue one with `conversation_id` in a chat completion request. A gateway without a database
+(`BATON_AUTH_MODE=none`) answers every one of these with 501 `feature_disabled`.
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
-from services.gateway.db.conversations import Conversation, Message
 from services.gateway.deps import Conversations, CurrentPrincipal
 from services.gateway.schemas import ConversationCreate
+
+if TYPE_CHECKING:
+    from services.gateway.db.conversations import Conversation, Message
 
 router = APIRouter(tags=["conversations"])
 

@@ -1,4 +1,5 @@
-"""`/healthz` (the process is up), `/readyz` (DB, Redis and a worker answer) and Prometheus `/metrics`."""
+"""`/healthz` (the process is up), `/readyz` (DB, Redis -- when the gateway has them -- and a worker
+answer) and Prometheus `/metrics`."""
 
 from __future__ import annotations
 
@@ -55,9 +56,8 @@ async def _any_worker(deps: Deps) -> None:
 async def readyz(deps: Deps) -> JSONResponse:
     if deps.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
-    checks = dict(await asyncio.gather(
-        _check("database", deps.db.ping()), _check("redis", deps.redis.ping()),
-        _check("worker", _any_worker(deps))))
+    probes = [_check(name, probe()) for name, probe in deps.tenancy.readiness.items()]
+    checks = dict(await asyncio.gather(*probes, _check("worker", _any_worker(deps))))
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
                         status_code=200 if ready else 503)

@@ -1,4 +1,6 @@
-"""`GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=model|day`: the caller's organisation's usage."""
+"""`GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=model|day`: the caller's organisation's usage.
+
+501 `feature_disabled` on a gateway without a database (`BATON_AUTH_MODE=none`)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,13 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter
 
-from services.billing.usage import UsageQuery, query_usage
-from services.gateway.deps import CurrentPrincipal, DbConn
+from services.gateway.deps import CurrentPrincipal, Reports
 
 router = APIRouter(tags=["usage"])
 
 
 @router.get("/v1/usage")
-async def usage(principal: CurrentPrincipal, conn: DbConn, start: str | None = None, end: str | None = None,
+async def usage(principal: CurrentPrincipal, reports: Reports, start: str | None = None, end: str | None = None,
                 group_by: str | None = None) -> dict[str, object]:
     """UTC days, `start` inclusive, `end` exclusive (default: tomorrow); `group_by` defaults to day."""
-    query = UsageQuery.parse(principal.org_id, start, end, group_by, datetime.now(UTC).date())
-    return (await query_usage(conn, query)).to_dict()
+    return await reports.report(principal.org_id, start, end, group_by, datetime.now(UTC).date())

@@ -1,0 +1,288 @@
+"""DistServe on two GPUs: 1 prefill + 1 decode worker vs 2 co-located `both` workers, goodput vs rate.
+
+    python -m loadtest.experiments.distserve_assets                 # here, once: .data/distserve/ (carried)
+    bash loadtest/micro/distserve_suite.sh                          # on the 2-GPU box (OUT=... for the output)
+    .venv/bin/python -m loadtest.experiments.distserve --smoke --out /tmp/distserve-smoke   # CPU, tiny
+    .venv/bin/python -m loadtest.experiments.distserve --replot OUT  # summary + plots again from OUT/results.tar.gz
+
+The real stack end to end: `baton bench` (in this process; OpenAI HTTP streaming client) -> gateway
+(`BATON_AUTH_MODE=none`: no Postgres/Redis/Kafka) -> scheduler service (policy `least_loaded`: no
+learnt cost model to warm up and no SLO-based shedding, so the comparison is of the two
+architectures, not of admission control) -> workers. Configurations, one at a time, same SLOs:
+- `disagg`: prefill worker on GPU0, decode worker on GPU1 (`--prefill-peers`; KV over NIXL). The
+  scheduler sends prompts with >= 256 uncached tokens to the prefill worker; shorter ones (a part of
+  ShareGPT) prefill on the decode worker (conditional disaggregation, the scheduler's default rule);
+- `colocated`: one `both` worker per GPU; the scheduler balances by load.
+Model: Llama-3.1-8B's shape (hidden 4096, 32 layers, 32/8 heads, MLP 14336, vocab 128256, llama3 RoPE),
+dummy bf16 weights (one seed), Triton attention, CUDA graphs; every worker: 128 sequences, 20480 KV
+blocks of 16 tokens (40 GiB), the engine's default 2048-token step budget with 512-token prefill
+chunks, prefix caching OFF (the sweep reuses prompts across rates; DistServe has none either).
+
+Workloads (each rate: Poisson arrivals for --duration-s seconds, its own seed, the same prompts and
+arrival times for both configurations; `ignore_eos`, greedy):
+Each rate sends ceil(rate x duration) requests (none after 1.5 x duration: `--max-duration`).
+- `random`: ISL 2048 / OSL 128 exactly, rates 4 8 12 16 req/s. Why: a 2k-token prefill of this model
+  takes ~65-90 ms on one H100/H200 (31.5k tok/s measured, docs/benchmarks.md), so one prefill GPU
+  saturates at ~11-15 req/s (TTFT p90 <= 500 ms fails before that, queueing) while a decode step at
+  batch 32-64 is ~10-16 ms (TPOT fine); the co-located pair has two GPUs for prefill and should go
+  further. 4 and 8 are below both knees, 12 is at the disaggregated knee, 16 beyond it;
+- `sharegpt`: 1000 carried conversations (prompt <= 1024, answer clipped to 512 tokens), rates 5 10 20.
+SLO: TTFT <= 500 ms and TPOT <= 50 ms per request; a rate is "good" at >= 90% attainment (DistServe).
+The runs of both workloads interleave by rate, so a deadline cut loses the top rates, not a workload.
+
+Time: a global --deadline-s (default 480 s) from the start: a run that would not fit its
+configuration's share of the time left is skipped (recorded), the second configuration gets the time
+the first left, and a hard alarm 20 s past the deadline stops everything; whatever was measured is
+still summarised. Output in --out (at most 7 files): summary.json, results.tar.gz (every run's bench
+JSON, the warm-up runs, every process log, the model config), goodput_<workload>.png (the harness's
+plot: goodput + TTFT/TPOT/ITL CDFs, both configurations) and attainment_<workload>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.experiments import distserve_assets as assets
+from loadtest.experiments import distserve_report as report
+from loadtest.experiments.distserve_cluster import CONFIGS, Cluster, ClusterSpec
+
+log = logging.getLogger("loadtest.experiments.distserve")
+
+
+class DeadlineExceeded(BaseException):  # noqa: N818 - BaseException: asyncio re-raises it out of the loop
+    """The hard alarm: stop whatever runs, clean up, summarise what was measured."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    args: tuple[str, ...]  # dataset flags of `baton bench`
+    rates: tuple[float, ...]
+    drain_s: float  # expected tail after the last arrival (for the time plan)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: ClusterSpec
+    workloads: tuple[Workload, ...]
+    duration_s: float
+    request_timeout_s: float
+    warmup: tuple[tuple[str, ...], ...]  # bench dataset flags, run once per configuration, not reported
+    startup_guess_s: float
+
+
+GPU_ENGINE = ("--device", "cuda:0", "--dtype", "bfloat16", "--attention-backend", "triton", "--load-format",
+              "dummy", "--seed", "0", "--num-blocks", "20480", "--max-num-seqs", "128", "--max-model-len", "4096",
+              "--no-prefix-caching", "--log-level", "INFO")
+SMOKE_ENGINE = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--torch-threads", "1",
+                "--num-blocks", "512", "--max-num-seqs", "8", "--max-model-len", "2048", "--no-prefix-caching",
+                "--log-level", "INFO")
+
+
+def gpu_plan(work: Path, args: argparse.Namespace) -> Plan:
+    model_dir = assets.build_model_dir(work / assets.MODEL_NAME, assets.LLAMA31_8B)
+    sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
+    spec = ClusterSpec(model_dir, assets.MODEL_NAME, GPU_ENGINE, args.slo_ttft_ms, args.slo_tpot_ms, args.policy,
+                       env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                            "NVSHMEM_DISABLE_NVLS": "1"})
+    random = ("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "128")
+    share = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt))
+    return Plan(spec, (Workload("random", random, tuple(args.random_rates or (4, 8, 12, 16)), 6.0),
+                       Workload("sharegpt", share, tuple(args.sharegpt_rates or (5, 10, 20)), 10.0)),
+                args.duration_s or 10.0, 30.0,
+                (("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "16", "--num-prompts",
+                  "12", "--request-rate", "6"),
+                 (*share, "--num-prompts", "12", "--request-rate", "6", "--sharegpt-output-len", "16")), 90.0)
+
+
+def smoke_plan(work: Path, args: argparse.Namespace) -> Plan:
+    from engine.loader import default_model_dir
+
+    model_dir = default_model_dir(None)
+    sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
+    spec = ClusterSpec(model_dir, model_dir.name, SMOKE_ENGINE, args.slo_ttft_ms, args.slo_tpot_ms, args.policy,
+                       cpu=True, env={"OMP_NUM_THREADS": "1"})
+    # 320 prompt tokens: above the scheduler's 256-token threshold, so `disagg` prefills remotely.
+    random = ("--dataset", "random", "--random-input-len", "320", "--random-output-len", "8")
+    share = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt), "--sharegpt-output-len", "8")
+    return Plan(spec, (Workload("random", random, tuple(args.random_rates or (0.5, 1.0)), 3.0),
+                       Workload("sharegpt", share, tuple(args.sharegpt_rates or (0.5,)), 6.0)),
+                args.duration_s or 4.0, 60.0, (("--dataset", "random", "--random-input-len", "32",
+                                                "--random-output-len", "4", "--num-prompts", "2"),), 30.0)
+
+
+def bench(url: str, tokenizer: Path, dataset_args: tuple[str, ...], extra: list[str], out: Path,
+          request_timeout_s: float, slo: tuple[float, float]) -> int:
+    """One `baton bench` invocation, in this process; returns its exit code."""
+    from loadtest.cli import main as bench_main
+
+    argv = ["--base-url", url, "--tokenizer", str(tokenizer), "--ignore-eos", "--no-progress",
+            "--request-timeout", f"{request_timeout_s:g}", "--slo-ttft-ms", f"{slo[0]:g}",
+            "--slo-tpot-ms", f"{slo[1]:g}", "--result-json", str(out), "--label", out.stem.split("__")[0],
+            *dataset_args, *extra]
+    log.info("bench %s", " ".join(argv))
+    return bench_main(argv)
+
+
+def run_order(workloads: tuple[Workload, ...]) -> list[tuple[Workload, int]]:
+    """Runs interleaved by rate index: random r0, sharegpt r0, random r1, ..."""
+    depth = max(len(w.rates) for w in workloads)
+    return [(w, i) for i in range(depth) for w in workloads if i < len(w.rates)]
+
+
+def run_configuration(config: str, plan: Plan, work: Path, deadline: float, configs_left: int,
+                      record: dict) -> None:
+    entry: dict = {"runs": [], "skipped": []}
+    record["configurations"][config] = entry
+    share_end = time.monotonic() + (deadline - time.monotonic()) / configs_left
+    slo = (plan.spec.slo_ttft_ms, plan.spec.slo_tpot_ms)
+    log.warning("=== %s: starting (time share until +%.0f s)", config, share_end - time.monotonic())
+    with Cluster(config, plan.spec, work / "logs") as cluster:
+        entry["startup_s"] = cluster.startup_s
+        log.warning("%s: all processes ready in %.1f s", config, cluster.startup_s)
+        for i, dataset in enumerate(plan.warmup):
+            bench(cluster.url, plan.spec.model_dir, dataset, ["--seed", str(900 + i)],
+                  work / "warmup" / f"{config}__warmup{i}.json", plan.request_timeout_s, slo)
+        for workload, index in run_order(plan.workloads):
+            rate = workload.rates[index]
+            need = plan.duration_s + workload.drain_s + 3.0
+            name = f"{config}__{workload.name}__r{rate:g}"
+            if time.monotonic() + need > share_end:
+                entry["skipped"].append({"run": name, "needed_s": need,
+                                         "left_s": round(share_end - time.monotonic(), 1)})
+                log.warning("%s: skipped (needs ~%.0f s, %.0f s left in this configuration's share)",
+                            name, need, share_end - time.monotonic())
+                continue
+            started = time.monotonic()
+            num = max(1, math.ceil(rate * plan.duration_s))
+            seed = 1000 * [w.name for w in plan.workloads].index(workload.name) + index + 1
+            code = bench(cluster.url, plan.spec.model_dir, workload.args,
+                         ["--num-prompts", str(num), "--request-rate", f"{rate:g}", "--seed", str(seed),
+                          "--max-duration", f"{1.5 * plan.duration_s:g}"], work / "runs" / f"{name}.json",
+                         plan.request_timeout_s, slo)
+            entry["runs"].append({"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1)})
+            log.warning("%s: done in %.1f s (exit %d)", name, time.monotonic() - started, code)
+        entry["worker_counters"] = cluster.worker_counters()
+
+
+def write_outputs(work: Path, out: Path, record: dict) -> dict:
+    """summary.json, the plots and results.tar.gz, from whatever runs finished."""
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    summary = report.summarize(work / "runs", record)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    try:
+        report.plot(work / "runs", out, summary)
+    except Exception as e:  # noqa: BLE001 - e.g. no matplotlib on the GPU box: --replot here later
+        log.warning("plots not written (%s: %s); run --replot on a machine with matplotlib", type(e).__name__, e)
+    if (work / "runs").resolve() != (out / "runs").resolve():
+        with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
+            for sub in ("runs", "warmup", "logs"):
+                if (work / sub).exists():
+                    tar.add(work / sub, arcname=sub)
+            for extra in work.glob("*/config.json"):
+                tar.add(extra, arcname=f"model/{extra.parent.name}-config.json")
+    report.print_tables(summary)
+    return summary
+
+
+def replot(out: Path) -> int:
+    with tempfile.TemporaryDirectory(prefix="distserve-replot-") as tmp:
+        with tarfile.open(out / "results.tar.gz") as tar:
+            tar.extractall(tmp, filter="data")
+        old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        meta = {k: v for k, v in old.items() if k != "workloads"}
+        summary = report.summarize(Path(tmp) / "runs", meta)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        report.plot(Path(tmp) / "runs", out, summary)
+        report.print_tables(summary)
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.distserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("results/distserve"))
+    p.add_argument("--smoke", action="store_true", help="CPU: default tiny model, torch backend, tiny rates")
+    p.add_argument("--replot", type=Path, default=None, metavar="OUT", help="only redo summary + plots of OUT")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--random-rates", type=float, nargs="+", default=None)
+    p.add_argument("--sharegpt-rates", type=float, nargs="+", default=None)
+    p.add_argument("--duration-s", type=float, default=None, help="arrivals per rate (default 10; smoke 4)")
+    p.add_argument("--deadline-s", type=float, default=None, help="whole run (default 480; smoke 900)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="default 500 (smoke 5000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="default 50 (smoke 1000)")
+    p.add_argument("--policy", default="least_loaded", help="scheduler policy")
+    args = p.parse_args(argv)
+    args.deadline_s = args.deadline_s or (900.0 if args.smoke else 480.0)
+    args.slo_ttft_ms = args.slo_ttft_ms or (5000.0 if args.smoke else 500.0)
+    args.slo_tpot_ms = args.slo_tpot_ms or (1000.0 if args.smoke else 50.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    if args.replot is not None:
+        return replot(args.replot)
+    missing = assets.missing_assets()
+    if missing:
+        print(f"distserve: missing {missing} in {assets.ASSET_DIR}: run python -m "
+              "loadtest.experiments.distserve_assets first (and carry .data/)", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    deadline = started + args.deadline_s
+
+    def on_alarm(signum: int, _frame: object) -> None:
+        raise DeadlineExceeded(f"signal {signum}: past the deadline ({args.deadline_s:.0f} s) or told to stop")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGTERM, on_alarm)
+    signal.alarm(int(args.deadline_s) + 20)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="distserve-"))
+    plan = (smoke_plan if args.smoke else gpu_plan)(work, args)
+    record: dict = {"experiment": "distserve", "smoke": args.smoke, "policy": args.policy,
+                    "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": 0.9},
+                    "duration_s_per_rate": plan.duration_s, "engine_args": list(plan.spec.engine_args),
+                    "model": plan.spec.model_name, "workloads": [w.__dict__ for w in plan.workloads],
+                    "host": {"python": sys.version.split()[0], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
+                    "configurations": {}, "errors": []}
+    rc = 0
+    try:
+        for i, config in enumerate(args.configs):
+            try:
+                run_configuration(config, plan, work, deadline, len(args.configs) - i, record)
+            except Exception as e:  # noqa: BLE001 - the other configuration may still run
+                record["errors"].append(f"{config}: {type(e).__name__}: {e}"[:4000])
+                log.error("%s failed: %s", config, e)
+                rc = 1
+    except DeadlineExceeded as e:
+        record["errors"].append(str(e))
+        log.error("%s", e)
+        rc = 1
+    finally:
+        signal.alarm(0)
+        record["wall_s"] = round(time.monotonic() - started, 1)
+        try:
+            write_outputs(work, args.out, record)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    log.warning("distserve finished in %.0f s (exit %d); outputs in %s", time.monotonic() - started, rc, args.out)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

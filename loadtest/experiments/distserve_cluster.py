@@ -1,0 +1,191 @@
+"""One DistServe configuration's processes: scheduler, workers, gateway (`BATON_AUTH_MODE=none`).
+
+`disagg`: a prefill worker on GPU 0 and a decode worker on GPU 1 (`--prefill-peers` = the prefill
+worker); `colocated`: two `both` workers, one per GPU. Each worker sees only its own GPU
+(CUDA_VISIBLE_DEVICES=<n>, `--device cuda:0`), dummy weights from one config.json and one `--seed`
+(identical weights everywhere). The scheduler (`python -m scheduler.adapters`) routes with the
+given policy; the gateway is the real one, without Postgres/Redis/Kafka.
+
+Workers start at the same time (loading and CUDA-graph capture overlap); every wait has a timeout,
+and `stop()` (also on any failure while starting) stops the gateway first and the scheduler last,
+SIGKILLing whatever ignores SIGTERM. Children die with this process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from services.launcher.process import SupervisedProcess, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_READY = "BATON_WORKER_READY"
+CONFIGS = ("disagg", "colocated")
+# What shows where prompts were prefilled and how the KV moved (scraped after each configuration).
+METRIC_PREFIXES = ("baton_pd_prefill_path", "baton_pd_fallback", "baton_worker_requests", "baton_kv_transfer_seconds",
+                   "baton_pd_handoff_seconds")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    name: str
+    role: str  # prefill | decode | both
+    gpu: int  # physical index; ignored on CPU
+
+
+def worker_plans(config: str) -> tuple[WorkerPlan, ...]:
+    if config == "disagg":
+        return WorkerPlan("prefill-gpu0", "prefill", 0), WorkerPlan("decode-gpu1", "decode", 1)
+    if config == "colocated":
+        return WorkerPlan("both-gpu0", "both", 0), WorkerPlan("both-gpu1", "both", 1)
+    raise ValueError(f"unknown configuration {config!r}; valid: {', '.join(CONFIGS)}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: Path
+    model_name: str
+    engine_args: tuple[str, ...]  # device, dtype, backend, load format, cache and batch sizes
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    policy: str = "least_loaded"
+    cpu: bool = False  # no CUDA_VISIBLE_DEVICES
+    worker_ready_timeout_s: float = 240.0
+    service_ready_timeout_s: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Cluster:
+    """A context manager: entered = every process ready; `url` is the gateway's root."""
+
+    def __init__(self, config: str, spec: ClusterSpec, log_dir: Path) -> None:
+        self.config = config
+        self.spec = spec
+        self.log_dir = log_dir
+        self.processes: list[SupervisedProcess] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_s: float | None = None
+        self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
+
+    def __enter__(self) -> Cluster:
+        started = time.monotonic()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> SupervisedProcess:
+        import os
+
+        process = SupervisedProcess(name, argv, self.log_dir / f"{self.config}-{name}.log",
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, **env}, cwd=ROOT,
+                                    stop_timeout_s=15)
+        process.start()
+        self.processes.append(process)
+        return process
+
+    def _start(self) -> None:
+        s = self.spec
+        scheduler_port = free_port()
+        scheduler = self._spawn("scheduler", [
+            sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1", "--port", str(scheduler_port),
+            "--policy", s.policy, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "10",
+            "--drain-grace-s", "1", "--log-level", "WARNING"], {})
+        scheduler.wait_ready(lambda: scheduler.listens_on(scheduler_port), s.service_ready_timeout_s)
+        address = f"127.0.0.1:{scheduler_port}"
+        plans = worker_plans(self.config)
+        workers: dict[str, tuple[SupervisedProcess, str]] = {}
+        prefill_address = ""
+        for plan in plans:  # the prefill worker first: the decode worker names it as its peer
+            port, metrics_port = free_port(), free_port()
+            self.metrics_urls[plan.name] = f"http://127.0.0.1:{metrics_port}/metrics"
+            argv = [sys.executable, "-m", "services.worker", "--role", plan.role, "--host", "127.0.0.1",
+                    "--port", str(port), "--worker-id", plan.name, "--model", str(s.model_dir),
+                    "--model-id", s.model_name, "--scheduler", address, "--heartbeat-interval-s", "0.2",
+                    "--drain-grace-s", "1", "--metrics-port", str(metrics_port), *s.engine_args]
+            if plan.role == "decode":
+                argv += ["--prefill-peers", prefill_address]
+            env = {} if s.cpu else {"CUDA_VISIBLE_DEVICES": str(plan.gpu)}
+            workers[plan.name] = (self._spawn(plan.name, argv, env), f"127.0.0.1:{port}")
+            if plan.role == "prefill":
+                prefill_address = f"127.0.0.1:{port}"
+        give_up = time.monotonic() + s.worker_ready_timeout_s
+        for _name, (process, _) in workers.items():
+            process.wait_ready(_log_has(process, WORKER_READY), max(1.0, give_up - time.monotonic()))
+        decode_capable = [a for plan in plans if plan.role != "prefill" for a in [workers[plan.name][1]]]
+        slos = {tier: {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms} for tier in ("free", "plus", "enterprise")}
+        gateway = self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1",
+                                          "--port", str(self.port)], {
+            "BATON_AUTH_MODE": "none", "BATON_ANONYMOUS_TIER": "enterprise", "BATON_SCHEDULER_ADDRESS": address,
+            "BATON_WORKER_ADDRESSES": json.dumps(decode_capable), "BATON_MODEL": str(s.model_dir),
+            "BATON_SERVED_MODEL_NAME": s.model_name, "BATON_MAX_MODEL_LEN": _arg(s.engine_args, "--max-model-len"),
+            "BATON_SLOS": json.dumps(slos), "BATON_DRAIN_TIMEOUT_S": "2", "BATON_LOG_LEVEL": "WARNING"})
+        gateway.wait_ready(_http_ok(f"{self.url}/readyz"), s.service_ready_timeout_s)
+
+    def stop(self) -> None:
+        """Gateway, workers, scheduler: the reverse of the start order."""
+        while self.processes:
+            process = self.processes.pop()
+            try:
+                process.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                process.kill()
+
+    def worker_counters(self, prefixes: tuple[str, ...] = METRIC_PREFIXES) -> dict[str, dict[str, float]]:
+        """Each worker's samples whose name starts with one of `prefixes` (diagnostics; {} if unreachable)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, dict[str, float]] = {}
+        for name, url in self.metrics_urls.items():
+            try:
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    text = reply.read().decode()
+            except OSError as e:
+                out[name] = {"unreachable": 1.0, "error": str(e)}  # type: ignore[dict-item]
+                continue
+            samples = out[name] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name.startswith(prefixes) and not sample.name.endswith(("_created", "_bucket")):
+                        labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                        samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+    def log_tails(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log_tail(lines)}" for p in self.processes)
+
+
+def _arg(args: tuple[str, ...], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _log_has(process: SupervisedProcess, marker: str):  # noqa: ANN202 - a probe
+    def probe() -> bool:
+        try:
+            return marker in process.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+    return probe
+
+
+def _http_ok(url: str):  # noqa: ANN202 - a probe
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+    return probe
