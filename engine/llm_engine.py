@@ -29,7 +29,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
-from engine.parallel.launcher import create_model_runner
+from engine.parallel.launcher import RankServiceFactory, create_model_runner
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -81,14 +81,17 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
+                 rank_service: RankServiceFactory | None = None) -> None:
+        """`rank_service`: with tensor parallelism, a picklable factory of each follower rank's
+        companion object (engine.parallel.launcher); ignored with one rank."""
         self.config = config
         self._clock = clock
         loaded = load_model(config.model, config.load_format, config.dtype, config.device,
                             seed=config.seed, cache_dir=config.cache_dir)
         self.model_config: ModelConfig = loaded.model_config
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.runner = create_model_runner(config, self.model_config, loaded.weights)
+        self.runner = create_model_runner(config, self.model_config, loaded.weights, rank_service)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,

@@ -180,6 +180,9 @@ class HandshakeInfo:
     bytes_per_block: int
     device_kind: str  # "cpu" (NIXL DRAM) | "cuda" (NIXL VRAM)
     device_id: int = 0  # CUDA device index; 0 on CPU
+    # Tensor parallelism: what a worker (its rank 0, the fields above) tells a peer also lists its
+    # follower ranks 1..tp_size-1, each its own agent over its own KV shard; () for one rank alone.
+    ranks: tuple[HandshakeInfo, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.device_kind not in DEVICE_KINDS:
@@ -193,6 +196,23 @@ class HandshakeInfo:
                 f"bytes_per_block {self.bytes_per_block} disagrees with "
                 f"the layout's {self.layout.bytes_per_block}"
             )
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if self.ranks:
+            self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        if self.layout.tp_rank != 0 or len(self.ranks) != self.layout.tp_size - 1:
+            raise ValueError(f"ranks: {len(self.ranks)} follower ranks for tp_rank {self.layout.tp_rank} of "
+                             f"tp_size {self.layout.tp_size}; rank 0 lists tp_size - 1")
+        for rank, info in enumerate(self.ranks, start=1):
+            if info.ranks or info.layout.tp_rank != rank or info.layout.tp_size != self.layout.tp_size:
+                raise ValueError(f"ranks[{rank - 1}] is tp_rank {info.layout.tp_rank} of {info.layout.tp_size}, "
+                                 f"expected rank {rank} of {self.layout.tp_size} with no ranks of its own")
+
+    @property
+    def is_complete(self) -> bool:
+        """Describes every rank of its worker (tp_size 1, or rank 0 listing its followers)."""
+        return len(self.ranks) == self.layout.tp_size - 1
 
     @property
     def mem_type(self) -> str:
@@ -212,6 +232,15 @@ class HandshakeInfo:
         if found:
             raise IncompatiblePeerError(other.agent_name, found)
 
+    def check_group_compatible(self, other: HandshakeInfo) -> None:
+        """`check_compatible` for whole workers: also every follower rank's layout, and the peer must
+        describe all its ranks (tp_size is compared first, so a TP-size mismatch names tp_size)."""
+        self.check_compatible(other)
+        if not other.is_complete:
+            raise IncompatiblePeerError(other.agent_name, [("ranks", self.layout.tp_size - 1, len(other.ranks))])
+        for mine, theirs in zip(self.ranks, other.ranks, strict=False):
+            mine.check_compatible(theirs)
+
 
 @dataclass(frozen=True)
 class TransferFailure:
@@ -220,6 +249,47 @@ class TransferFailure:
     request_id: str
     state: TransferState  # FAILED or TIMED_OUT
     reason: str
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """How one follower rank's share of a tensor-parallel WRITE ended (terminal: its handle is released)."""
+
+    rank: int
+    state: TransferState
+    reason: str = ""
+    checksums: tuple[int, ...] | None = None  # of its source blocks, in plan order, when asked for
+
+
+class KVShards(ABC):
+    """Rank 0's handle on the follower ranks of a tensor-parallel worker: each follower has its own
+    NIXL agent over its own KV shard, and follower r only ever talks to the peer's rank r (homogeneous
+    TP). Rank 0's sender and receiver drive them; the followers never notify anyone: rank 0 sends the
+    one DONE / ABORTED notice for the whole group.
+
+    Every call is blocking (a round trip over the TP control group) and returns only once every
+    follower has finished its part; calls must come from the one thread that owns rank 0's sender and
+    receiver (the KV link thread)."""
+
+    @property
+    @abstractmethod
+    def infos(self) -> tuple[HandshakeInfo, ...]:
+        """The followers' handshake infos, rank 1 first."""
+
+    @abstractmethod
+    def add_peer(self, peer: HandshakeInfo) -> None:
+        """Follower r connects to `peer.ranks[r - 1]` (peer is the whole worker's info, checked already)."""
+
+    @abstractmethod
+    def write(self, peer: str, plan: TransferPlan, *, checksums: bool,
+              fail_rank: int | None = None) -> list[ShardOutcome]:
+        """Every follower WRITEs its shard of `plan`'s blocks into the peer's same rank (the peer named
+        by its rank 0's agent `peer`), without notification, and waits (bounded by the plan's
+        deadline) until its WRITE is terminal. `fail_rank`: fault injection, that rank's WRITE fails."""
+
+    @abstractmethod
+    def checksums(self, block_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every follower's block checksums of `block_ids` (receiver side verification), rank 1 first."""
 
 
 class KVTransfer(ABC):

@@ -20,6 +20,9 @@ class Fault(Enum):
     STALL_TRANSFER = "stall_transfer"  # sender: the next WRITE is never posted -> TIMED_OUT at its deadline
     CORRUPT_DESTINATION = "corrupt_destination"  # receiver: flip a byte of the first block after arrival
     DROP_NOTIFICATION = "drop_notification"  # receiver: lose the next DONE notice -> TIMED_OUT, quarantine
+    # sender with tensor parallelism: the last follower rank's next WRITE reports a NIXL error -> the
+    # whole transfer FAILED (rank 0 decides; the follower takes its real failure path)
+    FAIL_SHARD_TRANSFER = "fail_shard_transfer"
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class FaultConfig:
     stall_transfer_rate: float = 0.0
     corrupt_destination_rate: float = 0.0
     drop_notification_rate: float = 0.0
+    fail_shard_transfer_rate: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:

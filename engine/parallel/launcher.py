@@ -11,6 +11,19 @@ followers, then every rank runs the same step; the collectives inside the model 
 Followers are spawned (never forked: CUDA does not survive a fork), each load the model from
 `config.model` themselves and keep their slice, so rank 0's `weights` must be that same model.
 
+Rank services: a worker may give every follower a companion object (e.g. the NIXL agent of that
+rank's KV shard), built in the follower's process by a picklable `rank_service(runner, tp)` factory
+right after its ModelRunner. `call_followers(method, *args)` runs `service.<method>(*args)` on every
+follower and gathers the results to rank 0 (a follower's exception comes back as a `FollowerError`
+and is raised on rank 0 after the gather, so the group stays in step).
+
+Threads: the control group carries one sequence at a time. Rank 0 may be driven by two threads (the
+engine thread's `execute`, a KV link thread's `call_followers`), so every broadcast together with the
+collectives that follow it (the model's forward; the gather) runs under `_group_lock`. Deadlock-free
+because a holder waits only on the followers, which serve calls strictly in broadcast order and never
+wait on rank 0's other thread; a service method must end on its own (bounded), never wait for the
+next broadcast.
+
 Failure: a follower that dies leaves rank 0 blocked in a collective until `ParallelConfig.timeout_s`
 passes, then torch.distributed raises on rank 0. Followers are daemonic: they die with rank 0.
 """
@@ -19,11 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+import signal
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.batch import BatchPlan, StepResult
@@ -45,20 +61,45 @@ log = logging.getLogger(__name__)
 COLLECTIVE_METHODS = frozenset({"execute", "randomize_kv_cache"})
 
 
+# Builds a follower's companion object in its own process; must be picklable (spawn).
+RankServiceFactory = Callable[[ModelRunner, TensorParallel], Any]
+
+
 @dataclass(frozen=True)
 class RunnerCall:
-    """A control message from rank 0: run `ModelRunner.<method>(*args)`; None means shut down."""
+    """A control message from rank 0: run `ModelRunner.<method>(*args)` (target "runner") or the
+    follower's rank service's method, whose result is gathered to rank 0 (target "service")."""
 
     method: str
     args: tuple[Any, ...]
+    target: str = "runner"
+
+
+@dataclass(frozen=True)
+class FollowerError:
+    """What a follower's rank-service call raised, gathered to rank 0 in place of a result."""
+
+    rank: int
+    message: str
+
+
+class FollowerCallError(RuntimeError):
+    """A rank-service call failed on at least one follower (every rank finished the call)."""
+
+    def __init__(self, method: str, errors: list[FollowerError]) -> None:
+        self.errors = errors
+        details = "; ".join(f"rank {e.rank}: {e.message}" for e in errors)
+        super().__init__(f"{method} failed on {len(errors)} follower(s): {details}")
 
 
 def create_model_runner(config: EngineConfig, model_config: ModelConfig,
-                        weights: Iterable[tuple[str, torch.Tensor]]) -> ModelRunner | TensorParallelRunner:
-    """The runner for `config.parallel.tensor_parallel_size`: in-process for 1, else rank 0 of a group."""
+                        weights: Iterable[tuple[str, torch.Tensor]],
+                        rank_service: RankServiceFactory | None = None) -> ModelRunner | TensorParallelRunner:
+    """The runner for `config.parallel.tensor_parallel_size`: in-process for 1, else rank 0 of a group.
+    `rank_service` is only used with followers (see the module docstring)."""
     if config.parallel.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, weights)
-    return TensorParallelRunner(config, model_config, weights)
+    return TensorParallelRunner(config, model_config, weights, rank_service)
 
 
 def _device_type(config: EngineConfig) -> str:
@@ -67,13 +108,14 @@ def _device_type(config: EngineConfig) -> str:
 
 class TensorParallelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                 weights: Iterable[tuple[str, torch.Tensor]], rank_service: RankServiceFactory | None = None) -> None:
         size = config.parallel.tensor_parallel_size
         check_tensor_parallel(model_config, size)  # fail before starting any process
         port = config.parallel.master_port or free_port(config.parallel.master_addr)
         ctx = mp.get_context("spawn")
-        self._followers = [ctx.Process(target=_follower_main, args=(config, rank, port), name=f"baton-tp{rank}",
-                                       daemon=True) for rank in range(1, size)]
+        self._group_lock = threading.Lock()  # one broadcast + its collectives at a time (module docstring)
+        self._followers = [ctx.Process(target=_follower_main, args=(config, rank, port, rank_service),
+                                       name=f"baton-tp{rank}", daemon=True) for rank in range(1, size)]
         for p in self._followers:
             p.start()
         try:
@@ -113,15 +155,30 @@ class TensorParallelRunner:
         # Followers never sample, so the live token views (penalties, seeds) stay here.
         slim = BatchPlan(chunks=tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=())
                                       for c in plan.chunks), preempted=plan.preempted)
-        self.tp.broadcast_object(RunnerCall("execute", (slim,)))
-        return self.runner.execute(plan)
+        with self._group_lock:
+            self.tp.broadcast_object(RunnerCall("execute", (slim,)))
+            return self.runner.execute(plan)
 
     def call(self, method: str, *args: Any) -> Any:
         """Run a collective-safe ModelRunner method on every rank; returns rank 0's result."""
         if method not in COLLECTIVE_METHODS:
             raise ValueError(f"{method!r} is not a collective runner method; valid: {sorted(COLLECTIVE_METHODS)}")
-        self.tp.broadcast_object(RunnerCall(method, args))
-        return getattr(self.runner, method)(*args)
+        with self._group_lock:
+            self.tp.broadcast_object(RunnerCall(method, args))
+            return getattr(self.runner, method)(*args)
+
+    def call_followers(self, method: str, *args: Any) -> list[Any]:
+        """Run `<rank service>.<method>(*args)` on every follower (from any thread of rank 0);
+        returns their results, rank 1 first. Raises FollowerCallError if any follower raised."""
+        with self._group_lock:
+            self.tp.broadcast_object(RunnerCall(method, args, target="service"))
+            gathered: list[Any] = [None] * self.tp.size
+            dist.gather_object(None, gathered, dst=0, group=self.tp.cpu_group)
+        results = gathered[1:]
+        errors = [r for r in results if isinstance(r, FollowerError)]
+        if errors:
+            raise FollowerCallError(method, errors)
+        return results
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the followers and leave the group; idempotent."""
@@ -129,7 +186,14 @@ class TensorParallelRunner:
             return
         self._closed = True
         try:
-            self.tp.broadcast_object(None)
+            # A step stuck on a dead follower holds the lock: then stop the followers without a word.
+            if self._group_lock.acquire(timeout=timeout):
+                try:
+                    self.tp.broadcast_object(None)
+                finally:
+                    self._group_lock.release()
+        except Exception as e:  # noqa: BLE001 - a follower already gone: stop the others anyway
+            log.warning("tensor parallel shutdown message failed (%s); stopping the followers", e)
         finally:
             self._stop_followers(timeout)
             shutdown_tensor_parallel()
@@ -143,18 +207,43 @@ class TensorParallelRunner:
                 p.join(5.0)
 
 
-def _follower_main(config: EngineConfig, rank: int, port: int) -> None:
+def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: RankServiceFactory | None) -> None:
     """Rank > 0: load this rank's slice, then run every call rank 0 broadcasts until None."""
     from engine.loader import load_model  # heavy imports only in the child
 
+    # Rank 0 stops us (its shutdown message, or its sockets closing when it dies): a Ctrl-C or a
+    # SIGTERM sent to the whole process group must not kill a follower under a draining rank 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     tp = init_tensor_parallel(config.parallel, rank, port, _device_type(config))
+    service: Any = None
     try:
         loaded = load_model(config.model, config.load_format, config.dtype, tp.device, seed=config.seed,
                             cache_dir=config.cache_dir)
         runner = ModelRunner(config, loaded.model_config, loaded.weights, tp)
+        service = rank_service(runner, tp) if rank_service is not None else None
         tp.barrier()
         while (call := tp.broadcast_object()) is not None:
-            assert isinstance(call, RunnerCall) and call.method in COLLECTIVE_METHODS, call
-            getattr(runner, call.method)(*call.args)
+            assert isinstance(call, RunnerCall), call
+            if call.target == "service":
+                result = _call_service(service, call, rank)
+                dist.gather_object(result, None, dst=0, group=tp.cpu_group)
+            else:
+                assert call.method in COLLECTIVE_METHODS, call
+                getattr(runner, call.method)(*call.args)
     finally:
+        close = getattr(service, "close", None)
+        if close is not None:
+            close()
         shutdown_tensor_parallel()
+
+
+def _call_service(service: Any, call: RunnerCall, rank: int) -> Any:
+    """The call's result, or a FollowerError: the gather must happen whatever the service does."""
+    if service is None:
+        return FollowerError(rank, "this follower has no rank service")
+    try:
+        return getattr(service, call.method)(*call.args)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        log.exception("rank service call %s failed on rank %d", call.method, rank)
+        return FollowerError(rank, f"{type(e).__name__}: {e}")

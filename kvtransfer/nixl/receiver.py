@@ -1,13 +1,20 @@
-"""Decode side over NIXL: expose the KV blocks, detect arrivals by notification, guard reuse."""
+"""Decode side over NIXL: expose the KV blocks, detect arrivals by notification, guard reuse.
+
+With tensor parallelism this receiver is rank 0's; the follower ranks' agents are passive targets
+(the sender's follower r writes into our follower r) and their owners keep them progressing. The one
+notice comes from the sender's rank 0 once every rank landed; its checksums cover every rank's shard
+(rank-major), and verifying them asks the followers for theirs (`KVShards.checksums`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVReceiver, TransferFailure, TransferState
+from kvtransfer.base import HandshakeInfo, KVReceiver, KVShards, TransferFailure, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, MalformedNotificationError
 from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte
 from kvtransfer.integrity import mismatched_blocks
@@ -49,8 +56,10 @@ class NixlKVReceiver(KVReceiver):
         config: ReceiverConfig | None = None,
         faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shards: KVShards | None = None,
     ) -> None:
         self._agent = agent
+        self._shards = shards  # the follower ranks, when this is rank 0 of a tensor-parallel worker
         self._config = config or ReceiverConfig()
         self._faults = faults or FaultInjector()
         self._clock = clock
@@ -64,14 +73,15 @@ class NixlKVReceiver(KVReceiver):
 
     @property
     def handshake_info(self) -> HandshakeInfo:
-        return self._agent.handshake_info
+        info = self._agent.handshake_info
+        return info if self._shards is None else dataclasses.replace(info, ranks=self._shards.infos)
 
     @property
     def num_quarantined(self) -> int:
         return len(self._quarantine)
 
     def accept_peer(self, info: HandshakeInfo) -> str:
-        self.handshake_info.check_compatible(info)
+        self.handshake_info.check_group_compatible(info)
         return info.agent_name
 
     def expect(self, request_id: str, block_ids: Sequence[int], deadline: float, attempt: int = 0) -> None:
@@ -174,12 +184,30 @@ class NixlKVReceiver(KVReceiver):
         if self._faults.should_inject(Fault.CORRUPT_DESTINATION):
             corrupt_block_byte(self._agent.kv_cache, entry.block_ids[0])
         if self._config.verify_checksums and notice.checksums is not None:
-            bad = mismatched_blocks(self._agent.kv_cache, entry.block_ids, notice.checksums)
-            if bad:
-                reason = f"checksum mismatch in {len(bad)} block(s): {bad[:8]}"
+            reason = self._checksum_problem(entry.block_ids, notice.checksums)
+            if reason:
                 return self._fail(entry, TransferState.FAILED, reason)
         entry.state = TransferState.DONE
         self._arrived.add(entry.request_id)
+
+    def _checksum_problem(self, block_ids: tuple[int, ...], expected: tuple[int, ...]) -> str:
+        """Empty when every rank's blocks match; `expected` holds num_blocks checksums per rank, rank-major."""
+        n, tp = len(block_ids), 1 + (len(self._shards.infos) if self._shards is not None else 0)
+        if len(expected) != n * tp:
+            return f"checksum mismatch: {len(expected)} checksums for {n} blocks x {tp} ranks"
+        bad = [(0, b) for b in mismatched_blocks(self._agent.kv_cache, block_ids, expected[:n])]
+        if self._shards is not None:
+            try:
+                follower_sums = self._shards.checksums(block_ids)
+            except Exception as e:  # unverifiable counts as failed: the decode side recomputes
+                return f"checksum mismatch: follower ranks could not checksum their blocks: {e}"
+            for rank, actual in enumerate(follower_sums, start=1):
+                want = expected[rank * n:(rank + 1) * n]
+                bad += [(rank, b) for b, got, w in zip(block_ids, actual, want, strict=True) if got != w]
+        if not bad:
+            return ""
+        where = [f"rank {r} block {b}" if tp > 1 else str(b) for r, b in bad[:8]]
+        return f"checksum mismatch in {len(bad)} block(s): [{', '.join(where)}]"
 
     def _fail(self, entry: _Expected, state: TransferState, reason: str) -> None:
         entry.state = state

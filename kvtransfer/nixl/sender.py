@@ -1,15 +1,23 @@
-"""Prefill side over NIXL: WRITE local blocks into a peer's blocks, with a DONE notice."""
+"""Prefill side over NIXL: WRITE local blocks into a peer's blocks, with a DONE notice.
+
+With tensor parallelism (`shards`), this sender is rank 0's: `start` posts rank 0's WRITE without a
+notice, has every follower WRITE its shard of the same block ids into the peer's same rank and wait
+for it (`KVShards.write`, blocking, bounded by the plan's deadline), and only if every rank landed
+sends the one DONE notice (carrying every rank's checksums, rank-major) that the peer's rank 0
+waits for. Any rank failing fails the transfer (ABORTED notice): the decode side recomputes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVSender, KVTransfer, TransferPlan
+from kvtransfer.base import HandshakeInfo, KVSender, KVShards, KVTransfer, TransferPlan, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, PeerBusyError
-from kvtransfer.faults import FaultInjector
+from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.integrity import block_checksums
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
@@ -38,25 +46,36 @@ class NixlKVSender(KVSender):
         config: SenderConfig | None = None,
         faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shards: KVShards | None = None,
     ) -> None:
         self._agent = agent
         self._config = config or SenderConfig()
         self._faults = faults or FaultInjector()
         self._clock = clock
+        self._shards = shards  # the follower ranks, when this is rank 0 of a tensor-parallel worker
         self._inflight: dict[tuple[str, int], NixlTransfer] = {}
         self._finished_at_start: list[NixlTransfer] = []  # terminal inside start(); reported by poll()
 
     @property
     def handshake_info(self) -> HandshakeInfo:
-        return self._agent.handshake_info
+        """This worker's: rank 0's agent, listing the follower ranks' agents under tensor parallelism."""
+        return _group_info(self._agent, self._shards)
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
     def add_peer(self, info: HandshakeInfo) -> str:
-        self.handshake_info.check_compatible(info)
-        return self._agent.add_peer(info).name
+        self.handshake_info.check_group_compatible(info)
+        known = info.agent_name in self._agent.peer_names()
+        name = self._agent.add_peer(info).name
+        if self._shards is not None and not known:
+            try:
+                self._shards.add_peer(info)
+            except Exception:
+                self._agent.remove_peer(name)  # all ranks or none: a retried handshake starts afresh
+                raise
+        return name
 
     def remove_peer(self, peer: str) -> None:
         busy = [t.plan.request_id for t in self._inflight.values() if t.peer == peer]
@@ -75,13 +94,42 @@ class NixlKVSender(KVSender):
         if self._config.checksums:
             checksums = tuple(block_checksums(self._agent.kv_cache, plan.local_block_ids))
         notice = TransferNotice(NoticeKind.DONE, plan.request_id, plan.attempt, plan.num_blocks, checksums)
-        handle = self._agent.make_write(peer, local_idx, remote_idx, notice.encode())
-        transfer = NixlTransfer(self._agent, peer, plan, handle, self._faults, self._clock)
-        if transfer.post().is_terminal:
+        if self._shards is None:
+            handle = self._agent.make_write(peer, local_idx, remote_idx, notice.encode())
+            transfer = NixlTransfer(self._agent, peer, plan, handle, self._faults, self._clock)
+            state = transfer.post()
+        else:
+            handle = self._agent.make_write(peer, local_idx, remote_idx, b"")  # no notice: see the docstring
+            transfer = NixlTransfer(self._agent, peer, plan, handle, self._faults, self._clock, group=True)
+            state = self._write_group(transfer, notice, self._shards)
+        if state.is_terminal:
             self._finished_at_start.append(transfer)
         else:
             self._inflight[key] = transfer
         return transfer
+
+    def _write_group(self, transfer: NixlTransfer, notice: TransferNotice, shards: KVShards) -> TransferState:
+        """Rank 0's WRITE is posted first, so every rank's runs at once; the followers' call returns
+        once theirs are terminal, which is when an abort of this transfer may take effect."""
+        if transfer.post().is_terminal:
+            return transfer.state  # rank 0 failed at once: the followers write nothing
+        plan = transfer.plan
+        fail_rank = len(shards.infos) if self._faults.should_inject(Fault.FAIL_SHARD_TRANSFER) else None
+        try:
+            outcomes = shards.write(transfer.peer, plan, checksums=notice.checksums is not None, fail_rank=fail_rank)
+        except Exception as e:  # the group call broke: no follower can be trusted to have landed
+            log.exception("follower WRITEs of %s failed", plan.request_id)
+            return transfer.settle_group(f"follower ranks' WRITE failed: {e}", None)
+        failed = [o for o in outcomes if o.state is not TransferState.DONE]
+        if failed:
+            why = "; ".join(f"rank {o.rank} {o.state.value}: {o.reason}" for o in failed)
+            return transfer.settle_group(why, None)
+        if notice.checksums is not None:
+            sums = list(notice.checksums)
+            for outcome in outcomes:
+                sums.extend(outcome.checksums or ())
+            notice = TransferNotice(notice.kind, notice.request_id, notice.attempt, notice.num_blocks, tuple(sums))
+        return transfer.settle_group("", notice.encode())
 
     def poll(self) -> list[KVTransfer]:
         self._agent.progress()  # also completes our outgoing abort notices when nothing is in flight
@@ -105,3 +153,8 @@ class NixlKVSender(KVSender):
             return
         for peer in self._agent.peer_names():
             self._agent.remove_peer(peer)
+
+
+def _group_info(agent: NixlAgent, shards: KVShards | None) -> HandshakeInfo:
+    info = agent.handshake_info
+    return info if shards is None else dataclasses.replace(info, ranks=shards.infos)

@@ -178,6 +178,7 @@ def handshake_to_proto(info: HandshakeInfo) -> pb.KVHandshake:
         bytes_per_block=info.bytes_per_block,
         device_kind=info.device_kind,
         device_id=info.device_id,
+        ranks=[handshake_to_proto(r) for r in info.ranks],
     )
 
 
@@ -194,4 +195,5 @@ def handshake_from_proto(msg: pb.KVHandshake) -> HandshakeInfo:
         bytes_per_block=msg.bytes_per_block,
         device_kind=msg.device_kind,
         device_id=msg.device_id,
+        ranks=tuple(handshake_from_proto(r) for r in msg.ranks),
     )

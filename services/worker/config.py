@@ -86,6 +86,9 @@ class WorkerConfig:
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers' host:port
     heartbeat_interval_s: float = 1.0
     drain_grace_s: float = 20.0  # SIGTERM: finish in-flight work this long, then abort the rest
+    # The engine's ranks (one process and GPU each). prefill/decode peers must have equal sizes: rank r
+    # hands its KV shard to the peer's rank r (the handshake refuses a mismatch naming tp_size).
+    tensor_parallel_size: int = 1
     allow_fault_injection: bool = False
     faults: FaultConfig = field(default_factory=FaultConfig)
     policy: DisaggPolicy = field(default_factory=DisaggPolicy)
@@ -98,6 +101,8 @@ class WorkerConfig:
             raise ValueError(f"--prefill-peers is for decode workers; this one is {self.role.value}")
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_grace_s >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def uses_nixl(self) -> bool:

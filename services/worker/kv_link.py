@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVShards, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig
 from kvtransfer.nixl.transfer import NixlTransfer
@@ -60,14 +60,18 @@ class Arrival:
 
 class KVLink:
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
-                 faults: FaultInjector, on_reclaimable: Callable[[str], None]) -> None:
-        """`on_reclaimable(rid)` is called on the event loop that called `start()`."""
+                 faults: FaultInjector, on_reclaimable: Callable[[str], None], shards: KVShards | None = None) -> None:
+        """`on_reclaimable(rid)` is called on the event loop that called `start()`. `shards`: the
+        follower ranks of a tensor-parallel worker (this link is rank 0's; services/worker/kv_shards.py);
+        only this link's thread calls them (each call also holds the engine's next step back)."""
         self._config = config
         self._agent = NixlAgent(NixlAgentConfig(name=name), kv_cache, layout)
-        self._sender = NixlKVSender(self._agent, SenderConfig(checksums=config.checksums), faults)
+        self._sender = NixlKVSender(self._agent, SenderConfig(checksums=config.checksums), faults, shards=shards)
         self._receiver = NixlKVReceiver(
-            self._agent, ReceiverConfig(verify_checksums=config.checksums, quarantine_s=config.quarantine_s), faults
+            self._agent, ReceiverConfig(verify_checksums=config.checksums, quarantine_s=config.quarantine_s), faults,
+            shards=shards,
         )
+        self._info = self._sender.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sends: dict[tuple[str, int], asyncio.Future[TransferResult]] = {}
@@ -81,7 +85,7 @@ class KVLink:
 
     @property
     def handshake_info(self) -> HandshakeInfo:
-        return self._agent.handshake_info  # immutable after creation: safe from any thread
+        return self._info  # immutable after creation: safe from any thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

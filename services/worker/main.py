@@ -13,7 +13,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvtransfer.faults import FaultConfig
 from services.worker.config import DisaggPolicy, TransferConfig, WorkerConfig, WorkerRole
@@ -66,6 +68,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-chunk", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of the engine, one process (and GPU: rank r takes cuda:r) each; "
+                        "prefill and decode peers must use the same size")
 
 
 def _disagg_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +95,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
         host=args.host, port=args.port, advertise_address=args.advertise_address, worker_id=args.worker_id,
         scheduler_address=args.scheduler, metrics_port=args.metrics_port, prefill_peers=peers,
         heartbeat_interval_s=args.heartbeat_interval_s, drain_grace_s=args.drain_grace_s,
+        tensor_parallel_size=args.tensor_parallel_size,
         allow_fault_injection=args.allow_fault_injection, faults=FaultConfig(),
         policy=DisaggPolicy(args.min_remote_prompt_tokens, args.min_remote_uncached_tokens,
                             args.max_cached_fraction),
@@ -101,7 +107,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine import is heavy, keep it lazy
-    from engine.config import BatcherConfig, CacheConfig, EngineConfig
+    from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -110,6 +116,7 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
                           enable_prefix_caching=not args.no_prefix_caching),
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_chunk=args.max_prefill_chunk),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
 
 
@@ -128,13 +135,23 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    try:
-        engine = LLMEngine(build_engine_config(args))  # load before serving: health turns SERVING after
+    try:  # load before serving: health turns SERVING after
+        engine = LLMEngine(build_engine_config(args), rank_service=_rank_service(config))
     except EngineError as e:
         print(f"baton worker: error: {e}", file=sys.stderr)
         return 2
     asyncio.run(_serve(config, engine))
     return 0
+
+
+def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
+    """With tensor parallelism and NIXL, every follower rank gets a NIXL agent over its KV shard."""
+    if not config.uses_nixl or config.tensor_parallel_size == 1:
+        return None
+    from services.worker.kv_shards import ShardAgentFactory
+
+    return ShardAgentFactory(config.worker_id or config.role.value, config.model_id,
+                             poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s)
 
 
 async def _serve(config: WorkerConfig, engine: object) -> None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, StepStats
+from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
@@ -28,6 +29,7 @@ from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 from services.worker.kv_link import KVLink
+from services.worker.kv_shards import FollowerShards
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_peers import PrefillPeers
 from services.worker.prefill_service import PrefillService
@@ -88,9 +90,13 @@ class WorkerServer:
     def _build_role_services(self, engine: AsyncEngine) -> None:
         cfg, block_size = self.config, self.engine.block_manager.block_size
         if cfg.uses_nixl:
-            layout = KVLayoutInfo.from_spec(self.engine.runner.kv_spec, cfg.model_id)
-            self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", self.engine.runner.kv_cache, layout,
-                                cfg.transfer, self.faults.kv, self._on_reclaimable)
+            runner = self.engine.runner
+            tp = runner.tp.size if isinstance(runner, TensorParallelRunner) else 1
+            layout = KVLayoutInfo.from_spec(runner.kv_spec, cfg.model_id, tp_size=tp, tp_rank=0)
+            # The followers built their agents at engine start (main passes a ShardAgentFactory).
+            shards = FollowerShards(runner.call_followers) if isinstance(runner, TensorParallelRunner) else None
+            self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", runner.kv_cache, layout,
+                                cfg.transfer, self.faults.kv, self._on_reclaimable, shards)
         if cfg.role is WorkerRole.PREFILL:
             assert self._link is not None
             self._prefill = PrefillService(engine, self._link, cfg.transfer, self.faults, self.metrics, block_size)

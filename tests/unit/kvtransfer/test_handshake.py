@@ -145,3 +145,28 @@ def test_block_rows_address_each_block() -> None:
 def test_block_indices_reject_out_of_range_ids_naming_the_side() -> None:
     with pytest.raises(InvalidTransferPlanError, match="remote block id 8 is outside the remote pool of 8"):
         block_indices([0, 8], num_blocks=8, side="remote")
+
+
+def _group(tp_size: int, name: str = "peer") -> HandshakeInfo:
+    """A tensor-parallel worker's handshake: rank 0 listing its follower ranks."""
+    followers = tuple(replace(_info(f"{name}-tp{r}", tp_size=tp_size, tp_rank=r)) for r in range(1, tp_size))
+    return replace(_info(name, tp_size=tp_size), ranks=followers)
+
+
+def test_group_handshake_refuses_another_tp_size_naming_tp_size() -> None:
+    with pytest.raises(IncompatiblePeerError, match="tp_size: local=2 peer=1"):
+        _group(2, "local").check_group_compatible(_info("peer"))
+
+
+def test_group_handshake_needs_every_follower_rank() -> None:
+    rank0_only = _info("peer", tp_size=2)
+    with pytest.raises(IncompatiblePeerError, match="ranks: local=1 peer=0"):
+        _group(2, "local").check_group_compatible(rank0_only)
+    _group(2, "local").check_group_compatible(_group(2))
+
+
+def test_group_handshake_rejects_ranks_out_of_order() -> None:
+    rank1 = _info("peer-tp1", tp_size=3, tp_rank=1)
+    rank2 = _info("peer-tp2", tp_size=3, tp_rank=2)
+    with pytest.raises(ValueError, match=r"ranks\[0\] is tp_rank 2 of 3"):
+        replace(_info("peer", tp_size=3), ranks=(rank2, rank1))

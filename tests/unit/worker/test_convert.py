@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.batch import TokenLogprobs
@@ -46,6 +48,16 @@ def test_handshake_round_trip_mirrors_every_field() -> None:
     proto_fields = {f.name for f in pb.KVLayout.DESCRIPTOR.fields}
     assert proto_fields == set(LAYOUT.__dataclass_fields__)
     assert {f.name for f in pb.KVHandshake.DESCRIPTOR.fields} == set(HandshakeInfo.__dataclass_fields__)
+
+
+def test_handshake_round_trip_keeps_the_follower_ranks() -> None:
+    def rank(r: int) -> HandshakeInfo:
+        layout = replace(LAYOUT, tp_size=2, tp_rank=r)
+        return HandshakeInfo(layout=layout, agent_name=f"a-tp{r}", agent_metadata=b"md", base_address=4096 * (r + 1),
+                             num_blocks=10, bytes_per_block=layout.bytes_per_block, device_kind="cuda", device_id=r)
+
+    info = replace(rank(0), ranks=(rank(1),))
+    assert convert.handshake_from_proto(convert.handshake_to_proto(info)) == info
 
 
 def test_handshake_without_layout_is_a_value_error() -> None:

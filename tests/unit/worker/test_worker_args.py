@@ -1,4 +1,5 @@
-"""`baton worker` flags reach the engine config: --load-format dummy and --seed (benchmark workers)."""
+"""`baton worker` flags reach the engine config: --load-format dummy and --seed (benchmark workers),
+--tensor-parallel-size."""
 
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def test_dummy_workers_with_one_seed_load_identical_weights(tmp_path: Path) -> N
     a, b, c = (dict(load_model(x.model, x.load_format, x.dtype, x.device, seed=x.seed).weights) for x in configs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_the_worker_config() -> None:
+    from services.worker.main import build_worker_config
+
+    args = _parse("--tensor-parallel-size", "3")
+    assert build_engine_config(args).parallel.tensor_parallel_size == 3
+    assert build_worker_config(args).tensor_parallel_size == 3

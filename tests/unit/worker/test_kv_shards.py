@@ -1,0 +1,131 @@
+"""Per-rank KV transfer with tensor parallelism, in one process: rank 0's NIXL sender and receiver
+drive real `ShardAgent`s (rank 1 of a prefill and of a decode worker, each its own NIXL agent and
+polling thread); `FollowerShards` reaches them through a direct call instead of the TP control group.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer.nixl import nixl_available
+
+if not nixl_available():
+    pytest.skip("nixl is not importable (pip install nixl==1.5.1 after CPU torch)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kvtransfer"))
+from nixl_pair_helpers import LAYOUT, SPEC, drive  # noqa: E402
+
+from kvtransfer.base import TransferPlan, TransferState  # noqa: E402
+from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte  # noqa: E402
+from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig  # noqa: E402
+from services.worker.kv_shards import FollowerShards, ShardAgent  # noqa: E402
+
+NUM_BLOCKS = 32
+RANK0, RANK1 = replace(LAYOUT, tp_size=2, tp_rank=0), replace(LAYOUT, tp_size=2, tp_rank=1)
+
+
+def _kv(seed: int | None) -> torch.Tensor:
+    kv = SPEC.allocate(NUM_BLOCKS, "cpu")
+    if seed is not None:
+        kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return kv
+
+
+def _direct(agent: ShardAgent, before: dict[str, object] | None = None):  # noqa: ANN202
+    """call_followers for one in-process follower; `before[method]()` runs first (fault hooks)."""
+    def call(method: str, *args: object) -> list[object]:
+        hook = (before or {}).get(method)
+        if hook is not None:
+            hook()  # type: ignore[operator]
+        return [getattr(agent, method)(*args)]
+    return call
+
+
+class Workers:
+    """A prefill and a decode worker of 2 ranks each."""
+
+    def __init__(self, faults: FaultInjector) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.prefill_kv = (_kv(1), _kv(2))
+        self.decode_kv = (_kv(None), _kv(None))
+        self.prefill0 = NixlAgent(NixlAgentConfig(name=f"prefill-{tag}"), self.prefill_kv[0], RANK0)
+        self.decode0 = NixlAgent(NixlAgentConfig(name=f"decode-{tag}"), self.decode_kv[0], RANK0)
+        self.prefill1 = ShardAgent(f"prefill-{tag}-tp1", self.prefill_kv[1], RANK1, 1e-3, 5e-5)
+        self.decode1 = ShardAgent(f"decode-{tag}-tp1", self.decode_kv[1], RANK1, 1e-3, 5e-5)
+        self.decode_hooks: dict[str, object] = {}
+        self.sender = NixlKVSender(self.prefill0, SenderConfig(checksums=True), faults,
+                                   shards=FollowerShards(_direct(self.prefill1)))
+        self.receiver = NixlKVReceiver(self.decode0, ReceiverConfig(quarantine_s=60.0), faults,
+                                       shards=FollowerShards(_direct(self.decode1, self.decode_hooks)))
+        self.peer = self.sender.add_peer(self.receiver.handshake_info)
+        self.receiver.accept_peer(self.sender.handshake_info)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+        for agent in (self.prefill1, self.decode1, self.prefill0, self.decode0):
+            agent.close()
+
+
+@pytest.fixture
+def faults() -> FaultInjector:
+    return FaultInjector()
+
+
+@pytest.fixture
+def workers(faults):
+    pair = Workers(faults)
+    yield pair
+    pair.close()
+
+
+def _plan(request_id: str) -> TransferPlan:
+    rng = random.Random(request_id)
+    local, remote = rng.sample(range(NUM_BLOCKS), 5), rng.sample(range(NUM_BLOCKS), 5)
+    return TransferPlan.create(request_id, local, remote, now=time.monotonic(), timeout_s=5.0)
+
+
+def _start(workers: Workers, plan: TransferPlan):  # noqa: ANN202
+    workers.receiver.expect(plan.request_id, plan.remote_block_ids, deadline=time.monotonic() + 10.0)
+    transfer = workers.sender.start(workers.peer, plan)
+    return transfer, *drive(workers.sender, workers.receiver, [transfer])
+
+
+def test_the_handshake_lists_the_follower_ranks_agents(workers) -> None:
+    info = workers.sender.handshake_info
+    assert [(r.agent_name, r.layout.tp_rank) for r in info.ranks] == [(workers.prefill1.handshake_info().agent_name, 1)]
+    assert info.ranks[0].base_address == workers.prefill_kv[1].data_ptr()
+
+
+def test_every_rank_lands_its_shard_before_the_one_notice(workers) -> None:
+    plan = _plan("req-tp")
+    transfer, arrived, failures = _start(workers, plan)
+    assert transfer.state is TransferState.DONE and arrived == {"req-tp"} and not failures
+    for rank in (0, 1):  # and the notice's checksums covered both ranks (verified on arrival)
+        sent = workers.prefill_kv[rank][list(plan.local_block_ids)]
+        assert torch.equal(workers.decode_kv[rank][list(plan.remote_block_ids)], sent)
+
+
+def test_a_failed_follower_write_fails_the_whole_transfer(workers, faults) -> None:
+    faults.arm(Fault.FAIL_SHARD_TRANSFER)
+    transfer, arrived, failures = _start(workers, _plan("req-fail"))
+    assert transfer.state is TransferState.FAILED and not arrived
+    assert transfer.reason == "rank 1 failed: injected fault: fail_transfer"
+    assert "aborted: rank 1 failed" in failures["req-fail"].reason
+
+
+def test_a_corrupted_follower_block_fails_the_checksum(workers) -> None:
+    plan = _plan("req-corrupt")
+    bad = plan.remote_block_ids[2]
+    workers.decode_hooks["checksums"] = lambda: corrupt_block_byte(workers.decode_kv[1], bad)
+    transfer, arrived, failures = _start(workers, plan)
+    assert transfer.state is TransferState.DONE and not arrived
+    assert failures["req-corrupt"].reason == f"checksum mismatch in 1 block(s): [rank 1 block {bad}]"
