@@ -6,8 +6,8 @@ the NCCL all-reduce each layer pays.
 
 Model: Llama-3.1-70B's shape (80 layers, hidden 8192, 64 query / 8 KV heads of 128, MLP 28672, vocab
 128256, untied, llama3 rope scaling as bench_decode's 8B), dummy bf16 weights, Triton attention.
-Under TP the engine runs decode eagerly (no CUDA graphs: capturing NCCL collectives hung), so the
-step times include every kernel launch.
+Decode replays CUDA graphs with the NCCL all-reduces captured inside (`--eager`: every kernel launched
+from Python, the engine's behaviour before TP graphs worked), so both can be compared in one run.
 
 Order of the run (one process per GPU at a time):
 1. ceilings on cuda:0 (bench_decode.measure_ceilings): copy bandwidth (bytes read + written, 1 GiB)
@@ -176,7 +176,8 @@ def run_decode(args: argparse.Namespace, model_dir: str, ceilings: dict, num_blo
     from engine.loader import load_model
     from engine.parallel.launcher import TensorParallelRunner
 
-    config = bench_engine_config(model_dir, args.smoke, num_blocks, max_num_seqs=max(args.batches), tp=args.tp)
+    config = bench_engine_config(model_dir, args.smoke, num_blocks, max_num_seqs=max(args.batches), tp=args.tp,
+                                 eager=args.eager)
     config = dataclasses.replace(config, cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
                                  parallel=dataclasses.replace(config.parallel, timeout_s=args.timeout))
     loaded = load_model(model_dir, "dummy", config.dtype, config.device)
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--ar-iters", type=int, default=100, help="back-to-back all-reduces per timed repeat")
     parser.add_argument("--ar-reps", type=int, default=20, help="timed repeats per all-reduce size")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective / group wait may take")
+    parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs (launch every kernel)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, gloo: checks the code, not the speed")
     args = parser.parse_args()
     args.tp = args.tp or (2 if args.smoke else 4)
@@ -227,7 +229,7 @@ def main() -> None:
     model_dir = write_model_dir(hf)
     mc = ModelConfig.from_hf_config(hf)
     env = environment()
-    env.update(tp=args.tp, model="tiny (smoke)" if args.smoke else "Llama-3.1-70B shape, dummy bf16")
+    env.update(tp=args.tp, eager=args.eager, model="tiny (smoke)" if args.smoke else "Llama-3.1-70B shape, dummy bf16")
     columns = ["tp", "batch", "ctx", "step_ms", "floor_ms", "of_floor", "tok_s", "ar_us", "ar_us_per_layer",
                "ar_ms_per_step", "ar_share", "skipped"]
 
