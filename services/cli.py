@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.adapters.main import register_scheduler_command
     from services.gateway.admin import register_admin_commands
     from services.launcher.serve import register_serve_command
+    from services.profiler.main import register_profile_command
     from services.safety.main import register_safety_command
     from services.worker.main import register_worker_command
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     register_bench_command(sub)
     register_safety_command(sub)
     register_worker_command(sub)
+    register_profile_command(sub)
     register_serve_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -44,7 +44,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=_int_or_none(env("BATON_WORKER_METRICS_PORT")))
     p.add_argument("--prefill-peers", default=env("BATON_WORKER_PREFILL_PEERS", ""),
                    help="decode role: comma-separated prefill workers (host:port)")
-    _engine_args(p)
+    add_engine_args(p)
     _disagg_args(p)
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--drain-grace-s", type=float, default=20.0)
@@ -52,7 +52,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                    help="dummy: random weights from --model's config.json alone (benchmarks)")
