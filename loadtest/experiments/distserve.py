@@ -1,7 +1,9 @@
-"""DistServe on two GPUs: 1 prefill + 1 decode worker vs 2 co-located `both` workers, goodput vs rate.
+"""DistServe: 1 prefill + 1 decode worker vs 2 co-located `both` workers, goodput vs rate; each worker on
+`--tp` GPUs (2 x tp in all).
 
     python -m loadtest.experiments.distserve_assets                 # here, once: .data/distserve/ (carried)
     bash loadtest/micro/distserve_suite.sh                          # on the 2-GPU box (OUT=... for the output)
+    bash loadtest/micro/tp_split_suite.sh                           # 4 GPUs: --model-shape 70b --tp 2 (H200)
     .venv/bin/python -m loadtest.experiments.distserve --smoke --out /tmp/distserve-smoke   # CPU, tiny
     .venv/bin/python -m loadtest.experiments.distserve --replot OUT  # summary + plots again from OUT/results.tar.gz
 
@@ -9,18 +11,26 @@ The real stack end to end: `baton bench` (in this process; OpenAI HTTP streaming
 (`BATON_AUTH_MODE=none`: no Postgres/Redis/Kafka) -> scheduler service (policy `least_loaded`: no
 learnt cost model to warm up and no SLO-based shedding, so the comparison is of the two
 architectures, not of admission control) -> workers. Configurations, one at a time, same SLOs:
-- `disagg`: prefill worker on GPU0, decode worker on GPU1 (`--prefill-peers`; KV over NIXL). The
-  scheduler sends prompts with >= 256 uncached tokens to the prefill worker; shorter ones (a part of
-  ShareGPT) prefill on the decode worker (conditional disaggregation, the scheduler's default rule);
-- `colocated`: one `both` worker per GPU; the scheduler balances by load.
-Model: Llama-3.1-8B's shape (hidden 4096, 32 layers, 32/8 heads, MLP 14336, vocab 128256, llama3 RoPE),
-dummy bf16 weights (one seed), Triton attention, CUDA graphs; every worker: 128 sequences, 20480 KV
-blocks of 16 tokens (40 GiB), the engine's default 2048-token step budget with 512-token prefill
-chunks, prefix caching OFF (the sweep reuses prompts across rates; DistServe has none either).
+- `disagg`: prefill worker on GPUs [0, tp), decode worker on [tp, 2 tp) (`--prefill-peers`; KV over
+  NIXL, rank by rank between TP workers). The scheduler sends prompts with >= 256 uncached tokens to
+  the prefill worker; shorter ones (a part of ShareGPT) prefill on the decode worker (conditional
+  disaggregation, the scheduler's default rule);
+- `colocated`: one `both` worker per GPU group ([0, tp) and [tp, 2 tp)); the scheduler balances by load.
+A worker sees its GPUs only (CUDA_VISIBLE_DEVICES=its GPUs, `--tensor-parallel-size tp`, `--device cuda:0`;
+under TP `--device cuda`, the engine's rule: rank r takes cuda:r).
+Model (`--model-shape`): 8b = Llama-3.1-8B's shape (hidden 4096, 32 layers, 32/8 heads, MLP 14336), 70b =
+Llama-3.1-70B's (hidden 8192, 80 layers, 64/8 heads, MLP 28672; 70.5 GB of weights per rank at TP=2);
+both vocab 128256, head 128, llama3 RoPE; dummy bf16 weights (one seed), Triton attention, CUDA graphs;
+every worker: 128 sequences, a KV pool of 40 GiB per rank (--num-blocks: 8b TP=1 20480 blocks of 16
+tokens = 2 MiB each; 70b TP=2 16384 of 2.5 MiB: 80 layers x K,V x 4 KV heads x 128 x 2 B x 16), the
+engine's default 2048-token step budget with 512-token prefill chunks, prefix caching OFF (the sweep
+reuses prompts across rates; DistServe has none either). Before starting, the GPU count (>= 2 tp) and
+weights / tp + KV pool per card are checked (nvidia-smi): 70b at TP=2 needs H200s (~106 GiB per rank).
 
 Workloads (each rate: Poisson arrivals for --duration-s seconds, its own seed, the same prompts and
 arrival times for both configurations; `ignore_eos`, greedy):
 Each rate sends ceil(rate x duration) requests (none after 1.5 x duration: `--max-duration`).
+8b (TP=1):
 - `random`: ISL 2048 / OSL 128 exactly, rates 4 8 12 16 req/s. Why: a 2k-token prefill of this model
   takes ~65-90 ms on one H100/H200 (31.5k tok/s measured, docs/benchmarks.md), so one prefill GPU
   saturates at ~11-15 req/s (TTFT p90 <= 500 ms fails before that, queueing) while a decode step at
@@ -28,14 +38,19 @@ Each rate sends ceil(rate x duration) requests (none after 1.5 x duration: `--ma
   further. 4 and 8 are below both knees, 12 is at the disaggregated knee, 16 beyond it;
 - `sharegpt`: 1000 carried conversations (prompt <= 1024, answer clipped to 512 tokens), rates 5 10 20.
 SLO: TTFT <= 500 ms and TPOT <= 50 ms per request; a rate is "good" at >= 90% attainment (DistServe).
+70b (TP=2): a decode step ~4-5x the 8B's (~40 ms) and a 2k prefill ~250-350 ms, so: random ISL 2048 /
+OSL 128 at 1 2 3 4 req/s (one TP=2 prefill worker saturates near 3-4), sharegpt at 2 4 8, SLO TTFT <=
+1500 ms / TPOT <= 100 ms, 6 s of arrivals per rate, request timeout 60 s (a 512-token answer at 100 ms).
+Rates, SLOs and duration: flags; the summary records them, the model, tp and the GPUs of every worker.
 The runs of both workloads interleave by rate, so a deadline cut loses the top rates, not a workload.
 
 Time: a global --deadline-s (default 480 s) from the start: a run that would not fit its
 configuration's share of the time left is skipped (recorded), the second configuration gets the time
 the first left, and a hard alarm 20 s past the deadline stops everything; whatever was measured is
-still summarised. Output in --out (at most 7 files): summary.json, results.tar.gz (every run's bench
-JSON, the warm-up runs, every process log, the model config), goodput_<workload>.png (the harness's
-plot: goodput + TTFT/TPOT/ITL CDFs, both configurations) and attainment_<workload>.png.
+still summarised. The time plan is logged at the start (8b and 70b both fit 480 s with ~90 s to start).
+Output in --out (at most 7 files): summary.json, results.tar.gz (every run's bench JSON, the warm-up
+runs, every process log, the model config), goodput_<workload>.png (the harness's plot: goodput +
+TTFT/TPOT/ITL CDFs, both configurations) and attainment_<workload>.png.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -74,53 +90,119 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Profile:
+    """Defaults of one model (flags override rates, SLOs and duration)."""
+    random_len: tuple[int, int]  # ISL, OSL
+    random_rates: tuple[float, ...]
+    sharegpt_rates: tuple[float, ...]
+    slo_ms: tuple[float, float]  # TTFT, TPOT
+    duration_s: float
+    drain_s: tuple[float, float]  # random, sharegpt
+    request_timeout_s: float
+    startup_s: float  # guess: worker start (weights, graphs) + warm-up, for the logged time plan
+    sharegpt_output_len: int | None = None  # None: the conversations' own answers (<= 512 tokens)
+
+
+PROFILES = {
+    "8b": Profile((2048, 128), (4, 8, 12, 16), (5, 10, 20), (500, 50), 10, (6, 10), 30, 90),
+    # 512-token answers at a ~40 ms step: a ShareGPT tail of ~20 s; the timeout allows a 100 ms TPOT.
+    "70b": Profile((2048, 128), (1, 2, 3, 4), (2, 4, 8), (1500, 100), 6, (8, 16), 60, 90),
+    # 320 prompt tokens: above the scheduler's 256-token threshold, so `disagg` prefills remotely.
+    "smoke": Profile((320, 8), (0.5, 1.0), (0.5,), (5000, 1000), 4, (3, 6), 60, 30, sharegpt_output_len=8),
+}
+KV_GIB_PER_RANK = 40
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
 class Plan:
     spec: ClusterSpec
     workloads: tuple[Workload, ...]
     duration_s: float
     request_timeout_s: float
     warmup: tuple[tuple[str, ...], ...]  # bench dataset flags, run once per configuration, not reported
-    startup_guess_s: float
 
 
-GPU_ENGINE = ("--device", "cuda:0", "--dtype", "bfloat16", "--attention-backend", "triton", "--load-format",
-              "dummy", "--seed", "0", "--num-blocks", "20480", "--max-num-seqs", "128", "--max-model-len", "4096",
+GPU_ENGINE = ("--dtype", "bfloat16", "--attention-backend", "triton", "--load-format",
+              "dummy", "--seed", "0", "--max-num-seqs", "128", "--max-model-len", "4096",
               "--no-prefix-caching", "--log-level", "INFO")
 SMOKE_ENGINE = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--torch-threads", "1",
-                "--num-blocks", "512", "--max-num-seqs", "8", "--max-model-len", "2048", "--no-prefix-caching",
-                "--log-level", "INFO")
+                "--max-num-seqs", "8", "--max-model-len", "2048", "--no-prefix-caching", "--log-level", "INFO")
+NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def gpu_plan(work: Path, args: argparse.Namespace) -> Plan:
-    model_dir = assets.build_model_dir(work / assets.MODEL_NAME, assets.LLAMA31_8B)
+def kv_bytes_per_block(hf: dict, tp: int) -> int:
+    """One block's K and V, all layers, on one rank (bf16; KV heads split over ranks, at least 1 each)."""
+    return hf["num_hidden_layers"] * 2 * max(1, hf["num_key_value_heads"] // tp) * hf["head_dim"] * 2 * BLOCK_TOKENS
+
+
+def weight_bytes(hf: dict) -> int:
+    """bf16 parameters of a Llama config (embedding + LM head + layers)."""
+    h, hd = hf["hidden_size"], hf["head_dim"]
+    attn = h * hd * (2 * hf["num_attention_heads"] + 2 * hf["num_key_value_heads"])
+    layer = attn + 3 * h * hf["intermediate_size"] + 2 * h
+    return 2 * (2 * hf["vocab_size"] * h + hf["num_hidden_layers"] * layer + h)
+
+
+def make_plan(work: Path, args: argparse.Namespace) -> Plan:
+    prof = PROFILES["smoke" if args.smoke else args.model_shape]
     sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
-    spec = ClusterSpec(model_dir, assets.MODEL_NAME, GPU_ENGINE, args.slo_ttft_ms, args.slo_tpot_ms, args.policy,
-                       env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                            "NVSHMEM_DISABLE_NVLS": "1"})
-    random = ("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "128")
-    share = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt))
-    return Plan(spec, (Workload("random", random, tuple(args.random_rates or (4, 8, 12, 16)), 6.0),
-                       Workload("sharegpt", share, tuple(args.sharegpt_rates or (5, 10, 20)), 10.0)),
-                args.duration_s or 10.0, 30.0,
-                (("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "16", "--num-prompts",
-                  "12", "--request-rate", "6"),
-                 (*share, "--num-prompts", "12", "--request-rate", "6", "--sharegpt-output-len", "16")), 90.0)
+    blocks = ("--num-blocks", str(args.num_blocks))
+    if args.smoke:
+        from engine.loader import default_model_dir
+
+        model_dir = default_model_dir(None)
+        spec = ClusterSpec(model_dir, model_dir.name, (*SMOKE_ENGINE, *blocks), args.slo_ttft_ms, args.slo_tpot_ms,
+                           args.policy, cpu=True, env={"OMP_NUM_THREADS": "1"})
+        warmup: tuple[tuple[str, ...], ...] = (
+            ("--dataset", "random", "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "2"),)
+    else:
+        name, hf = assets.SHAPES[args.model_shape]
+        model_dir = assets.build_model_dir(work / name, hf)
+        # The worker sees its GPUs only; under TP the engine wants "cuda" (rank r takes cuda:r).
+        device = ("--device", "cuda:0" if args.tp == 1 else "cuda")
+        spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *blocks), args.slo_ttft_ms, args.slo_tpot_ms,
+                           args.policy, tp=args.tp, env=NO_NVLS)
+        warmup = (("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "16",
+                   "--num-prompts", "12", "--request-rate", "6"),
+                  ("--dataset", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "12",
+                   "--request-rate", "6", "--sharegpt-output-len", "16"))
+    isl, osl = prof.random_len
+    random = ("--dataset", "random", "--random-input-len", str(isl), "--random-output-len", str(osl))
+    share: tuple[str, ...] = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt))
+    if prof.sharegpt_output_len:
+        share += ("--sharegpt-output-len", str(prof.sharegpt_output_len))
+    return Plan(spec, (Workload("random", random, tuple(args.random_rates), prof.drain_s[0]),
+                       Workload("sharegpt", share, tuple(args.sharegpt_rates), prof.drain_s[1])),
+                args.duration_s, prof.request_timeout_s, warmup)
 
 
-def smoke_plan(work: Path, args: argparse.Namespace) -> Plan:
-    from engine.loader import default_model_dir
+def gpu_memory_mib() -> list[int] | None:
+    """Every GPU's total memory by physical index (the workers' CUDA_VISIBLE_DEVICES), from nvidia-smi so
+    that this process opens no CUDA context; None where nvidia-smi is missing or says something else."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return [int(line) for line in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
-    model_dir = default_model_dir(None)
-    sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
-    spec = ClusterSpec(model_dir, model_dir.name, SMOKE_ENGINE, args.slo_ttft_ms, args.slo_tpot_ms, args.policy,
-                       cpu=True, env={"OMP_NUM_THREADS": "1"})
-    # 320 prompt tokens: above the scheduler's 256-token threshold, so `disagg` prefills remotely.
-    random = ("--dataset", "random", "--random-input-len", "320", "--random-output-len", "8")
-    share = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt), "--sharegpt-output-len", "8")
-    return Plan(spec, (Workload("random", random, tuple(args.random_rates or (0.5, 1.0)), 3.0),
-                       Workload("sharegpt", share, tuple(args.sharegpt_rates or (0.5,)), 6.0)),
-                args.duration_s or 4.0, 60.0, (("--dataset", "random", "--random-input-len", "32",
-                                                "--random-output-len", "4", "--num-prompts", "2"),), 30.0)
+
+def check_gpus(args: argparse.Namespace, record: dict) -> str | None:
+    """Why the GPUs cannot hold this run (too few; weights / tp + KV pool over a card), or None."""
+    hf = assets.SHAPES[args.model_shape][1]
+    need = weight_bytes(hf) / args.tp + args.num_blocks * kv_bytes_per_block(hf, args.tp)
+    record["memory_per_rank_gib"] = {"weights": round(weight_bytes(hf) / args.tp / 2**30, 1),
+                                     "kv_pool": round(args.num_blocks * kv_bytes_per_block(hf, args.tp) / 2**30, 1)}
+    gpus = gpu_memory_mib()
+    if gpus is None:
+        return None
+    if len(gpus) < 2 * args.tp:
+        return f"needs {2 * args.tp} GPUs (2 workers x --tp {args.tp}), {len(gpus)} visible"
+    if need > min(gpus) * 2**20:
+        return (f"weights / tp + KV pool = {need / 2**30:.1f} GiB per rank > {min(gpus) / 1024:.1f} GiB per card "
+                f"(lower --num-blocks, raise --tp or use larger cards)")
+    return None
 
 
 def bench(url: str, tokenizer: Path, dataset_args: tuple[str, ...], extra: list[str], out: Path,
@@ -151,6 +233,7 @@ def run_configuration(config: str, plan: Plan, work: Path, deadline: float, conf
     log.warning("=== %s: starting (time share until +%.0f s)", config, share_end - time.monotonic())
     with Cluster(config, plan.spec, work / "logs") as cluster:
         entry["startup_s"] = cluster.startup_s
+        entry["workers"] = {w.name: {"role": w.role, "gpus": list(w.gpus)} for w in cluster.plans}
         log.warning("%s: all processes ready in %.1f s", config, cluster.startup_s)
         for i, dataset in enumerate(plan.warmup):
             bench(cluster.url, plan.spec.model_dir, dataset, ["--seed", str(900 + i)],
@@ -217,18 +300,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU: default tiny model, torch backend, tiny rates")
     p.add_argument("--replot", type=Path, default=None, metavar="OUT", help="only redo summary + plots of OUT")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    p.add_argument("--random-rates", type=float, nargs="+", default=None)
+    p.add_argument("--model-shape", choices=sorted(assets.SHAPES), default=None, help="GPU model (default 8b)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (= GPUs) per worker; 2 x tp GPUs in all")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help=f"KV blocks of {BLOCK_TOKENS} tokens per worker (default: {KV_GIB_PER_RANK} GiB per rank; "
+                        "smoke 512)")
+    p.add_argument("--random-rates", type=float, nargs="+", default=None, help="default: per model (see above)")
     p.add_argument("--sharegpt-rates", type=float, nargs="+", default=None)
-    p.add_argument("--duration-s", type=float, default=None, help="arrivals per rate (default 10; smoke 4)")
+    p.add_argument("--duration-s", type=float, default=None, help="arrivals per rate (8b 10, 70b 6, smoke 4)")
     p.add_argument("--deadline-s", type=float, default=None, help="whole run (default 480; smoke 900)")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="default 500 (smoke 5000)")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="default 50 (smoke 1000)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="8b 500, 70b 1500, smoke 5000")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="8b 50, 70b 100, smoke 1000")
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
     args = p.parse_args(argv)
+    if args.smoke and (args.tp != 1 or args.model_shape):
+        p.error("--smoke runs the default tiny CPU model (9 query / 3 KV heads: no split over ranks); "
+                "--tp and --model-shape are for GPU runs")
+    args.model_shape = args.model_shape or "8b"
+    hf = assets.SHAPES[args.model_shape][1]
+    if args.tp < 1 or hf["num_attention_heads"] % args.tp:
+        p.error(f"--tp {args.tp}: must be >= 1 and divide the {hf['num_attention_heads']} attention heads of "
+                f"{args.model_shape}")
+    prof = PROFILES["smoke" if args.smoke else args.model_shape]
+    if not args.num_blocks:
+        args.num_blocks = 512 if args.smoke else KV_GIB_PER_RANK * 2**30 // kv_bytes_per_block(hf, args.tp)
+    args.random_rates = args.random_rates or prof.random_rates
+    args.sharegpt_rates = args.sharegpt_rates or prof.sharegpt_rates
+    args.duration_s = args.duration_s or prof.duration_s
     args.deadline_s = args.deadline_s or (900.0 if args.smoke else 480.0)
-    args.slo_ttft_ms = args.slo_ttft_ms or (5000.0 if args.smoke else 500.0)
-    args.slo_tpot_ms = args.slo_tpot_ms or (1000.0 if args.smoke else 50.0)
+    args.slo_ttft_ms = args.slo_ttft_ms or prof.slo_ms[0]
+    args.slo_tpot_ms = args.slo_tpot_ms or prof.slo_ms[1]
     return args
+
+
+def log_time_plan(plan: Plan, args: argparse.Namespace) -> None:
+    prof = PROFILES["smoke" if args.smoke else args.model_shape]
+    runs_s = sum(plan.duration_s + w.drain_s + 3.0 for w in plan.workloads for _ in w.rates)
+    share = args.deadline_s / len(args.configs)
+    log.warning("time plan per configuration: ~%.0f s start + warm-up, ~%.0f s of runs; share %.0f s%s",
+                prof.startup_s, runs_s, share, " (top rates may be skipped)" if prof.startup_s + runs_s > share else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +352,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distserve: missing {missing} in {assets.ASSET_DIR}: run python -m "
               "loadtest.experiments.distserve_assets first (and carry .data/)", file=sys.stderr)
         return 2
+    record: dict = {"experiment": "distserve", "smoke": args.smoke, "policy": args.policy,
+                    "model_shape": None if args.smoke else args.model_shape, "tp": args.tp,
+                    "gpus_per_worker": None if args.smoke else args.tp,
+                    "gpus_total": None if args.smoke else 2 * args.tp, "num_blocks": args.num_blocks,
+                    "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": 0.9},
+                    "host": {"python": sys.version.split()[0], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
+                    "configurations": {}, "errors": []}
+    why = None if args.smoke else check_gpus(args, record)
+    if why:
+        print(f"distserve: {why}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     deadline = started + args.deadline_s
 
@@ -253,13 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.alarm(int(args.deadline_s) + 20)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="distserve-"))
-    plan = (smoke_plan if args.smoke else gpu_plan)(work, args)
-    record: dict = {"experiment": "distserve", "smoke": args.smoke, "policy": args.policy,
-                    "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": 0.9},
-                    "duration_s_per_rate": plan.duration_s, "engine_args": list(plan.spec.engine_args),
-                    "model": plan.spec.model_name, "workloads": [w.__dict__ for w in plan.workloads],
-                    "host": {"python": sys.version.split()[0], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
-                    "configurations": {}, "errors": []}
+    plan = make_plan(work, args)
+    record.update(duration_s_per_rate=plan.duration_s, request_timeout_s=plan.request_timeout_s,
+                  engine_args=list(plan.spec.engine_args), model=plan.spec.model_name,
+                  workload_defs=[w.__dict__ for w in plan.workloads])
+    log_time_plan(plan, args)
     rc = 0
     try:
         for i, config in enumerate(args.configs):

@@ -1,5 +1,5 @@
 """What the DistServe experiment carries to a GPU box that has no network: a tokenizer for the dummy
-Llama-3.1-8B, a ShareGPT subset, and the model directory built from them.
+Llama-3.1-8B / -70B, a ShareGPT subset, and the model directory built from them.
 
     .venv/bin/python -m loadtest.experiments.distserve_assets      # writes .data/distserve/ (gitignored)
 
@@ -32,7 +32,6 @@ TOKENIZER_GZ = "tokenizer.json.gz"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SHAREGPT_GZ = "sharegpt-subset.json.gz"
 LLAMA31_VOCAB = 128_256
-MODEL_NAME = "Llama-3.1-8B-dummy"
 
 # Llama-3.1-8B's shape (dummy weights); bos/eos are the tokenizer's (SmolLM2) ids.
 LLAMA31_8B = dict(
@@ -43,6 +42,11 @@ LLAMA31_8B = dict(
                   "original_max_position_embeddings": 8192},
     hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
     bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+# Llama-3.1-70B's shape: the same vocabulary, RoPE scaling and head size.
+LLAMA31_70B = dict(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=128)
+# --model-shape -> (served model name, config.json)
+SHAPES = {"8b": ("Llama-3.1-8B-dummy", LLAMA31_8B), "70b": ("Llama-3.1-70B-dummy", LLAMA31_70B)}
 
 
 def _base36(n: int) -> str:

@@ -1,10 +1,11 @@
 """One DistServe configuration's processes: scheduler, workers, gateway (`BATON_AUTH_MODE=none`).
 
-`disagg`: a prefill worker on GPU 0 and a decode worker on GPU 1 (`--prefill-peers` = the prefill
-worker); `colocated`: two `both` workers, one per GPU. Each worker sees only its own GPU
-(CUDA_VISIBLE_DEVICES=<n>, `--device cuda:0`), dummy weights from one config.json and one `--seed`
-(identical weights everywhere). The scheduler (`python -m scheduler.adapters`) routes with the
-given policy; the gateway is the real one, without Postgres/Redis/Kafka.
+Every worker runs `--tensor-parallel-size tp` on `tp` consecutive GPUs. `disagg`: a prefill worker on
+GPUs [0, tp) and a decode worker on [tp, 2 tp) (`--prefill-peers` = the prefill worker; KV moves rank
+by rank); `colocated`: two `both` workers on the same two GPU groups. Each worker sees only its own
+GPUs (CUDA_VISIBLE_DEVICES=<its GPUs>; rank r takes cuda:r of them), dummy weights from one
+config.json and one `--seed` (identical weights everywhere). The scheduler (`python -m scheduler.adapters`)
+routes with the given policy; the gateway is the real one, without Postgres/Redis/Kafka.
 
 Workers start at the same time (loading and CUDA-graph capture overlap); every wait has a timeout,
 and `stop()` (also on any failure while starting) stops the gateway first and the scheduler last,
@@ -35,15 +36,17 @@ METRIC_PREFIXES = ("baton_pd_prefill_path", "baton_pd_fallback", "baton_worker_r
 class WorkerPlan:
     name: str
     role: str  # prefill | decode | both
-    gpu: int  # physical index; ignored on CPU
+    gpus: tuple[int, ...]  # physical indices, one per TP rank; ignored on CPU
 
 
-def worker_plans(config: str) -> tuple[WorkerPlan, ...]:
-    if config == "disagg":
-        return WorkerPlan("prefill-gpu0", "prefill", 0), WorkerPlan("decode-gpu1", "decode", 1)
-    if config == "colocated":
-        return WorkerPlan("both-gpu0", "both", 0), WorkerPlan("both-gpu1", "both", 1)
-    raise ValueError(f"unknown configuration {config!r}; valid: {', '.join(CONFIGS)}")
+def worker_plans(config: str, tp: int = 1) -> tuple[WorkerPlan, ...]:
+    """Two workers of `tp` consecutive GPUs each: [0, tp) and [tp, 2 tp)."""
+    roles = {"disagg": ("prefill", "decode"), "colocated": ("both", "both")}.get(config)
+    if roles is None:
+        raise ValueError(f"unknown configuration {config!r}; valid: {', '.join(CONFIGS)}")
+    groups = [tuple(range(i * tp, (i + 1) * tp)) for i in range(len(roles))]
+    return tuple(WorkerPlan(f"{role}-gpu{'-'.join(map(str, gpus))}", role, gpus)
+                 for role, gpus in zip(roles, groups, strict=True))
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ClusterSpec:
     slo_ttft_ms: float
     slo_tpot_ms: float
     policy: str = "least_loaded"
+    tp: int = 1  # ranks (and GPUs) per worker
     cpu: bool = False  # no CUDA_VISIBLE_DEVICES
     worker_ready_timeout_s: float = 240.0
     service_ready_timeout_s: float = 60.0
@@ -72,6 +76,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s: float | None = None
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
+        self.plans = worker_plans(config, spec.tp)
 
     def __enter__(self) -> Cluster:
         started = time.monotonic()
@@ -106,7 +111,7 @@ class Cluster:
             "--drain-grace-s", "1", "--log-level", "WARNING"], {})
         scheduler.wait_ready(lambda: scheduler.listens_on(scheduler_port), s.service_ready_timeout_s)
         address = f"127.0.0.1:{scheduler_port}"
-        plans = worker_plans(self.config)
+        plans = self.plans
         workers: dict[str, tuple[SupervisedProcess, str]] = {}
         prefill_address = ""
         for plan in plans:  # the prefill worker first: the decode worker names it as its peer
@@ -115,10 +120,11 @@ class Cluster:
             argv = [sys.executable, "-m", "services.worker", "--role", plan.role, "--host", "127.0.0.1",
                     "--port", str(port), "--worker-id", plan.name, "--model", str(s.model_dir),
                     "--model-id", s.model_name, "--scheduler", address, "--heartbeat-interval-s", "0.2",
-                    "--drain-grace-s", "1", "--metrics-port", str(metrics_port), *s.engine_args]
+                    "--drain-grace-s", "1", "--metrics-port", str(metrics_port),
+                    "--tensor-parallel-size", str(s.tp), *s.engine_args]
             if plan.role == "decode":
                 argv += ["--prefill-peers", prefill_address]
-            env = {} if s.cpu else {"CUDA_VISIBLE_DEVICES": str(plan.gpu)}
+            env = {} if s.cpu else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus))}
             workers[plan.name] = (self._spawn(plan.name, argv, env), f"127.0.0.1:{port}")
             if plan.role == "prefill":
                 prefill_address = f"127.0.0.1:{port}"

@@ -6,7 +6,7 @@ timed-out requests are misses), goodput (such requests per second), TTFT/TPOT p9
 disaggregated / co-located. DistServe's "goodput" of a configuration is the highest rate whose
 attainment is >= 90%: reported as the highest such rate tested, and linearly interpolated to the
 90% crossing between the last passing and the first failing rate; per GPU it is divided by the GPUs
-used (2 in both configurations, so the per-GPU ratio equals the ratio).
+used (2 workers x `tp` GPUs in both configurations, so the per-GPU ratio equals the ratio).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from loadtest.report import BenchResult, load_result
 
 ATTAINMENT_TARGET = 0.9
-GPUS = {"disagg": 2, "colocated": 2}
+WORKERS = 2  # per configuration (1 prefill + 1 decode, or 2 both), each on `tp` GPUs
 
 
 def run_files(runs_dir: Path) -> dict[tuple[str, str], list[Path]]:
@@ -76,12 +76,13 @@ def summarize(runs_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
         result = merged(paths, config)
         per.setdefault(workload, {})[config] = [_row(s, run.request_rate)
                                                 for run, s in zip(result.runs, result.summaries(), strict=True)]
+    gpus = WORKERS * meta.get("tp", 1)
     workloads: dict[str, Any] = {}
     for workload, configs in sorted(per.items()):
         entry: dict[str, Any] = {"configs": configs, "goodput": {}, "ratio_by_rate": []}
         for config, rows in configs.items():
             g = distserve_goodput(rows)
-            g["per_gpu"] = None if g["interpolated_90pct_rate"] is None else g["interpolated_90pct_rate"] / GPUS[config]
+            g["per_gpu"] = None if g["interpolated_90pct_rate"] is None else g["interpolated_90pct_rate"] / gpus
             entry["goodput"][config] = g
         d_rows = {r["rate"]: r for r in configs.get("disagg", [])}
         c_rows = {r["rate"]: r for r in configs.get("colocated", [])}
@@ -117,8 +118,10 @@ def plot(runs_dir: Path, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
 
     written = []
     files = run_files(runs_dir)
+    setup = _setup(summary)
     for workload, entry in summary["workloads"].items():
-        results = [merged(files[(c, workload)], c) for c in ("disagg", "colocated") if (c, workload) in files]
+        results = [merged(files[(c, workload)], f"{c} ({setup})") for c in ("disagg", "colocated")
+                   if (c, workload) in files]
         written.append(plot_results(results, out_dir / f"goodput_{workload}.png"))
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for config, rows in entry["configs"].items():
@@ -126,7 +129,8 @@ def plot(runs_dir: Path, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
             ax.plot([r["rate"] for r in rows], [100 * r["attainment"] for r in rows], marker="o", label=config)
         ax.axhline(100 * ATTAINMENT_TARGET, color="red", ls="--", lw=1, label="90% target")
         slo = summary.get("slo", {})
-        ax.set_title(f"{workload}: SLO attainment (TTFT<={slo.get('ttft_ms')}ms, TPOT<={slo.get('tpot_ms')}ms)")
+        ax.set_title(f"{workload}, {setup}: SLO attainment\n(TTFT<={slo.get('ttft_ms'):g}ms, "
+                     f"TPOT<={slo.get('tpot_ms'):g}ms)", fontsize=10)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("requests meeting both SLOs (%)")
         ax.set_ylim(0, 102)
@@ -140,9 +144,17 @@ def plot(runs_dir: Path, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     return written
 
 
+def _setup(summary: dict[str, Any]) -> str:
+    """E.g. 'Llama-3.1-70B-dummy, TP=2: 2 GPUs/worker'."""
+    tp = summary.get("tp", 1)
+    if summary.get("smoke"):
+        return f"{summary.get('model')}, CPU"
+    return f"{summary.get('model')}, TP={tp}: {tp} GPU{'s' * (tp > 1)}/worker"
+
+
 def print_tables(summary: dict[str, Any]) -> None:
     for workload, entry in summary["workloads"].items():
-        print(f"\n=== {workload}: attainment / goodput (req/s) / TTFT p90 / TPOT p90 (ms)")
+        print(f"\n=== {workload} ({_setup(summary)}): attainment / goodput (req/s) / TTFT p90 / TPOT p90 (ms)")
         for config, rows in entry["configs"].items():
             for r in sorted(rows, key=lambda r: r["rate"]):
                 print(f"{config:>10} @ {r['rate']:>5g}  {100 * r['attainment']:5.1f}%  {r['goodput_rps']:6.2f}  "

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/../.." && ls .whl/*.whl >/dev/null && python3 -m pip install
 # `python -m loadtest.experiments.distserve_assets` writes it).
 #
 #   OUT=/some/dir bash loadtest/micro/distserve_suite.sh      # OUT defaults to ./distserve-out
+#   bash loadtest/micro/distserve_suite.sh --tp 2 ...          # extra arguments go to the experiment
+#                                                              # (tp_split_suite.sh: --model-shape 70b --tp 2)
 #   SMOKE=1 PYTHON=python3.12 bash loadtest/micro/distserve_suite.sh   # CPU, tiny model, ~1-2 min (the
 #   carried wheels are cp312; on the 3.11 CI machine run `.venv/bin/python -m loadtest.experiments.distserve --smoke`)
 #
@@ -21,8 +23,8 @@ OUT=${OUT:-$PWD/distserve-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 LOG="$OUT/distserve.log"
-ARGS=(--out "$OUT" --deadline-s "${DEADLINE_S:-480}")
-if [ "${SMOKE:-0}" = 1 ]; then ARGS=(--smoke --out "$OUT"); fi
+ARGS=(--out "$OUT" --deadline-s "${DEADLINE_S:-480}" "$@")
+if [ "${SMOKE:-0}" = 1 ]; then ARGS=(--smoke --out "$OUT" "$@"); fi
 # NVLink multicast stays off: on shared hosts it has taken every GPU of the node out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 {
@@ -31,6 +33,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     || echo "no nvidia-smi"
   $PY -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
   $PY -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "no triton"
+  echo "experiment arguments: ${ARGS[*]}"
   git rev-parse --short HEAD 2>/dev/null && git status --porcelain 2>/dev/null | wc -l | xargs echo "uncommitted files:"
   ls -la .data/distserve 2>&1
   # What the gateway, the scheduler, the workers and the bench import, and where each comes from.
