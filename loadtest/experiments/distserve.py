@@ -172,9 +172,10 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
     share: tuple[str, ...] = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt))
     if prof.sharegpt_output_len:
         share += ("--sharegpt-output-len", str(prof.sharegpt_output_len))
-    return Plan(spec, (Workload("random", random, tuple(args.random_rates), prof.drain_s[0]),
-                       Workload("sharegpt", share, tuple(args.sharegpt_rates), prof.drain_s[1])),
-                args.duration_s, prof.request_timeout_s, warmup)
+    workloads = (Workload("random", random, tuple(args.random_rates), prof.drain_s[0]),
+                 Workload("sharegpt", share, tuple(args.sharegpt_rates), prof.drain_s[1]))
+    # `--sharegpt-rates` (or `--random-rates`) given with no value leaves that workload out.
+    return Plan(spec, tuple(w for w in workloads if w.rates), args.duration_s, prof.request_timeout_s, warmup)
 
 
 def gpu_memory_mib() -> list[int] | None:
@@ -305,8 +306,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=None,
                    help=f"KV blocks of {BLOCK_TOKENS} tokens per worker (default: {KV_GIB_PER_RANK} GiB per rank; "
                         "smoke 512)")
-    p.add_argument("--random-rates", type=float, nargs="+", default=None, help="default: per model (see above)")
-    p.add_argument("--sharegpt-rates", type=float, nargs="+", default=None)
+    p.add_argument("--random-rates", type=float, nargs="*", default=None,
+                   help="default: per model (see above); the flag alone leaves the workload out")
+    p.add_argument("--sharegpt-rates", type=float, nargs="*", default=None)
     p.add_argument("--duration-s", type=float, default=None, help="arrivals per rate (8b 10, 70b 6, smoke 4)")
     p.add_argument("--deadline-s", type=float, default=None, help="whole run (default 480; smoke 900)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="8b 500, 70b 1500, smoke 5000")
@@ -324,8 +326,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prof = PROFILES["smoke" if args.smoke else args.model_shape]
     if not args.num_blocks:
         args.num_blocks = 512 if args.smoke else KV_GIB_PER_RANK * 2**30 // kv_bytes_per_block(hf, args.tp)
-    args.random_rates = args.random_rates or prof.random_rates
-    args.sharegpt_rates = args.sharegpt_rates or prof.sharegpt_rates
+    args.random_rates = prof.random_rates if args.random_rates is None else args.random_rates
+    args.sharegpt_rates = prof.sharegpt_rates if args.sharegpt_rates is None else args.sharegpt_rates
+    if not args.random_rates and not args.sharegpt_rates:
+        p.error("no workload left: give rates to --random-rates or --sharegpt-rates")
     args.duration_s = args.duration_s or prof.duration_s
     args.deadline_s = args.deadline_s or (900.0 if args.smoke else 480.0)
     args.slo_ttft_ms = args.slo_ttft_ms or prof.slo_ms[0]
