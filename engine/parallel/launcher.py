@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +116,7 @@ class TensorParallelRunner:
         port = config.parallel.master_port or free_port(config.parallel.master_addr)
         ctx = mp.get_context("spawn")
         self._group_lock = threading.Lock()  # one broadcast + its collectives at a time (module docstring)
-        self._followers = [ctx.Process(target=_follower_main, args=(config, rank, port, rank_service),
+        self._followers = [ctx.Process(target=_follower_main, args=(config, rank, port, rank_service, os.getpid()),
                                        name=f"baton-tp{rank}", daemon=True) for rank in range(1, size)]
         for p in self._followers:
             p.start()
@@ -207,7 +209,8 @@ class TensorParallelRunner:
                 p.join(5.0)
 
 
-def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: RankServiceFactory | None) -> None:
+def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: RankServiceFactory | None,
+                   parent: int) -> None:
     """Rank > 0: load this rank's slice, then run every call rank 0 broadcasts until None."""
     from engine.loader import load_model  # heavy imports only in the child
 
@@ -215,6 +218,7 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
     # SIGTERM sent to the whole process group must not kill a follower under a draining rank 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    _exit_with_parent(parent)
     tp = init_tensor_parallel(config.parallel, rank, port, _device_type(config))
     service: Any = None
     try:
@@ -236,6 +240,21 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
         if close is not None:
             close()
         shutdown_tensor_parallel()
+
+
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """Exit at once when rank 0's process is gone. `daemon=True` only covers rank 0 exiting normally;
+    a SIGKILLed rank 0 left followers holding their GPU memory (seen on 4xH200: the next worker on
+    those GPUs ran out of memory), and a follower blocked in a collective or in NIXL teardown may
+    never notice the closed sockets. `parent` is rank 0's pid as rank 0 passed it: read here, it would
+    already be init's if rank 0 died while this process was still importing."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="baton-tp-parent-watch", daemon=True).start()
 
 
 def _call_service(service: Any, call: RunnerCall, rank: int) -> Any:

@@ -205,3 +205,59 @@ def test_tp2_runner_generates_the_single_process_tokens(tmp_path: Path) -> None:
     finally:
         runner.shutdown()
     assert got == expected
+
+
+_PARENT_SCRIPT = """
+import os
+import time
+import torch.multiprocessing as mp
+from engine.parallel import launcher
+
+def follower(parent):  # what a follower does first, then it is stuck (in a collective, NIXL teardown...)
+    launcher._exit_with_parent(parent, poll_s=0.1)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    child = mp.get_context("spawn").Process(target=follower, args=(os.getpid(),), daemon=True)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_follower_exits_when_rank0_is_killed(tmp_path: Path) -> None:
+    """`daemon=True` covers only a rank 0 that exits normally; after a SIGKILL of rank 0 a follower
+    that is not blocked on rank 0's sockets would keep its GPU memory forever."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank0.py"
+    script.write_text(_PARENT_SCRIPT)
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[3],
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+    try:
+        assert rank0.stdout is not None
+        follower = int(rank0.stdout.readline())
+        assert _alive(follower)
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait(10)
+        give_up = time.monotonic() + 10
+        while _alive(follower) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert not _alive(follower)
+    finally:
+        rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
