@@ -104,12 +104,15 @@ class RemotePrefill:
         except Exception as e:  # nothing registered, nothing asked: the blocks are ours
             log.exception("%s: cannot expect a transfer", ask.engine_request_id)
             return AttemptResult(fallback="internal_error", detail=str(e))
+        asked = time.monotonic()
         rpc = asyncio.ensure_future(self._call(peer, ask, remote_ids))
         peer.inflight += 1
         end: _CallEnd | None = None
         try:
             end = await self._until_rpc_end(peer, ask, rpc, aborted)
+            answered = time.monotonic()
             result = AttemptResult(aborted=True) if aborted.is_set() else await self._judge(peer, end, arrival, aborted)
+            _log_phases(ask.engine_request_id, end, answered - asked, time.monotonic() - answered)
         except Exception as e:
             log.exception("%s: remote prefill attempt failed", ask.engine_request_id)
             result = AttemptResult(fallback="internal_error", detail=str(e))
@@ -184,6 +187,15 @@ class RemotePrefill:
         except grpc.aio.AioRpcError as e:
             return _CallEnd(None, e.code(), e.details() or "", _idle(e.trailing_metadata()))
         return _CallEnd(response, grpc.StatusCode.OK, "", _idle(await call.trailing_metadata()))
+
+
+def _log_phases(request_id: str, end: _CallEnd, rpc_s: float, notice_s: float) -> None:
+    """Where a hand-off's time went (DEBUG): the Prefill RPC as seen here, the prefill worker's own
+    queue + prefill and WRITE times inside it, then the wait for the NIXL notice (and checksums)."""
+    if end.response is not None and log.isEnabledFor(logging.DEBUG):
+        r = end.response
+        log.debug("%s hand-off: rpc %.1f ms (prefill %.1f ms, write %.1f ms on the prefill worker), notice %.1f ms",
+                  request_id, rpc_s * 1e3, r.prefill_seconds * 1e3, r.transfer_seconds * 1e3, notice_s * 1e3)
 
 
 def _idle(metadata: object) -> bool:
