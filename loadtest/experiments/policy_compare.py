@@ -34,8 +34,8 @@ Workloads (fixed, seeded; the constants below):
 - exp2 `multiturn`: 12 conversations x 4 turns, 2 shared system prompts of 256 tokens, 32-token
   user turns, 16 output tokens, conversations start at 0.4/s, SLO as exp1;
 - exp3 overload (runs: RR, LL, goodput, goodput+profile): enterprise 24 requests at 0.3 req/s and
-  free 240 requests at 3.0 req/s at the same time (two `baton bench` processes, seeds 1 and 2; lengths as exp1), SLOs enterprise TTFT
-  2500 / TPOT 250 ms, free TTFT 6000 / TPOT 500 ms.
+  free 240 requests at 3.0 req/s at the same time (two `baton bench` processes, seeds 1 and 2;
+  lengths as exp1), SLOs enterprise TTFT 2500 / TPOT 250 ms, free TTFT 6000 / TPOT 500 ms.
 The rates were chosen on a quiet machine (capacity ~1.5 req/s for exp1's lengths, so exp1 runs at
 ~85% load; exp3 offers about twice what the goodput policy serves within SLO); background load
 on the shared machine shifts all of this.
