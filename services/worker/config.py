@@ -56,6 +56,9 @@ class TransferConfig:
     poll_expect_s: float = 2e-4  # ... while an arrival is expected
     poll_idle_s: float = 1e-3  # ... otherwise (NIXL still needs progress: peers connect, notices)
     peer_down_s: float = 5.0  # a prefill worker that failed at the transport is skipped this long
+    # NIXL's own progress thread: UCX then advances WRITEs without the KV link thread, which needs
+    # the GIL for every poll. Off by default: each agent then busy-polls about half a core.
+    progress_thread: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s"):

@@ -65,7 +65,7 @@ class KVLink:
         follower ranks of a tensor-parallel worker (this link is rank 0's; services/worker/kv_shards.py);
         only this link's thread calls them (each call also holds the engine's next step back)."""
         self._config = config
-        self._agent = NixlAgent(NixlAgentConfig(name=name), kv_cache, layout)
+        self._agent = NixlAgent(NixlAgentConfig(name=name, progress_thread=config.progress_thread), kv_cache, layout)
         self._sender = NixlKVSender(self._agent, SenderConfig(checksums=config.checksums), faults, shards=shards)
         self._receiver = NixlKVReceiver(
             self._agent, ReceiverConfig(verify_checksums=config.checksums, quarantine_s=config.quarantine_s), faults,

@@ -85,6 +85,8 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notice-grace-s", type=float, default=t.notice_grace_s)
     p.add_argument("--peer-down-s", type=float, default=t.peer_down_s,
                    help="skip a prefill worker this long after a transport failure")
+    p.add_argument("--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=t.progress_thread,
+                   help="NIXL's progress thread per agent (about half a core each; see TransferConfig)")
 
 
 def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -102,7 +104,8 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
         transfer=TransferConfig(prefill_timeout_s=args.prefill_timeout_s,
                                 transfer_timeout_s=args.transfer_timeout_s,
                                 quarantine_s=args.kv_quarantine_s, checksums=args.kv_checksums,
-                                notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s),
+                                notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s,
+                                progress_thread=args.nixl_progress_thread),
     )
 
 
@@ -151,7 +154,8 @@ def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
     from services.worker.kv_shards import ShardAgentFactory
 
     return ShardAgentFactory(config.worker_id or config.role.value, config.model_id,
-                             poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s)
+                             poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s,
+                             progress_thread=config.transfer.progress_thread)
 
 
 async def _serve(config: WorkerConfig, engine: object) -> None:

@@ -32,11 +32,13 @@ class ManualClock:
         self.now += seconds
 
 
-def make_agent(role: str, num_blocks: int, *, random_fill: bool, seed: int = 0) -> NixlAgent:
+def make_agent(role: str, num_blocks: int, *, random_fill: bool, seed: int = 0,
+               progress_thread: bool = False) -> NixlAgent:
     kv = SPEC.allocate(num_blocks, "cpu")
     if random_fill:
         kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(seed)))
-    return NixlAgent(NixlAgentConfig(name=f"{role}-{uuid.uuid4().hex[:8]}"), kv, LAYOUT)
+    config = NixlAgentConfig(name=f"{role}-{uuid.uuid4().hex[:8]}", progress_thread=progress_thread)
+    return NixlAgent(config, kv, LAYOUT)
 
 
 def drive(

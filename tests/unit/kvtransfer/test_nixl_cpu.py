@@ -289,3 +289,25 @@ def test_layout_of_a_live_agent_matches_the_engine_spec(pair) -> None:
         NUM_BLOCKS,
         "cpu",
     )
+
+
+def test_write_lands_with_nixl_progress_threads(clock, faults) -> None:
+    """`--nixl-progress-thread`: the same WRITE + notice with NIXL progressing on its own threads."""
+    prefill = make_agent("prefill", NUM_BLOCKS, random_fill=True, progress_thread=True)
+    decode = make_agent("decode", NUM_BLOCKS, random_fill=False, progress_thread=True)
+    sender = NixlKVSender(prefill, SenderConfig(checksums=True), faults, clock)
+    receiver = NixlKVReceiver(decode, ReceiverConfig(quarantine_s=60.0), faults, clock)
+    try:
+        peer = sender.add_peer(receiver.handshake_info)
+        plan = _plan(clock, "req-pt", n=8)
+        _expect(receiver, clock, plan)
+        transfer = sender.start(peer, plan)
+        arrived, _ = drive(sender, receiver, [transfer])
+        assert transfer.state is TransferState.DONE and arrived == {"req-pt"}
+        assert torch.equal(_kv(receiver)[list(plan.remote_block_ids)], _kv(sender)[list(plan.local_block_ids)])
+    finally:
+        sender.close()
+        _settle(sender, receiver)
+        receiver.close()
+        prefill.close()
+        decode.close()

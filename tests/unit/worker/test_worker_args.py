@@ -54,3 +54,10 @@ def test_tensor_parallel_size_reaches_the_engine_and_the_worker_config() -> None
     args = _parse("--tensor-parallel-size", "3")
     assert build_engine_config(args).parallel.tensor_parallel_size == 3
     assert build_worker_config(args).tensor_parallel_size == 3
+
+
+def test_nixl_progress_thread_is_off_by_default_and_reaches_the_transfer_config() -> None:
+    from services.worker.main import build_worker_config
+
+    assert build_worker_config(_parse()).transfer.progress_thread is False
+    assert build_worker_config(_parse("--nixl-progress-thread")).transfer.progress_thread is True
