@@ -36,10 +36,9 @@ each card's total memory; the numbers are in the JSON ("memory"). Llama-70B (139
 at tp 4, per GPU: 34.75 GB (32.4 GiB) of weights + 10.7 GB (10.0 GiB) of KV pool (8193 blocks of 16
 tokens, 80 KiB per token per rank: 2 of the 8 KV heads) + 6 GiB reserve = 48.4 GiB of ~79 GiB.
 
-NOT covered (asked for by the issue): the 4 + 4 disaggregated split (a TP-4 prefill worker handing
-KV to a TP-4 decode worker). Per-rank KV transfer between TP workers is not wired: the KV transfer
-path moves one worker's whole pool, and a TP worker's KV is sharded by KV head over its ranks, so
-this measures co-located TP decode only.
+This measures the decode step of one TP group only. The disaggregated split (a TP prefill worker handing
+KV rank by rank to a TP decode worker, against co-located TP workers) is loadtest/experiments/distserve.py
+`--model-shape 70b --tp N` (loadtest/micro/tp70b_suite.sh runs both).
 
 Prints a "row" line per result as it completes, a table last; writes every number to `--out`.
 """
