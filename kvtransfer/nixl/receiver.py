@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVReceiver, KVShards, TransferFailure, TransferState
+from kvtransfer.base import HandshakeInfo, KVReceiver, TransferFailure, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, MalformedNotificationError
 from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte
 from kvtransfer.integrity import mismatched_blocks
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
+from kvtransfer.shards import KVShards
 
 log = logging.getLogger(__name__)
 

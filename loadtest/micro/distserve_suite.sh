@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.." && ls .whl/*.whl >/dev/null && python3 -m pip install
 #
 #   OUT=/some/dir bash loadtest/micro/distserve_suite.sh      # OUT defaults to ./distserve-out
 #   bash loadtest/micro/distserve_suite.sh --tp 2 ...          # extra arguments go to the experiment
-#                                                              # (tp_split_suite.sh: --model-shape 70b --tp 2)
+#                                                              # (tp70b_suite.sh: --model-shape 70b --tp 2)
 #   SMOKE=1 PYTHON=python3.12 bash loadtest/micro/distserve_suite.sh   # CPU, tiny model, ~1-2 min (the
 #   carried wheels are cp312; on the 3.11 CI machine run `.venv/bin/python -m loadtest.experiments.distserve --smoke`)
 #

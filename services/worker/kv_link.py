@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVShards, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig
 from kvtransfer.nixl.transfer import NixlTransfer
+from kvtransfer.shards import KVShards
 from services.worker.config import TransferConfig
 
 log = logging.getLogger(__name__)

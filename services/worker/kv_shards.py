@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVShards, ShardOutcome, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferPlan, TransferState
 from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.integrity import block_checksums
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.transfer import NixlTransfer
+from kvtransfer.shards import KVShards, ShardOutcome
 
 log = logging.getLogger(__name__)
 _RELEASE_GRACE_S = 5.0  # past the deadline, how long a follower waits for NIXL to let go of its WRITE
