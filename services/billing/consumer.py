@@ -11,6 +11,11 @@ it succeeds or the consumer is stopped; stopping then leaves its offsets uncommi
 Postgres rejects as data (e.g. an integer out of range) is written event by event, and only the
 events that still fail are skipped, with an error log: one bad event must not stall billing.
 Messages that are not valid usage events are skipped the same way.
+
+Stopping drains: after `stop` is set the consumer keeps reading until the topic has nothing more for
+it (one empty poll) or `drain_timeout_s` passes, so an ordered shutdown (gateway first, then billing,
+then the broker) bills everything the gateway handed over. `baton_billing_lag_seconds` is the age of
+the oldest event in the last batch written (0 while idle): how far billing is behind.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import psycopg
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from services.billing.events import UsageEvent
 from services.billing.ledger import UsageLedger
@@ -33,6 +39,7 @@ from services.common.settings import BatonSettings
 log = logging.getLogger(__name__)
 
 EVENTS = Counter("baton_billing_events", "Usage events consumed, by outcome", ["outcome"])
+LAG = Gauge("baton_billing_lag_seconds", "Age of the oldest usage event in the last batch written (0: idle)")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class ConsumerConfig:
     batch_size: int = 500
     poll_timeout_s: float = 0.5
     db_retry_backoff_s: float = 1.0
+    drain_timeout_s: float = 10.0  # after stop: keep consuming until caught up, at most this long
 
     @classmethod
     def from_settings(cls, settings: BatonSettings, database_url: str | None = None,
@@ -71,10 +79,31 @@ class UsageConsumer:
                 messages = consumer.consume(self.config.batch_size, self.config.poll_timeout_s)
                 if messages:
                     self._handle(consumer, messages, stop)
+                else:
+                    LAG.set(0)
+            self._drain(consumer)
         finally:
             consumer.close()
             if self._conn is not None:
                 self._conn.close()
+
+    def _drain(self, consumer: Consumer) -> None:
+        """Consume what is left (until an empty poll) within `drain_timeout_s`."""
+        deadline = threading.Event()
+        timer = threading.Timer(self.config.drain_timeout_s, deadline.set)
+        timer.start()
+        drained = 0
+        try:
+            while not deadline.is_set():
+                messages = consumer.consume(self.config.batch_size, self.config.poll_timeout_s)
+                if not messages:
+                    break
+                self._handle(consumer, messages, deadline)
+                drained += len(messages)
+        finally:
+            timer.cancel()
+        log.info("stopping: drained %d more usage events%s", drained,
+                 " (timed out)" if deadline.is_set() else "")
 
     def _handle(self, consumer: Consumer, messages: Sequence[Message], stop: threading.Event) -> None:
         events: list[UsageEvent] = []
@@ -89,6 +118,9 @@ class UsageConsumer:
                 log.error("skipping message at %s[%s]@%s: %s", msg.topic(), msg.partition(), msg.offset(), e)
         if not self._write(events, stop):
             return  # stopped before Postgres took the batch: leave the offsets for the next owner
+        if events:
+            now = datetime.now(UTC)
+            LAG.set(max(0.0, max((now - e.created_at).total_seconds() for e in events)))
         self._commit(consumer, messages)
 
     def _write(self, events: list[UsageEvent], stop: threading.Event) -> bool:

@@ -107,6 +107,10 @@ class EmbeddedService(ABC):
             shutil.rmtree(self._work_dir, ignore_errors=True)
             self._work_dir = None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
     def alive(self) -> bool:
         return self._process is not None and self._process.alive()
 

@@ -55,6 +55,10 @@ class EmbeddedInfra:
     def _embedded(self) -> list[EmbeddedService]:
         return [s for s in (self.postgres, self.redis, self.kafka) if s is not None]
 
+    def embedded_by_name(self) -> dict[str, EmbeddedService]:
+        """The services started here (not the external ones), for the supervisor to restart."""
+        return {s.name: s for s in self._embedded()}
+
     def start(self) -> InfraEndpoints:
         started: list[EmbeddedService] = []
         try:

@@ -27,11 +27,24 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded in the parent: the child only makes the call
 
 
+_RESERVED_PORTS: set[int] = set()
+
+
+def reserve_port(port: int) -> None:
+    """Never hand `port` out from `free_port()` in this process (e.g. the gateway's requested port,
+    which is only bound once the gateway starts, after every other child has picked its ports)."""
+    _RESERVED_PORTS.add(port)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller retries on a bind race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago and is not reserved (the caller retries on a
+    bind race)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _RESERVED_PORTS:
+            return port
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -61,6 +74,7 @@ class SupervisedProcess:
         self.stop_signal = stop_signal
         self.stop_timeout_s = stop_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self.log_offset = 0  # where this run's output starts in `log_path` (the log is appended across runs)
 
     @property
     def pid(self) -> int | None:
@@ -73,6 +87,7 @@ class SupervisedProcess:
         assert self._proc is None or self._proc.poll() is not None, f"{self.name} already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
             try:
                 self._proc = subprocess.Popen(
                     self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -140,6 +155,19 @@ class SupervisedProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+    def log_of_this_run(self) -> str:
+        """What this run printed so far: readiness markers are matched here, never in an earlier run's
+        lines (a reused `--data-dir`, or the incarnation before a restart)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def exit_code(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
 
     def log_tail(self, lines: int = 40) -> str:
         try:

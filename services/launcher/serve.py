@@ -6,8 +6,13 @@ and the first API key, the scheduler, one prefill and one decode worker (or one 
 `--workers-role both`), safety, the billing consumer, and the gateway on `--host:--port`
 (127.0.0.1:8000). Prints the URL (and a newly created key, once) when everything is ready.
 
-Ctrl-C / SIGTERM stop everything in reverse order: the gateway drains first, infrastructure goes
-last. A child that dies on its own stops the cluster too (exit code 1), with its log tail printed.
+Supervision: a child (or embedded Postgres/Redis/broker) that dies is restarted with backoff on the
+same ports while the rest keep serving (supervisor.py, cluster.py); its log tail is printed. The run
+file `<run dir>/run.json` lists the live pids and ports (fault injection reads it).
+
+Ctrl-C / SIGTERM stop everything in reverse order: the gateway drains first (and hands its last usage
+events to the broker), then the billing consumer drains the topic, infrastructure goes last. The run
+dir (a temp dir unless `--data-dir`) is removed on every exit path but SIGKILL; see rundir.py.
 
 API key: `BATON_API_KEY` (a `bt-...` key) is registered for the organisation "local" if it is not
 known yet; without it a key is created and printed once (with `--data-dir`, only on the first run).
@@ -23,8 +28,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -38,37 +41,20 @@ from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
 from services.gateway.db.migrations import apply_migrations
 from services.gateway.db.pool import Database, DatabaseConfig
-from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
-from services.launcher.process import free_port
-from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, listening, log_line
+from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
+from services.launcher.infra import EmbeddedInfra, InfraConfig
+from services.launcher.process import reserve_port
+from services.launcher.rundir import RunDir
+from services.launcher.supervisor import Supervisor
 
 log = logging.getLogger("services.launcher.serve")
 LOCAL_ORG = "local"
 _KEY_RE = re.compile(r"^bt-[A-Za-z0-9_-]{43}$")
-WORKER_READY = "BATON_WORKER_READY"
+__all__ = ["WORKER_READY", "ServeOptions", "register_serve_command", "serve"]
 
 
 class ServeInterrupted(BaseException):
     """SIGINT/SIGTERM while starting: unwind and stop what was started."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers_role: str = "disaggregated"  # "disaggregated" (prefill + decode) | "both" (one co-located)
-    model: str | None = None  # None: the default model (prepared on first use)
-    data_dir: Path | None = None  # None: a temp dir, removed at exit
-    tier: Tier = "enterprise"  # the local organisation's tier
-    worker_threads: int = 1  # torch CPU threads per worker
-    num_blocks: int | None = None  # KV blocks per worker (None: the engine's default)
-    safety: bool = True
-    scheduler: bool = True
-
-    @property
-    def gateway_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
 
 
 def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -121,17 +107,22 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
 def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -> int:
     """Run until a signal (exit 0) or a child's death (exit 1); start failures exit 2."""
-    work_dir = options.data_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))
-    infra = EmbeddedInfra(InfraConfig.from_settings(settings, work_dir / "infra" if options.data_dir else None))
-    supervisor = Supervisor(work_dir / "logs", cwd=Path.cwd())
+    reserve_port(options.port)  # no child is ever handed the gateway's port
     stopping = _install_signal_handlers()
+    run_dir = RunDir(options.data_dir)
+    infra = EmbeddedInfra(InfraConfig.from_settings(settings, run_dir.path / "infra"))
+    supervisor = Supervisor(run_dir.path / "logs", cwd=Path.cwd())
     try:
         endpoints = infra.start()
         issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
         cluster = LocalCluster(options, endpoints, supervisor)
+        supervisor.on_change = lambda s: run_dir.write_run_file(
+            {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts()})
+        for name, service in infra.embedded_by_name().items():
+            supervisor.watch_service(name, service)
         cluster.prepare_model()
         cluster.start()
-        _announce(options, issued, supervisor.log_dir)
+        _announce(options, issued, supervisor.log_dir, run_dir)
         dead = supervisor.watch(lambda: stopping.is_set)
         if dead is not None:
             print(f"baton serve: {dead} exited; stopping. Its log:\n{supervisor.log_tail(dead)}", file=sys.stderr)
@@ -145,12 +136,11 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
     finally:
         stopping.set()
         print("baton serve: stopping...", file=sys.stderr, flush=True)
-        supervisor.stop_all()
-        infra.stop()
-        if options.data_dir is None:
-            import shutil
-
-            shutil.rmtree(work_dir, ignore_errors=True)
+        try:
+            supervisor.stop_all()
+            infra.stop()
+        finally:
+            run_dir.close()
 
 
 class _Flag:
@@ -176,9 +166,9 @@ def _install_signal_handlers() -> _Flag:
     return flag
 
 
-def _announce(options: ServeOptions, issued: str | None, log_dir: Path) -> None:
+def _announce(options: ServeOptions, issued: str | None, log_dir: Path, run_dir: RunDir) -> None:
     lines = [f"Baton is ready: {options.gateway_url}  (chat page at /, OpenAI API at /v1)",
-             f"logs: {log_dir}"]
+             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}"]
     if issued:
         lines.append(f"API key (shown once, store it now): {issued}")
     print("\n".join(lines), flush=True)
@@ -209,75 +199,3 @@ async def ensure_api_key(database_url: str, api_key: str | None, tier: Tier = "e
             log.info("the local organisation already has keys; make another with `baton admin create-key`")
             return None
         return (await ApiKeyAuthenticator(keys).issue(org.id, name="baton serve")).key
-
-
-class LocalCluster:
-    """The child processes of one `baton serve`, as supervisor specs."""
-
-    def __init__(self, options: ServeOptions, endpoints: InfraEndpoints, supervisor: Supervisor) -> None:
-        self.options = options
-        self.endpoints = endpoints
-        self.supervisor = supervisor
-        self.python = sys.executable
-        self.infra_env = {"BATON_DATABASE_URL": endpoints.database_url, "BATON_REDIS_URL": endpoints.redis_url,
-                          "BATON_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap}
-
-    def prepare_model(self) -> None:
-        """Convert the default model once (in a child: the launcher itself never imports torch)."""
-        if self.options.model is not None:
-            return
-        self.supervisor.run_once("prepare-model", [
-            self.python, "-c", "from engine.loader.prepare import default_model_dir as d; print(d())"], 600)
-
-    def start(self) -> None:
-        scheduler = self._start_scheduler() if self.options.scheduler else None
-        decode = self._start_workers(scheduler)
-        safety = self._start_safety() if self.options.safety else None
-        self.supervisor.start(ChildSpec("billing", [self.python, "-m", "services.billing"],
-                                        log_line("billing consumer:"), env=self.infra_env))
-        self._start_gateway(scheduler, decode, safety)
-
-    def _start_scheduler(self) -> str:
-        port = free_port()
-        self.supervisor.start(ChildSpec("scheduler", [self.python, "-m", "scheduler.adapters", "--host", "127.0.0.1",
-                                                      "--port", str(port)], listening(port)))
-        return f"127.0.0.1:{port}"
-
-    def _worker(self, role: str, scheduler: str | None, extra: list[str]) -> str:
-        port = free_port()
-        argv = [self.python, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", str(port),
-                "--torch-threads", str(self.options.worker_threads), *extra]
-        if self.options.model:
-            argv += ["--model", self.options.model]
-        if self.options.num_blocks:
-            argv += ["--num-blocks", str(self.options.num_blocks)]
-        if scheduler:
-            argv += ["--scheduler", scheduler]
-        self.supervisor.start(ChildSpec(f"worker-{role}", argv, log_line(WORKER_READY), ready_timeout_s=300))
-        return f"127.0.0.1:{port}"
-
-    def _start_workers(self, scheduler: str | None) -> str:
-        """The decode-capable worker's address."""
-        if self.options.workers_role == "both":
-            return self._worker("both", scheduler, [])
-        prefill = self._worker("prefill", scheduler, [])
-        return self._worker("decode", scheduler, ["--prefill-peers", prefill])
-
-    def _start_safety(self) -> str:
-        port = free_port()
-        self.supervisor.start(ChildSpec("safety", [self.python, "-m", "services.safety", "--host", "127.0.0.1",
-                                                   "--port", str(port)], listening(port)))
-        return f"127.0.0.1:{port}"
-
-    def _start_gateway(self, scheduler: str | None, decode: str, safety: str | None) -> None:
-        o = self.options
-        env = {**self.infra_env, "BATON_WORKER_ADDRESSES": f'["{decode}"]'}
-        if scheduler:
-            env["BATON_SCHEDULER_ADDRESS"] = scheduler
-        if safety:
-            env["BATON_SAFETY_ADDRESS"] = safety
-        if o.model:
-            env["BATON_MODEL"] = o.model
-        self.supervisor.start(ChildSpec(
-            "gateway", [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port)],
-            http_ok(f"{o.gateway_url}/readyz"), env=env, stop_timeout_s=40))

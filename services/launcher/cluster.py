@@ -1,0 +1,141 @@
+"""`LocalCluster`: the child processes of one `baton serve`, as supervisor specs.
+
+Every child gets a `RestartPolicy`: when it dies, the supervisor restarts it with the same command
+line, so it comes back on the same ports and the others find it again (the gateway's static decode
+address and the decode worker's prefill peer stay valid; workers re-register with a restarted
+scheduler). While the prefill worker is down the decode worker prefills locally (its
+`prefill_unavailable` fallback), so the cluster keeps serving.
+
+Ports: each child's ports are picked here once and kept; the gateway's requested port is reserved
+(`reserve_port`) so no child is ever handed it. Each worker gets its own Prometheus port
+(`--metrics-port`), the billing consumer too; `ports` lists them all for the run file.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.settings import Tier
+from services.launcher.infra import InfraEndpoints
+from services.launcher.process import free_port
+from services.launcher.supervisor import (
+    ChildSpec,
+    ReadyCheck,
+    RestartPolicy,
+    Supervisor,
+    http_ok,
+    listening,
+    log_line,
+)
+
+WORKER_READY = "BATON_WORKER_READY"
+BILLING_READY = "billing consumer:"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers_role: str = "disaggregated"  # "disaggregated" (prefill + decode) | "both" (one co-located)
+    model: str | None = None  # None: the default model (prepared on first use)
+    data_dir: Path | None = None  # None: a temp dir, removed at exit
+    tier: Tier = "enterprise"  # the local organisation's tier
+    worker_threads: int = 1  # torch CPU threads per worker
+    num_blocks: int | None = None  # KV blocks per worker (None: the engine's default)
+    safety: bool = True
+    scheduler: bool = True
+
+    @property
+    def gateway_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+class LocalCluster:
+    def __init__(self, options: ServeOptions, endpoints: InfraEndpoints, supervisor: Supervisor,
+                 restart: RestartPolicy | None = None) -> None:
+        self.options = options
+        self.endpoints = endpoints
+        self.supervisor = supervisor
+        self.restart = restart or RestartPolicy()
+        self.python = sys.executable
+        self.infra_env = {"BATON_DATABASE_URL": endpoints.database_url, "BATON_REDIS_URL": endpoints.redis_url,
+                          "BATON_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap}
+        self.ports: dict[str, int] = {}  # "<child>" and "<child>-metrics" -> port
+
+    def prepare_model(self) -> None:
+        """Convert the default model once (in a child: the launcher itself never imports torch)."""
+        if self.options.model is not None:
+            return
+        self.supervisor.run_once("prepare-model", [
+            self.python, "-c", "from engine.loader.prepare import default_model_dir as d; print(d())"], 600)
+
+    def start(self) -> None:
+        scheduler = self._start_scheduler() if self.options.scheduler else None
+        decode = self._start_workers(scheduler)
+        safety = self._start_safety() if self.options.safety else None
+        self._start_billing()
+        self._start_gateway(scheduler, decode, safety)
+
+    def _port(self, name: str) -> int:
+        self.ports[name] = free_port()
+        return self.ports[name]
+
+    def _spec(self, name: str, argv: list[str], ready: ReadyCheck, env: dict[str, str] | None = None,
+              ready_timeout_s: float = 120.0, stop_timeout_s: float = 20.0) -> ChildSpec:
+        return ChildSpec(name, argv, ready, env=env or {}, ready_timeout_s=ready_timeout_s,
+                         stop_timeout_s=stop_timeout_s, restart=self.restart)
+
+    def _start_scheduler(self) -> str:
+        port = self._port("scheduler")
+        self.supervisor.start(self._spec("scheduler", [self.python, "-m", "scheduler.adapters", "--host",
+                                                       "127.0.0.1", "--port", str(port)], listening(port)))
+        return f"127.0.0.1:{port}"
+
+    def _worker(self, role: str, scheduler: str | None, extra: list[str]) -> str:
+        name = f"worker-{role}"
+        port, metrics = self._port(name), self._port(f"{name}-metrics")
+        argv = [self.python, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", str(metrics), "--torch-threads", str(self.options.worker_threads), *extra]
+        if self.options.model:
+            argv += ["--model", self.options.model]
+        if self.options.num_blocks:
+            argv += ["--num-blocks", str(self.options.num_blocks)]
+        if scheduler:
+            argv += ["--scheduler", scheduler]
+        self.supervisor.start(self._spec(name, argv, log_line(WORKER_READY), ready_timeout_s=300))
+        return f"127.0.0.1:{port}"
+
+    def _start_workers(self, scheduler: str | None) -> str:
+        """The decode-capable worker's address."""
+        if self.options.workers_role == "both":
+            return self._worker("both", scheduler, [])
+        prefill = self._worker("prefill", scheduler, [])
+        return self._worker("decode", scheduler, ["--prefill-peers", prefill])
+
+    def _start_safety(self) -> str:
+        port = self._port("safety")
+        self.supervisor.start(self._spec("safety", [self.python, "-m", "services.safety", "--host", "127.0.0.1",
+                                                    "--port", str(port)], listening(port)))
+        return f"127.0.0.1:{port}"
+
+    def _start_billing(self) -> None:
+        env = {**self.infra_env, "BATON_BILLING_METRICS_PORT": str(self._port("billing-metrics"))}
+        self.supervisor.start(self._spec("billing", [self.python, "-m", "services.billing"], log_line(BILLING_READY),
+                                         env=env))
+
+    def _start_gateway(self, scheduler: str | None, decode: str, safety: str | None) -> None:
+        o = self.options
+        env = {**self.infra_env, "BATON_WORKER_ADDRESSES": f'["{decode}"]'}
+        if scheduler:
+            env["BATON_SCHEDULER_ADDRESS"] = scheduler
+        if safety:
+            env["BATON_SAFETY_ADDRESS"] = safety
+        if o.model:
+            env["BATON_MODEL"] = o.model
+        self.ports["gateway"] = o.port
+        self.supervisor.start(self._spec(
+            "gateway", [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port)],
+            http_ok(f"{o.gateway_url}/readyz"), env=env, stop_timeout_s=40))

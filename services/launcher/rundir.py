@@ -1,0 +1,89 @@
+"""`RunDir`: where one `baton serve` keeps its logs, embedded data and its run file.
+
+Without `--data-dir` it is a fresh temp dir (`baton-serve-*`), removed on every exit path Python sees:
+a normal return, an exception, Ctrl-C and SIGTERM (serve turns both into an unwinding exception).
+SIGKILL cannot be caught, so each start also removes the temp dirs of earlier runs whose `serve.pid`
+names a process that is gone (the children died with their parent: process.py's parent-death signal).
+
+The run file (`run.json`) says what runs now: the serve pid, the gateway URL, and every child's and
+embedded service's pid and ports, rewritten after each (re)start. Fault injection (loadtest/faults.py)
+reads it to learn which pids it may kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+TEMP_PREFIX = "baton-serve-"
+RUN_FILE = "run.json"
+PID_FILE = "serve.pid"
+_YOUNG_S = 120.0  # a temp dir without a pid file may be a serve that is just starting
+
+
+class RunDir:
+    def __init__(self, data_dir: Path | None) -> None:
+        self.temporary = data_dir is None
+        if data_dir is None:
+            remove_stale_run_dirs()
+            self.path = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+        else:
+            self.path = data_dir
+            self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / PID_FILE).write_text(str(os.getpid()))
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / RUN_FILE
+
+    def write_run_file(self, content: dict[str, object]) -> None:
+        tmp = self.path / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps({"serve_pid": os.getpid(), **content}, indent=1))
+        tmp.replace(self.run_file)  # atomic: a reader never sees half a file
+
+    def close(self) -> None:
+        if self.temporary:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                self.run_file.unlink()
+                (self.path / PID_FILE).unlink()
+
+
+def remove_stale_run_dirs(tmp_root: Path | None = None) -> list[Path]:
+    """Remove `baton-serve-*` temp dirs left by runs that were SIGKILLed; returns what was removed."""
+    removed = []
+    for path in (tmp_root or Path(tempfile.gettempdir())).glob(f"{TEMP_PREFIX}*"):
+        if path.is_dir() and _abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d temp dirs of earlier runs that were killed: %s", len(removed), removed)
+    return removed
+
+
+def _abandoned(path: Path) -> bool:
+    try:
+        pid = int((path / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        try:
+            return time.time() - path.stat().st_mtime > _YOUNG_S
+        except OSError:
+            return False
+    return not _is_serve_process(pid)
+
+
+def _is_serve_process(pid: int) -> bool:
+    """A live process that is a Python (the pid may have been reused by something else)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"python" in cmdline or b"baton" in cmdline
