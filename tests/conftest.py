@@ -2,7 +2,9 @@
 
 The infrastructure fixtures start real servers lazily, at most once per session, on first use: a
 missing binary is a test ERROR with the install hint, never a skip (`make test` runs
-scripts/install-system-deps.sh first, so a missing server means the set-up is broken).
+scripts/install-system-deps.sh first, so a missing server means the set-up is broken). Likewise a
+missing package (tests/support/required.py). The skip rule's hooks (tests/support/skip_policy.py)
+fail a run in which a test skipped for anything but missing hardware.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import pytest
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.tansu import EmbeddedKafka
+from tests.support.skip_policy import (  # noqa: F401 - pytest hooks, registered by being here
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 
 @pytest.fixture(scope="session")

@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.required import require_module
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("triton")
+transformers = require_module("transformers")
+require_module("triton")
 
 import torch.multiprocessing as mp  # noqa: E402
 

@@ -13,6 +13,7 @@ import torch
 from engine.config import BatcherConfig, CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.support.required import require_module
 
 NEW_TOKENS = 64
 QUESTIONS = [
@@ -27,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model.eval()
 

@@ -18,10 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from worker_procs import WorkerProcess  # noqa: E402
 
-from kvtransfer.nixl import nixl_available  # noqa: E402
+from tests.support.required import require_module  # noqa: E402
 
-if not nixl_available():
-    pytest.skip("nixl is not importable (pip install nixl==1.5.1 after CPU torch)", allow_module_level=True)
+require_module("nixl._api")  # every worker here moves KV over NIXL: missing is an ERROR, never a skip
 
 NUM_BLOCKS = "256"
 TRANSFER_TIMEOUT_S = 3.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import grpc
 import pytest
 from worker_client import generate, request, wait_baseline
 
@@ -45,7 +46,6 @@ def test_injected_fault_recomputes_locally_with_the_right_tokens(cluster, prompt
 
 
 def test_fault_injection_names_the_valid_faults(cluster):
-    grpc = pytest.importorskip("grpc")
     with pytest.raises(grpc.RpcError) as info:
         cluster.prefill.stub.InjectFault(pb.InjectFaultRequest(fault="meteor_strike"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -53,7 +53,6 @@ def test_fault_injection_names_the_valid_faults(cluster):
 
 
 def test_fault_injection_is_refused_unless_enabled(cluster):
-    grpc = pytest.importorskip("grpc")
     with pytest.raises(grpc.RpcError) as info:
         cluster.both.stub.InjectFault(pb.InjectFaultRequest(fault="fail_transfer"))
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

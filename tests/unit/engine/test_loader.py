@@ -28,6 +28,7 @@ from engine.loader.gguf_file import open_gguf
 from engine.loader.gguf_weights import unpermute_rotary
 from engine.loader.prepare import MARKER_FILE, default_gguf_path
 from engine.tokenizer import Tokenizer
+from tests.support.required import require_module
 
 TINY_HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -84,7 +85,7 @@ def test_second_call_returns_the_prepared_dir_immediately(default_model_dir: Pat
 
 def test_transformers_loads_prepared_dir_and_answers_paris(default_model_dir: Path) -> None:
     """Proves names, tying and the q/k unpermutation: a wrong permutation still loads but babbles."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32, output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
@@ -113,7 +114,7 @@ def test_gguf_weights_equal_prepared_weights(
 
 def test_unpermute_matches_transformers_gguf_processor(gguf_path: Path, prepared_config: ModelConfig) -> None:
     """Our q/k unpermutation against transformers' own GGUF loader, on the raw dequantized rows."""
-    pytest.importorskip("transformers")
+    require_module("transformers")
     from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 

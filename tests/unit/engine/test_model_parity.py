@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.support.required import require_module
+
+transformers = require_module("transformers")
 
 from paged_harness import PagedHarness  # noqa: E402
 

@@ -10,8 +10,9 @@ import pytest
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.tokenizer import Tokenizer
+from tests.support.required import require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers")
 
 TEXTS = [
     "Hello, world!",

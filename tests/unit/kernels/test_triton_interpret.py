@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support.required import require_module
+
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines; tests/gpu covers CUDA", allow_module_level=True)
 
@@ -34,12 +36,13 @@ def _restore_env(previous: str | None) -> None:
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"  # until the kernels below are decorated
 try:
-    triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    triton = require_module("triton")
     if _TRITON_WAS_IMPORTED and type(triton.language.max).__name__ != "InterpretedFunction":
-        pytest.skip("triton was imported (compiled mode) before this module could set TRITON_INTERPRET=1; "
-                    "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+        pytest.fail("triton was imported (compiled mode) before this module could set TRITON_INTERPRET=1, so "
+                    "the kernels cannot be interpreted; run with TRITON_INTERPRET=1 in the environment",
+                    pytrace=False)
     from engine.attention import triton_backend
-    from engine.kernels import kv_store
+    from engine.kernels import kv_checksum, kv_store
     from engine.kernels import paged_decode as paged_decode_mod
     from engine.kernels import paged_prefill as paged_prefill_mod
 finally:
@@ -48,6 +51,7 @@ finally:
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
+from engine.kv_integrity import reference_checksums  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = list(TOLERANCE)
@@ -64,6 +68,18 @@ def _interpret_mode() -> Iterator[None]:
 def test_kernels_are_interpreted() -> None:
     assert kv_store.is_interpreted(paged_decode_mod._decode_split_kernel)
     assert kv_store.is_interpreted(paged_prefill_mod._prefill_kernel)
+    assert kv_store.is_interpreted(kv_checksum._checksum_kernel)
+
+
+@pytest.mark.parametrize("width", [8, 4096 + 3, 3 * kv_checksum._SPLIT_WORDS // 2])
+def test_checksum_kernel_matches_the_reference(width: int) -> None:
+    """Extreme words (-32768, 32767) and widths that end mid-tile and span several splits."""
+    gen = torch.Generator().manual_seed(width)
+    words = torch.randint(-32768, 32768, (6, width), generator=gen, dtype=torch.int32).to(torch.int16)
+    words[1] = -32768
+    words[2] = 32767
+    ids = [5, 0, 2, 1]
+    assert kv_checksum.block_checksums_triton(words, ids).tolist() == reference_checksums(words, ids).tolist()
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.nixl import nixl_available
+from tests.support.required import require_module
 
-if not nixl_available():
-    pytest.skip("nixl is not importable (pip install nixl==1.5.1 after CPU torch)", allow_module_level=True)
+require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, never a skip
 
 from nixl_pair_helpers import LAYOUT, SPEC, ManualClock, drive, make_agent, receiver_process  # noqa: E402
 

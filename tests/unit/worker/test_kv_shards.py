@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.nixl import nixl_available
+from tests.support.required import require_module
 
-if not nixl_available():
-    pytest.skip("nixl is not importable (pip install nixl==1.5.1 after CPU torch)", allow_module_level=True)
+require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, never a skip
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kvtransfer"))
 from nixl_pair_helpers import LAYOUT, SPEC, drive  # noqa: E402
