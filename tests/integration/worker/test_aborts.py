@@ -14,12 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
-from worker_client import Result, collect, request, wait_baseline, wait_for
+from worker_client import Result, collect, generated_tokens, request, wait_baseline, wait_for
 
 from engine.tokenizer import Tokenizer
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 
 QUICK_S = 4.0  # shorter than the decode worker's 6 s quarantine
+LONG_OUTPUT = 1000  # tokens: far more than a request decodes before its abort lands
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +106,21 @@ def test_abort_while_decoding(cluster, pool, prompt):
 
 
 def test_client_cancel_while_decoding(cluster, prompt):
-    call = cluster.decode.stub.Generate(request(prompt, 200), timeout=120)
-    for n, _ in enumerate(call):
-        if n == 2:
+    """The client hangs up after 3 tokens of 1000: the decode worker aborts the sequence (its engine stops
+    generating long before max_tokens) and every block on both workers is back, sooner than quarantine."""
+    before = generated_tokens(cluster.decode)
+    call = cluster.decode.stub.Generate(request(prompt, LONG_OUTPUT), timeout=120)
+    received: list[int] = []
+    for msg in call:
+        assert not msg.finish_reason
+        received.extend(msg.token_ids)
+        if len(received) >= 3:
             call.cancel()
             break
-    assert not _abort(cluster.decode, "never-" + uuid.uuid4().hex)
+    assert collect(call).code == grpc.StatusCode.CANCELLED
+    wait_baseline([cluster.decode, cluster.prefill], timeout_s=QUICK_S)  # nothing running, every block free
+    generated = generated_tokens(cluster.decode) - before
+    assert len(received) <= generated < LONG_OUTPUT // 2, generated
 
 
 def test_abort_of_unknown_request_is_harmless(cluster):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -107,3 +108,9 @@ def _wait_one_baseline(worker: WorkerProcess, timeout_s: float) -> None:
         wait_for(back, timeout_s, f"{worker.name} to return to its baseline")
     except AssertionError as e:
         raise AssertionError(f"{e}: (free, held, quarantined, remote, seqs) = {last} of {total}") from None
+
+
+def generated_tokens(worker: WorkerProcess) -> int:
+    """Tokens the worker's engine generated since it started (`baton_worker_tokens_total{kind="generated"}`)."""
+    match = re.search(r'^baton_worker_tokens_total\{kind="generated"\} (\S+)$', worker.metrics_text(), re.M)
+    return int(float(match.group(1))) if match else 0
