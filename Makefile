@@ -9,7 +9,7 @@ STAMP := $(VENV)/.baton-installed
 MODEL_STAMP := $(VENV)/.baton-model-ready
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps model serve test lint gpu-test clean
+.PHONY: setup system-deps model serve test lint gpu-test image clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ lint: setup
 
 gpu-test:
 	pytest -m gpu tests/gpu
+
+# The CPU services image with buildah: a debootstrap base FROM scratch, the build, a smoke test.
+image:
+	bash docker/build-image.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
