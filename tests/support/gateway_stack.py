@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
+import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ class GatewayStack:
     infra_env: dict[str, str]
     supervisor: Supervisor
     model_dir: Path
+    worker_metrics_url: str = ""  # the `both` worker's Prometheus endpoint
     _channel: grpc.Channel | None = field(default=None, repr=False)
 
     def openai(self, key: str, **kwargs: object) -> OpenAI:
@@ -72,6 +76,24 @@ class GatewayStack:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.worker_address)
         return wpb_grpc.WorkerStub(self._channel).GetStatus(wpb.StatusRequest(), timeout=10)
+
+    def wait_worker_idle(self, timeout_s: float = 10.0) -> wpb.WorkerStatus:
+        """Poll until the worker runs and queues nothing and every KV block is free; its last status."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            status = self.worker_status()
+            if status.running_seqs == status.queue_depth == 0 and status.free_blocks == status.total_blocks:
+                return status
+            if time.monotonic() > give_up:
+                raise AssertionError(f"the worker is not idle after {timeout_s} s: {status}")
+            time.sleep(0.05)
+
+    def worker_generated_tokens(self) -> int:
+        """Tokens the worker's engine generated since it started (`baton_worker_tokens_total{kind="generated"}`)."""
+        with urllib.request.urlopen(self.worker_metrics_url, timeout=5) as reply:
+            text = reply.read().decode()
+        match = re.search(r'^baton_worker_tokens_total\{kind="generated"\} (\S+)$', text, re.M)
+        return int(float(match.group(1))) if match else 0
 
     def gateway_env(self, **extra: str) -> dict[str, str]:
         return {**self.infra_env, "BATON_WORKER_ADDRESSES": json.dumps([self.worker_address]),
@@ -126,10 +148,12 @@ def start_stack(log_dir: Path, model_dir: Path, database_url: str, redis_url: st
                  "BATON_BILLING_GROUP_ID": f"billing-{topic}", "BATON_BILLING_BATCH_SIZE": "20",
                  "BATON_KAFKA_CONSUMER_CONFIG": json.dumps(KAFKA_TEST_CONSUMER_CONFIG)}
     try:
-        worker = start_worker(supervisor, "worker-both", "both", model_dir)
+        metrics_port = free_port()
+        worker = start_worker(supervisor, "worker-both", "both", model_dir, "--metrics-port", str(metrics_port))
         supervisor.start(ChildSpec("billing", [sys.executable, "-m", "services.billing"],
                                    log_line("billing consumer:"), env=infra_env))
-        stack = GatewayStack("", database_url, worker, infra_env, supervisor, model_dir)
+        stack = GatewayStack("", database_url, worker, infra_env, supervisor, model_dir,
+                             f"http://127.0.0.1:{metrics_port}/metrics")
         _, stack.url = start_gateway(supervisor, "gateway", stack.gateway_env())
     except BaseException:
         supervisor.stop_all()

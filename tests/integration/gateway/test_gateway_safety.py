@@ -19,6 +19,7 @@ from services.launcher.process import free_port
 from services.launcher.supervisor import ChildSpec, listening
 from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 
+LONG_OUTPUT = 1500  # tokens (the context window is 2048): decoding them all would take minutes
 CATEGORIES = ("violence", "self_harm", "sexual_minors", "hate", "malware", "pii")
 
 
@@ -52,16 +53,22 @@ def test_a_refused_prompt_gets_content_filter_and_no_worker_call(safe_url: str, 
     assert after.running_seqs == 0 and after.free_blocks == before.free_blocks
 
 
-def test_unsafe_output_is_halted_mid_stream(safe_url: str, tenant: Tenant) -> None:
-    # Greedy SmolLM2 continues the list with another address (PII may be typed in, not emitted;
-    # example.com would not count: it is a reserved documentation domain).
+def test_unsafe_output_is_halted_mid_stream(safe_url: str, stack: GatewayStack, tenant: Tenant) -> None:
+    """The halt stops the worker too: it generated a small part of max_tokens and its KV is all free."""
+    # Greedy SmolLM2 continues the list with another address within a few tokens, then repeats it
+    # without an EOS (checked to 400 tokens), so only the halt ends the generation early. PII may be
+    # typed in, not emitted; example.com would not count: it is a reserved documentation domain.
     prompt = "Contacts:\nalice.smith@gmail.com\nbob.jones@gmail.com\ncarol.white@gmail.com\n"
-    chunks = list(_client(safe_url, tenant).completions.create(model=MODEL, prompt=prompt, max_tokens=16,
-                                                               temperature=0, stream=True))
+    before = stack.worker_generated_tokens()
+    chunks = list(_client(safe_url, tenant).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=LONG_OUTPUT, temperature=0, stream=True))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["content_filter"]
     assert "@gmail.com" not in text  # the delta that completed the address never left the gateway
+    stack.wait_worker_idle()  # nothing running: the request was aborted and every KV block is free
+    generated = stack.worker_generated_tokens() - before
+    assert 0 < generated < LONG_OUTPUT // 4, generated
 
 
 def test_safe_text_passes(safe_url: str, tenant: Tenant) -> None:
