@@ -97,7 +97,16 @@ class Tokenizer:
         return cls.from_gguf(path) if Path(path).is_file() else cls.from_dir(path)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds what tokenizer.json's post-processor adds (BOS)."""
+        """Token ids of `text`; `add_special_tokens` adds what tokenizer.json's post-processor adds (BOS).
+
+        Text that is not valid Unicode (a lone surrogate, which Python strings can hold but UTF-8 and
+        the Rust tokenizer cannot) raises `InvalidRequestError`: it is the caller's input that is bad."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"the text is not valid Unicode at position {e.start} "
+                                          "(a lone surrogate)") from e
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

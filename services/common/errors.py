@@ -76,6 +76,17 @@ class RateLimitError(BatonError):
         self.headers = headers or {}
 
 
+class DependencyUnavailableError(BatonError):
+    """Postgres or Redis (or another backing service) cannot be reached: 503 with Retry-After, never a 500."""
+
+    http_status = 503
+    code = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class BudgetExceededError(BatonError):
     """The organisation's spend this calendar month (UTC) has reached its monthly budget."""
 

@@ -84,6 +84,9 @@ class BatonSettings(BaseSettings):
 
     pricing: dict[str, ModelPriceSettings] = Field(default_factory=_default_pricing)
     tier_limits: dict[Tier, TierLimitSettings] = Field(default_factory=_default_tier_limits)
+    # Redis unreachable: "open" admits requests without rate limits (budgets still apply; logged once per
+    # outage), "closed" refuses them with 503 + Retry-After. Never a 500.
+    rate_limit_on_redis_error: Literal["open", "closed"] = "open"
 
     @field_validator("pricing")
     @classmethod

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.deps import GatewayDeps
 from services.gateway.errors import install_error_handlers
+from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.retention import run_purge_loop
 from services.gateway.routes import completions, conversations, health, models, page, usage
@@ -84,6 +85,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     for module in (completions, models, conversations, usage, health, page):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(BodySizeLimit, max_bytes=deps.config.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=deps.metrics)
     instrument_app(app)
     return app

@@ -90,6 +90,7 @@ class GatewayConfig:
     worker_abort_timeout_s: float = 2.0
     usage_backlog_limit: int = 90_000  # refuse new requests (503) once this many usage events are unsent
     drain_timeout_s: float = 30.0  # on shutdown, running streams get this long to finish
+    max_request_bytes: int = 8 * 1024 * 1024  # request bodies over this are refused (413) unread
 
     @classmethod
     def from_settings(cls, gw: GatewaySettings, baton: BatonSettings) -> GatewayConfig:
@@ -100,4 +101,4 @@ class GatewayConfig:
         return cls(model, _slos(gw.slos), stream, block_size=gw.block_size,
                    default_max_tokens=gw.default_max_tokens, retention_days=gw.conversation_retention_days,
                    purge_interval_s=gw.purge_interval_s, usage_backlog_limit=int(baton.usage_max_pending * 0.9),
-                   drain_timeout_s=gw.drain_timeout_s)
+                   drain_timeout_s=gw.drain_timeout_s, max_request_bytes=gw.max_request_bytes)

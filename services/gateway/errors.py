@@ -16,7 +16,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import InvalidRequestError as TemplateRejectedError
-from services.common.errors import BatonError, BudgetExceededError, InvalidRequestError, RateLimitError
+from services.common.errors import (
+    BatonError,
+    BudgetExceededError,
+    DependencyUnavailableError,
+    InvalidRequestError,
+    RateLimitError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,16 @@ class ContextWindowError(BadRequestError):
             f"completion). Please reduce the prompt or max_tokens.", param, "context_length_exceeded")
         self.limit = limit
         self.prompt_tokens = prompt_tokens
+
+
+class PromptTooLongError(BadRequestError):
+    """Refused by its length in characters alone, before tokenizing (which costs ~1 s per MB)."""
+
+    def __init__(self, limit: int, chars: int, min_tokens: int, param: str) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, the prompt has {chars} "
+            f"characters, which is at least {min_tokens} tokens. Please reduce the prompt.", param,
+            "context_length_exceeded")
 
 
 class ModelNotFoundError(BatonError):
@@ -105,7 +121,7 @@ def error_headers(exc: BatonError) -> dict[str, str]:
         headers.update(exc.headers)
         if exc.retry_after_s is not None:
             headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
-    elif isinstance(exc, OverloadedError) and exc.retry_after_s is not None:
+    elif isinstance(exc, DependencyUnavailableError | OverloadedError) and exc.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
     elif isinstance(exc, FeatureDisabledError):
         headers["x-should-retry"] = "false"

@@ -9,6 +9,12 @@ stored turns after the system prompt, the most recent ones that fit are kept, cu
 so roles still alternate; "fit" means prompt + the room reserved for the completion (the request's
 max_tokens, else the default) is within the context window. Found by binary search over the cut
 point, so a long history costs O(log n) renders.
+
+Length pre-check: no token of the vocabulary spells more than `max_token_chars` characters, so a
+prompt of more than context_window * max_token_chars characters cannot fit whatever it says; it is
+refused by `len()` alone, before templating or tokenizing (the request's own messages; stored
+history is truncated instead). The methods here are CPU work (~1 s per MB of text): the service calls
+them off the event loop (the tokenizer releases the GIL).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 from engine.block_manager import block_hashes
 from engine.tokenizer import Tokenizer
 from services.gateway.config import ServedModel
-from services.gateway.errors import BadRequestError, ContextWindowError
+from services.gateway.errors import BadRequestError, ContextWindowError, PromptTooLongError
 
 TemplateMessage = dict[str, str]
 
@@ -40,10 +46,19 @@ class PromptBuilder:
         self.model = model
         self.block_size = block_size
         self.default_max_tokens = default_max_tokens
+        self.max_token_chars = max(1, max((len(t) for t in tokenizer.convert_ids_to_tokens(
+            range(tokenizer.vocab_size)) if t), default=1))
+
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuse a prompt whose character count alone proves it cannot fit the context window."""
+        window = self.model.context_window
+        if chars > window * self.max_token_chars:
+            raise PromptTooLongError(window, chars, -(-chars // self.max_token_chars), param)
 
     def chat(self, messages: Sequence[TemplateMessage], max_tokens: int | None,
              history: Sequence[TemplateMessage] = ()) -> PreparedPrompt:
         """The prompt for `history + messages`, dropping old history turns that don't fit."""
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
         pinned, droppable = _split_system(history)
         reserve = max_tokens if max_tokens is not None else self.default_max_tokens
         budget = self.model.context_window - reserve
@@ -70,6 +85,7 @@ class PromptBuilder:
     def text(self, prompt: str | list[int], max_tokens: int | None) -> PreparedPrompt:
         """A plain completion prompt: text (tokenized as the model's tokenizer.json says) or token ids."""
         if isinstance(prompt, str):
+            self.check_length(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:

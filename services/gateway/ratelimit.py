@@ -13,7 +13,11 @@ delays the next requests). Time comes from Redis (`TIME`), so gateways with skew
 A bucket that is absent is full; keys expire once a bucket would have refilled.
 
 Redis Cluster: all four keys carry the organisation id as hash tag, so they live in one slot.
-Redis errors propagate (`redis.RedisError`): whether to fail open or closed is the gateway's call.
+
+Redis unreachable (`RateLimitConfig.on_redis_error`, from `BATON_RATE_LIMIT_ON_REDIS_ERROR`): "open"
+admits the request without limits (a lease without limits, so nothing is reconciled later), "closed"
+raises `DependencyUnavailableError` (503 + Retry-After). Either way never a 500, and the outage is
+logged once, its end once (outage.py). A failed reconcile is only counted: the estimate stays charged.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from services.common.errors import RateLimitError
+from services.common.errors import DependencyUnavailableError, RateLimitError
 from services.common.settings import BatonSettings, Tier, TierLimitSettings
 from services.gateway.auth import Principal
+from services.gateway.outage import OutageLog
 
-if TYPE_CHECKING:  # the gateway without tenants (BATON_AUTH_MODE=none) runs without the redis package
+if TYPE_CHECKING:  # the gateway without tenants (BATON_AUTH_MODE=none) never imports redis
     from redis.asyncio import Redis
 
 # KEYS: bucket keys. ARGV: capacity_1, cost_1, capacity_2, cost_2, ...
@@ -91,10 +96,12 @@ _BUCKETS = ("key_rpm", "key_tpm", "org_rpm", "org_tpm")
 class RateLimitConfig:
     tiers: dict[Tier, TierLimitSettings]
     key_prefix: str = "baton:rl"
+    on_redis_error: Literal["open", "closed"] = "open"
+    retry_after_s: float = 5.0  # told to callers refused while Redis is down ("closed")
 
     @classmethod
     def from_settings(cls, settings: BatonSettings) -> RateLimitConfig:
-        return cls(dict(settings.tier_limits))
+        return cls(dict(settings.tier_limits), on_redis_error=settings.rate_limit_on_redis_error)
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,10 @@ class RateLimiter:
         self._config = config
         self._acquire = redis.register_script(_ACQUIRE_LUA)
         self._adjust = redis.register_script(_ADJUST_LUA)
+        self.outage = OutageLog("redis (rate limits)")
+        from redis.exceptions import RedisError
+
+        self._redis_errors: tuple[type[Exception], ...] = (RedisError, OSError)
 
     def limits_for(self, principal: Principal) -> BucketLimits:
         tier = self._config.tiers[principal.tier]
@@ -167,7 +178,15 @@ class RateLimiter:
         costs = (1, estimated_tokens, 1, estimated_tokens)
         _refuse_if_never_admissible(caps, costs)
         args: list[int] = [v for pair in zip(caps, costs, strict=True) for v in pair]
-        reply = await self._acquire(keys=self._keys(principal.org_id, principal.key_id), args=args)
+        try:
+            reply = await self._acquire(keys=self._keys(principal.org_id, principal.key_id), args=args)
+        except self._redis_errors as e:
+            self.outage.failed(e)
+            if self._config.on_redis_error == "closed":
+                raise DependencyUnavailableError("rate limiting is unavailable (Redis unreachable); retry later",
+                                                 self._config.retry_after_s) from e
+            return RateLimitLease(principal.org_id, principal.key_id, None, estimated_tokens, None)
+        self.outage.succeeded()
         admitted, refused, wait = int(reply[0]), int(reply[1]), float(reply[2])
         status = _status(caps, [float(x) for x in reply[3:]])
         if not admitted:
@@ -183,8 +202,10 @@ class RateLimiter:
         if delta == 0 or lease.limits is None:
             return
         keys = self._keys(lease.org_id, lease.key_id)
-        await self._adjust(keys=[keys[1], keys[3]],
-                           args=[lease.limits.key_tpm, lease.limits.org_tpm, delta])
+        try:
+            await self._adjust(keys=[keys[1], keys[3]], args=[lease.limits.key_tpm, lease.limits.org_tpm, delta])
+        except self._redis_errors as e:
+            self.outage.failed(e)
 
 
 def _refuse_if_never_admissible(caps: tuple[int, ...], costs: tuple[int, ...]) -> None:

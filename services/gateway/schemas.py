@@ -3,6 +3,8 @@
 Responses are plain dicts built in `formatting.py`: they are produced per token and must be cheap.
 Unknown fields are ignored (OpenAI clients send many optional ones); fields we cannot honour
 (`tools`, `suffix`, non-text content parts) are refused with a 400 rather than silently dropped.
+Text that is not valid Unicode (a lone UTF-16 surrogate such as `"\ud800"`, which JSON can spell but
+UTF-8 cannot) is a 400 anywhere in a body, before any field is looked at.
 """
 
 from __future__ import annotations
@@ -22,6 +24,42 @@ StopField = Annotated[str, Field(min_length=1, max_length=256)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    """A whole request body: its strings are checked for invalid Unicode first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _invalid_text_at(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'body'} is not valid Unicode text (a lone surrogate such as \\ud800)")
+        return data
+
+
+def _invalid_text_at(value: Any, path: str) -> str | None:
+    """The path of the first string that UTF-8 cannot encode (lone surrogates), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _invalid_text_at(key, path) if isinstance(key, str) else None
+        found = found if found is not None else _invalid_text_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class TextPart(_Strict):
@@ -51,7 +89,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _GenerationFields(_Strict):
+class _GenerationFields(_Body):
     """Sampling and streaming fields common to chat and text completions."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -122,7 +160,8 @@ class CompletionRequest(_GenerationFields):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if len(v) > MAX_CHOICES:
+            one_token_id_prompt = all(isinstance(p, int) for p in v)
+            if not one_token_id_prompt and len(v) > MAX_CHOICES:
                 raise ValueError(f"at most {MAX_CHOICES} prompts in one request")
             if any(isinstance(p, list) and not p for p in v):
                 raise ValueError("a token-id prompt must not be empty")
@@ -150,7 +189,7 @@ def _storable(messages: list[ChatMessage]) -> None:
         raise ValueError("messages stored in a conversation must not contain NUL characters")
 
 
-class ConversationCreate(_Strict):
+class ConversationCreate(_Body):
     title: str = Field(default="", max_length=200, pattern=r"^[^\x00]*$")
     messages: list[ChatMessage] = Field(default_factory=list, max_length=256)
 

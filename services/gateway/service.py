@@ -99,7 +99,8 @@ class CompletionService:
             raise BadRequestError("tools / function calling is not supported by this server", "tools")
         new = [m.for_template() for m in body.messages]
         history = await self._history(principal, body.conversation_id)
-        prompt = self.prompts.chat(new, body.requested_max_tokens(), history)
+        # Templating and tokenizing are CPU work: off the event loop, so one long prompt stalls no stream.
+        prompt = await asyncio.to_thread(self.prompts.chat, new, body.requested_max_tokens(), history)
         request = _Request(
             "chat", [prompt], body.n, self._sampling(body, body.logprobs_count()), body.stream,
             body.include_usage, body.logprobs, "\n".join(m["content"] for m in new if m["role"] == "user"),
@@ -112,7 +113,7 @@ class CompletionService:
             raise BadRequestError("suffix (insertion) is not supported by this model", "suffix")
         if body.n * len(body.prompts()) > MAX_CHOICES:
             raise BadRequestError(f"n times the number of prompts may be at most {MAX_CHOICES}", "n")
-        prompts = [self.prompts.text(p, body.requested_max_tokens()) for p in body.prompts()]
+        prompts = [await asyncio.to_thread(self.prompts.text, p, body.requested_max_tokens()) for p in body.prompts()]
         request = _Request("text", prompts, body.n, self._sampling(body, body.logprobs), body.stream,
                            body.include_usage, body.logprobs is not None, "\n".join(p.text for p in prompts),
                            echo=body.echo, user=body.user)
@@ -138,7 +139,8 @@ class CompletionService:
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:
             return []
-        messages = await self.tenancy.conversation_store().messages(principal.org_id, conversation_id)
+        messages = await self.tenancy.conversation_store().messages(principal.org_id, conversation_id,
+                                                                    user=principal.user_id)
         return [{"role": m.role, "content": m.content} for m in messages]
 
     def _plan(self, request: _Request, principal: Principal, lease: RateLimitLease,

@@ -60,6 +60,7 @@ class GatewaySettings(BaseSettings):
     stream_replay_window_s: float = Field(default=60.0, ge=0)
     stream_replay_max_events: int = Field(default=4096, ge=16)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # larger bodies: 413 before parsing
     conversation_retention_days: int = Field(default=30, ge=0)
     purge_interval_s: float = Field(default=3600.0, gt=0)
 

@@ -184,7 +184,8 @@ def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
         raise ConfigError("no Redis: set BATON_REDIS_URL (or run `baton serve`), "
                           "or BATON_AUTH_MODE=none for a single-user gateway without tenants")
     db = Database(DatabaseConfig.from_settings(settings))
-    redis = Redis.from_url(settings.redis_url)
+    # Short timeouts: with Redis down a request is admitted or refused (ratelimit.py) within ~1 s.
+    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=2)
     usage = UsageProducer(ProducerConfig.from_settings(settings))
 
     async def start() -> None:

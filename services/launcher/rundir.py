@@ -34,6 +34,7 @@ class RunDir:
         if data_dir is None:
             remove_stale_run_dirs()
             self.path = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+            self.path.chmod(0o711)  # the embedded Postgres (user postgres when we are root) must traverse it
         else:
             self.path = data_dir
             self.path.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,19 @@
 """`ConversationStore`: conversations and their messages, scoped to an organisation (and user).
 
 Every read and write takes the caller's org id, so one organisation can never see another's
-conversation even with a guessed id. Deletion is soft (`deleted_at`): a deleted conversation
+conversation even with a guessed id. Within an organisation a conversation belongs to the user who
+created it (`user_id`; NULL for keys without a user): `get`, `messages`, `rename` and `soft_delete`
+take the caller's `user` and treat another user's conversation as missing (404), exactly as `list_live`
+never lists it. `ORG_WIDE` skips that check, for internal callers that already made it (appending the
+reply of a request whose history was read with the caller's user).
+
+Deletion is soft (`deleted_at`): a deleted conversation
 disappears from reads and refuses new messages, but its rows stay for audit and billing disputes.
 """
 
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,6 +26,20 @@ from services.gateway.db.pool import Database, returned
 
 Role = Literal["system", "user", "assistant", "tool"]
 _CONV_COLUMNS = "id, org_id, user_id, title, created_at, updated_at"
+
+
+class UserScope(enum.Enum):
+    ORG_WIDE = "org_wide"
+
+
+ORG_WIDE = UserScope.ORG_WIDE
+User = uuid.UUID | None | UserScope  # the caller's user id (None: a key without a user), or ORG_WIDE
+
+
+def _owned(user: User, column: str = "user_id") -> tuple[str, tuple[uuid.UUID | None, ...]]:
+    if isinstance(user, UserScope):
+        return "", ()
+    return f" AND {column} IS NOT DISTINCT FROM %s", (user,)
 
 
 @dataclass(frozen=True)
@@ -53,11 +74,12 @@ class ConversationStore:
                 f"RETURNING {_CONV_COLUMNS}", (org_id, user_id, title))
             return Conversation(*returned(await cur.fetchone()))
 
-    async def get(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> Conversation:
+    async def get(self, org_id: uuid.UUID, conversation_id: uuid.UUID, *, user: User = ORG_WIDE) -> Conversation:
+        owner, args = _owned(user)
         async with self._db.connection() as conn:
             cur = await conn.execute(
                 f"SELECT {_CONV_COLUMNS} FROM conversations "
-                "WHERE id = %s AND org_id = %s AND deleted_at IS NULL", (conversation_id, org_id))
+                f"WHERE id = %s AND org_id = %s AND deleted_at IS NULL{owner}", (conversation_id, org_id, *args))
             row = await cur.fetchone()
         if row is None:
             raise NotFoundError(f"conversation {conversation_id} not found")
@@ -73,22 +95,25 @@ class ConversationStore:
                 "ORDER BY updated_at DESC LIMIT %s", (org_id, user_id, limit))
             return [Conversation(*row) for row in await cur.fetchall()]
 
-    async def rename(self, org_id: uuid.UUID, conversation_id: uuid.UUID, title: str) -> Conversation:
+    async def rename(self, org_id: uuid.UUID, conversation_id: uuid.UUID, title: str, *,
+                     user: User = ORG_WIDE) -> Conversation:
+        owner, args = _owned(user)
         async with self._db.connection() as conn:
             cur = await conn.execute(
                 "UPDATE conversations SET title = %s, updated_at = now() "
-                f"WHERE id = %s AND org_id = %s AND deleted_at IS NULL RETURNING {_CONV_COLUMNS}",
-                (title, conversation_id, org_id))
+                f"WHERE id = %s AND org_id = %s AND deleted_at IS NULL{owner} RETURNING {_CONV_COLUMNS}",
+                (title, conversation_id, org_id, *args))
             row = await cur.fetchone()
         if row is None:
             raise NotFoundError(f"conversation {conversation_id} not found")
         return Conversation(*row)
 
-    async def soft_delete(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> None:
+    async def soft_delete(self, org_id: uuid.UUID, conversation_id: uuid.UUID, *, user: User = ORG_WIDE) -> None:
+        owner, args = _owned(user)
         async with self._db.connection() as conn:
             cur = await conn.execute(
                 "UPDATE conversations SET deleted_at = now() "
-                "WHERE id = %s AND org_id = %s AND deleted_at IS NULL", (conversation_id, org_id))
+                f"WHERE id = %s AND org_id = %s AND deleted_at IS NULL{owner}", (conversation_id, org_id, *args))
             if cur.rowcount == 0:
                 raise NotFoundError(f"conversation {conversation_id} not found")
 
@@ -120,15 +145,17 @@ class ConversationStore:
         except pg_errors.CheckViolation as e:
             raise InvalidRequestError(f"invalid message: {e.diag.message_primary}") from e
 
-    async def messages(self, org_id: uuid.UUID, conversation_id: uuid.UUID) -> list[Message]:
-        """The conversation's messages in order (NotFound if it is deleted or another org's)."""
+    async def messages(self, org_id: uuid.UUID, conversation_id: uuid.UUID, *,
+                       user: User = ORG_WIDE) -> list[Message]:
+        """The conversation's messages in order (NotFound if it is deleted, another org's or user's)."""
+        owner, args = _owned(user, "c.user_id")
         async with self._db.connection() as conn:
             cur = await conn.execute(
                 "SELECT m.id, m.conversation_id, m.role, m.content, m.prompt_tokens, m.completion_tokens, "
                 "m.created_at FROM messages m JOIN conversations c ON c.id = m.conversation_id "
-                "WHERE c.id = %s AND c.org_id = %s AND c.deleted_at IS NULL ORDER BY m.id",
-                (conversation_id, org_id))
+                f"WHERE c.id = %s AND c.org_id = %s AND c.deleted_at IS NULL{owner} ORDER BY m.id",
+                (conversation_id, org_id, *args))
             rows = await cur.fetchall()
         if not rows:
-            await self.get(org_id, conversation_id)  # raises NotFound for a missing/deleted conversation
+            await self.get(org_id, conversation_id, user=user)  # NotFound: missing, deleted or not theirs
         return [Message(*row) for row in rows]

@@ -3,6 +3,11 @@
 `async with db.connection() as conn:` is one transaction: committed when the block ends normally,
 rolled back when it raises (psycopg_pool's contract). Stores take the `Database` and keep no
 connection of their own.
+
+Postgres unreachable: a connection that cannot be had within `acquire_timeout_s`, or that fails as
+a connection (`psycopg.OperationalError`), raises `DependencyUnavailableError` (503 + Retry-After)
+instead of a 500, and the outage is logged once, its end once (outage.py). Pooled connections are
+checked when taken, so after a Postgres restart no request is handed a dead one.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, DependencyUnavailableError
 from services.common.settings import BatonSettings
 from services.gateway.db.migrations import apply_migrations
+from services.gateway.outage import OutageLog
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class DatabaseConfig:
     max_size: int = 10
     migrate: bool = True
     open_timeout_s: float = 30.0
+    acquire_timeout_s: float = 5.0  # a request waits at most this long for a connection (then 503)
 
     @classmethod
     def from_settings(cls, settings: BatonSettings, url: str | None = None) -> DatabaseConfig:
@@ -41,7 +48,10 @@ class Database:
     def __init__(self, config: DatabaseConfig) -> None:
         self.config = config
         self._pool = AsyncConnectionPool(config.url, min_size=config.min_size, max_size=config.max_size,
-                                         open=False, name="baton-gateway")
+                                         open=False, name="baton-gateway", timeout=config.acquire_timeout_s,
+                                         check=AsyncConnectionPool.check_connection,
+                                         kwargs={"connect_timeout": max(1, int(config.acquire_timeout_s))})
+        self.outage = OutageLog("postgres")
 
     async def open(self) -> None:
         """Migrate (in a thread: it is synchronous and start-up only), then open the pool."""
@@ -54,8 +64,13 @@ class Database:
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection]:
-        async with self._pool.connection() as conn:
-            yield conn
+        try:
+            async with self._pool.connection() as conn:
+                yield conn
+        except (PoolTimeout, psycopg.OperationalError) as e:
+            self.outage.failed(e)
+            raise DependencyUnavailableError("the database is unavailable; retry later") from e
+        self.outage.succeeded()
 
     async def ping(self) -> bool:
         """For `/readyz`: a round trip through the pool."""

@@ -1,7 +1,9 @@
 """Conversations: `POST/GET /v1/conversations`, `GET/DELETE /v1/conversations/{id}`.
 
-Scoped to the caller's organisation by the store: another organisation's id is a 404, exactly like
-an unknown one. Deleting is soft; the rows are purged after the retention period (retention.py).
+Scoped to the caller's organisation and user by the store: another organisation's or another user's
+conversation is a 404, exactly like an unknown one (GET, DELETE and continuing one in a chat request
+see only what `GET /v1/conversations` lists).
+Deleting is soft; the rows are purged after the retention period (retention.py).
 Continue one with `conversation_id` in a chat completion request. A gateway without a database
 (`BATON_AUTH_MODE=none`) answers every one of these with 501 `feature_disabled`.
 """
@@ -54,12 +56,13 @@ async def list_conversations(principal: CurrentPrincipal, store: Conversations) 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: uuid.UUID, principal: CurrentPrincipal,
                            store: Conversations) -> dict[str, object]:
-    conversation = await store.get(principal.org_id, conversation_id)
-    return conversation_object(conversation, await store.messages(principal.org_id, conversation_id))
+    conversation = await store.get(principal.org_id, conversation_id, user=principal.user_id)
+    return conversation_object(conversation, await store.messages(principal.org_id, conversation_id,
+                                                                  user=principal.user_id))
 
 
 @router.delete("/v1/conversations/{conversation_id}")
 async def delete_conversation(conversation_id: uuid.UUID, principal: CurrentPrincipal,
                               store: Conversations) -> dict[str, object]:
-    await store.soft_delete(principal.org_id, conversation_id)
+    await store.soft_delete(principal.org_id, conversation_id, user=principal.user_id)
     return {"id": str(conversation_id), "object": "conversation.deleted", "deleted": True}

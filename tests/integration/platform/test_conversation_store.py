@@ -46,3 +46,21 @@ async def test_soft_deleted_conversation_disappears_but_its_rows_stay(db: Databa
     async with db.connection() as conn:
         cur = await conn.execute("SELECT count(*) FROM messages WHERE conversation_id = %s", (conv.id,))
         assert await cur.fetchone() == (1,)
+
+
+async def test_another_user_of_the_organisation_cannot_read_or_delete_a_conversation(db: Database) -> None:
+    accounts = AccountStore(db)
+    org = await accounts.create_org("shared")
+    alice = await accounts.ensure_user(org.id, "alice@example.com")
+    bob = await accounts.ensure_user(org.id, "bob@example.com")
+    store = ConversationStore(db)
+    conv = await store.create(org.id, alice.id, "alice's")
+    await store.append(org.id, conv.id, "user", "private")
+    for caller in (bob.id, None):  # another user, or a key without a user
+        with pytest.raises(NotFoundError):
+            await store.get(org.id, conv.id, user=caller)
+        with pytest.raises(NotFoundError):
+            await store.messages(org.id, conv.id, user=caller)
+        with pytest.raises(NotFoundError):
+            await store.soft_delete(org.id, conv.id, user=caller)
+    assert [m.content for m in await store.messages(org.id, conv.id, user=alice.id)] == ["private"]
