@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
 from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
+from services.common.errors import ConfigError
+from services.common.tracing import EXPORTERS, setup_tracing
 
 log = logging.getLogger("scheduler.adapters")
 
@@ -38,6 +40,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tick-interval-s", type=float, default=ServicerConfig.tick_interval_s)
     parser.add_argument("--drain-grace-s", type=float, default=SchedulerServiceConfig.drain_grace_s)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--otel-exporter", default="none", choices=EXPORTERS,
+                        help="where spans go (otlp: OTEL_EXPORTER_OTLP_ENDPOINT, default localhost:4317)")
 
 
 def register_scheduler_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -67,7 +71,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         service = SchedulerService(config)  # loads the profile file: a bad one fails here, clearly
-    except ValueError as e:
+        setup_tracing(args.otel_exporter, "baton-scheduler")
+    except (ValueError, ConfigError) as e:
         print(f"baton scheduler: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -24,6 +24,7 @@ from scheduler.adapters.profiles import ProfileBook
 from scheduler.adapters.servicer import SchedulerServicer, ServicerConfig
 from scheduler.core.policies import POLICY_NAMES, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class SchedulerService:
         self.metrics_port: int | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.port}"

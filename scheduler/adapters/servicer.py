@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from scheduler.adapters.clock import Clock
 from scheduler.adapters.convert import (
@@ -152,6 +153,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await _abort(context, f"request {summary.request_id} is already queued", grpc.StatusCode.ALREADY_EXISTS)
         decision = self._core.route(summary, self._clock.now())
         self._metrics.observe_decision(decision)
+        trace.get_current_span().set_attributes(
+            {"baton.request_id": summary.request_id, "baton.route.kind": decision.kind.value,
+             "baton.route.reason": str(decision.reason)})
         if decision.kind is DecisionKind.QUEUE:
             self._metrics.queue_depth.set(self._core.queued)
             try:

@@ -35,6 +35,7 @@ from services.billing.ledger import UsageLedger
 from services.billing.topic import UsageTopic
 from services.common.errors import BillingError, ConfigError
 from services.common.settings import BatonSettings
+from services.common.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class UsageConsumer:
             LAG.set(max(0.0, max((now - e.created_at).total_seconds() for e in events)))
         self._commit(consumer, messages)
 
+    @traced("billing.write_batch")
     def _write(self, events: list[UsageEvent], stop: threading.Event) -> bool:
         one_by_one = False
         while not stop.is_set():

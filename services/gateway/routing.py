@@ -33,6 +33,7 @@ import grpc
 from scheduler.adapters.convert import summary_to_proto
 from scheduler.types import Reason, RequestSummary, WorkerRole
 from services.common.errors import BatonError
+from services.common.tracing import client_interceptors
 from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
 from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -186,7 +187,7 @@ class RouterClient:
         self.config = config or RouterConfig()
         self.view = _static_view(static_workers)
         self._channel = None if scheduler_address is None else grpc.aio.insecure_channel(
-            scheduler_address, options=_CHANNEL_OPTIONS
+            scheduler_address, options=_CHANNEL_OPTIONS, interceptors=client_interceptors()
         )
         self._stub = None if self._channel is None else pb_grpc.SchedulerStub(self._channel)
         self._down_until = 0.0  # monotonic time before which the scheduler is not asked

@@ -35,6 +35,7 @@ from enum import StrEnum
 import grpc
 from prometheus_client import Counter
 
+from services.common.tracing import client_interceptors
 from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.safety.categories import SafetyVerdict, Tier
 from services.safety.wire import verdict_from_pb
@@ -148,7 +149,7 @@ class SafetyClient:
     def _safety(self) -> safety_pb2_grpc.SafetyStub:
         # Created on first use, inside the caller's event loop.
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = grpc.aio.insecure_channel(self.address, interceptors=client_interceptors())
             self._stub = safety_pb2_grpc.SafetyStub(self._channel)
         return self._stub
 

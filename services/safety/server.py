@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import safety_pb2_grpc
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import TRAIN_PATH, LinearClassifier
@@ -57,7 +58,7 @@ class SafetyServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port."""
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
         safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

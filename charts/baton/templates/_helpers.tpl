@@ -57,15 +57,10 @@ env:
   {{- include "baton.tracingEnv" . | nindent 2 }}
 {{- end -}}
 
+{{/* Each service names itself (baton-gateway, baton-scheduler, ...); the OTLP endpoint is shared. */}}
 {{- define "baton.tracingEnv" -}}
-- name: OTEL_SERVICE_NAME
-  valueFrom:
-    fieldRef:
-      fieldPath: metadata.labels['app.kubernetes.io/component']
-{{- if .Values.tracing.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
-  value: {{ .Values.tracing.otlpEndpoint | quote }}
-{{- end }}
+  value: {{ .Values.tracing.otlpEndpoint | default "http://localhost:4317" | quote }}
 {{- end -}}
 
 {{- define "baton.modelVolumeMount" -}}
