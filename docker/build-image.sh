@@ -17,6 +17,7 @@ BASE_IMAGE=${BASE_IMAGE:-localhost/baton-base:bookworm}
 SUITE=${SUITE:-bookworm}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 WHEELS=${WHEELS:-/opt/wheels}          # extra local wheels (e.g. CPU torch), bind-mounted if present
+HOST_CA=${HOST_CA:-/etc/ssl/certs/ca-certificates.crt}
 WORK=${WORK:-/var/tmp/baton-image}
 BUILDAH=(buildah --storage-driver vfs)
 
@@ -41,6 +42,11 @@ volumes=()
 if [ -d "$WHEELS" ]; then
     build_args+=(--build-arg PIP_FIND_LINKS=/wheels)
     volumes+=(--volume "$WHEELS:/wheels:ro")
+fi
+# The host's CA bundle, so pip inside the build trusts what the host trusts (e.g. a proxy's CA).
+if [ -f "$HOST_CA" ]; then
+    build_args+=(--build-arg PIP_CERT=/host-ca.crt)
+    volumes+=(--volume "$HOST_CA:/host-ca.crt:ro")
 fi
 # The context is the committed tree (GIT_REF), never the working tree's uncommitted edits.
 GIT_REF=${GIT_REF:-HEAD}

