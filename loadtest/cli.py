@@ -107,6 +107,8 @@ def _fault_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--fault", action="append", default=[], metavar="kill:NAME@S[,restart@S]",
                    help="kill (and restart) a named worker during each run; repeatable")
     g.add_argument("--fault-pid-dir", help="directory of NAME.pid files (kill by signal)")
+    g.add_argument("--fault-serve-run", metavar="RUN_JSON",
+                   help="`baton serve`'s run file (printed at start): kill its child NAME by pid; it restarts itself")
     g.add_argument("--fault-signal", default="SIGKILL", help="signal for --fault-pid-dir kills")
     g.add_argument("--fault-kill-cmd", help="command to kill a worker; {name} is replaced")
     g.add_argument("--fault-restart-cmd", help="command to restart a worker; {name} is replaced")
@@ -165,7 +167,8 @@ def _injector(args: argparse.Namespace):  # noqa: ANN202 - FaultInjector | None
     from loadtest.faults import FaultInjector, FaultSpec, make_controller
 
     specs = [FaultSpec.parse(s) for s in args.fault]
-    controller = make_controller(args.fault_pid_dir, args.fault_kill_cmd, args.fault_restart_cmd, args.fault_signal)
+    controller = make_controller(args.fault_pid_dir, args.fault_kill_cmd, args.fault_restart_cmd, args.fault_signal,
+                                 args.fault_serve_run)
     return FaultInjector(specs, controller)
 
 

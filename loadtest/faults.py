@@ -5,6 +5,10 @@ the process called NAME, so the same spec works against a local process tree, `b
 supervisor or a cluster, by swapping the controller:
 - `PidFileController`: reads `<pid_dir>/<NAME>.pid` and sends a signal (SIGKILL by default); it can
   only kill, so restart goes through a command.
+- `ServeRunController`: reads the run file of a `baton serve` (`<run dir>/run.json`, printed at start;
+  `--fault-serve-run`) for the pid of child NAME (`worker-prefill`, `worker-decode`, `billing`,
+  `safety`, `gateway`, `scheduler`, `postgres`, `redis`, `kafka`) and signals it. `baton serve`
+  restarts it by itself, so `restart` only waits until the run file shows a new pid.
 - `CommandController`: runs `--fault-kill-cmd` / `--fault-restart-cmd` with `{name}` replaced, e.g.
   `--fault-kill-cmd "kubectl delete pod {name} --grace-period=0"`. Commands run without a shell
   (shlex-split) and must return within `command_timeout` s -- a restart command should start the
@@ -18,6 +22,7 @@ the report gives goodput before, during and after the fault window (`metrics.fau
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -117,6 +122,40 @@ class PidFileController(ProcessController):
         return _run_command(self.restart_cmd, name, self.command_timeout)
 
 
+@dataclass(frozen=True)
+class ServeRunController(ProcessController):
+    run_file: str  # `baton serve`'s run.json: {"pids": {NAME: pid, ...}, ...}
+    signal_name: str = "SIGKILL"
+    restart_timeout: float = 60.0
+
+    def pids(self) -> dict[str, int]:
+        try:
+            return {str(k): int(v) for k, v in json.loads(Path(self.run_file).read_text())["pids"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FaultError(f"cannot read the pids in {self.run_file}: {e}") from e
+
+    def kill(self, name: str) -> str:
+        pid = self.pids().get(name)
+        if pid is None:
+            raise FaultError(f"{name} is not running under this baton serve; running: {sorted(self.pids())}")
+        try:
+            os.kill(pid, signal.Signals[self.signal_name])
+        except (OSError, KeyError) as e:
+            raise FaultError(f"cannot {self.signal_name} {name} (pid {pid}): {e}") from e
+        return f"{self.signal_name} {name} pid {pid} ({self.run_file})"
+
+    def restart(self, name: str) -> str:
+        """`baton serve` restarts its children itself: wait until `name` runs under a new pid."""
+        before = self.pids().get(name)
+        deadline = time.monotonic() + self.restart_timeout
+        while time.monotonic() < deadline:
+            now = self.pids().get(name)
+            if now is not None and now != before:
+                return f"{name} restarted by baton serve as pid {now}"
+            time.sleep(0.2)
+        raise FaultError(f"{name} did not come back within {self.restart_timeout:.0f}s")
+
+
 @dataclass
 class FaultEvent:
     action: str  # kill | restart
@@ -154,12 +193,17 @@ class FaultInjector:
 
 
 def make_controller(pid_dir: str | None, kill_cmd: str | None, restart_cmd: str | None,
-                    signal_name: str = "SIGKILL") -> ProcessController:
-    """A kill command wins over a PID directory; one of the two is required."""
+                    signal_name: str = "SIGKILL", serve_run: str | None = None) -> ProcessController:
+    """A kill command wins over a `baton serve` run file, which wins over a PID directory."""
     if kill_cmd:
         return CommandController(kill_cmd, restart_cmd)
+    if serve_run:
+        if signal_name not in signal.Signals.__members__:
+            raise ValueError(f"unknown signal {signal_name!r}; e.g. SIGKILL, SIGTERM, SIGINT")
+        return ServeRunController(serve_run, signal_name)
     if pid_dir:
         if signal_name not in signal.Signals.__members__:
             raise ValueError(f"unknown signal {signal_name!r}; e.g. SIGKILL, SIGTERM, SIGINT")
         return PidFileController(pid_dir, signal_name, restart_cmd)
-    raise ValueError("--fault needs --fault-pid-dir or --fault-kill-cmd to know how to reach the process")
+    raise ValueError("--fault needs --fault-serve-run, --fault-pid-dir or --fault-kill-cmd to know how to reach "
+                     "the process")

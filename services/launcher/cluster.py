@@ -13,6 +13,8 @@ Ports: each child's ports are picked here once and kept; the gateway's requested
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,9 @@ from services.launcher.supervisor import (
 
 WORKER_READY = "BATON_WORKER_READY"
 BILLING_READY = "billing consumer:"
+# A billing consumer killed without leaving its group holds its partitions until the broker gives up on
+# it: librdkafka's defaults (45 s session, 300 s rebalance) would stall billing for minutes after a crash.
+FAST_GROUP_RECOVERY = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000, "max.poll.interval.ms": 30000}
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ class LocalCluster:
 
     def _start_billing(self) -> None:
         env = {**self.infra_env, "BATON_BILLING_METRICS_PORT": str(self._port("billing-metrics"))}
+        if "BATON_KAFKA_CONSUMER_CONFIG" not in os.environ:
+            env["BATON_KAFKA_CONSUMER_CONFIG"] = json.dumps(FAST_GROUP_RECOVERY)
         self.supervisor.start(self._spec("billing", [self.python, "-m", "services.billing"], log_line(BILLING_READY),
                                          env=env))
 

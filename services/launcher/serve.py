@@ -117,7 +117,9 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
         issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
         cluster = LocalCluster(options, endpoints, supervisor)
         supervisor.on_change = lambda s: run_dir.write_run_file(
-            {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts()})
+            {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts(),
+             "database_url": endpoints.database_url, "redis_url": endpoints.redis_url,
+             "kafka_bootstrap": endpoints.kafka_bootstrap})
         for name, service in infra.embedded_by_name().items():
             supervisor.watch_service(name, service)
         cluster.prepare_model()
