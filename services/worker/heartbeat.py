@@ -4,6 +4,12 @@ The scheduler is advisory for a worker: if it is unreachable the worker keeps se
 (with backoff, logging once per outage). Step samples and KV events wait in bounded buffers; those
 taken for a heartbeat that failed go back to the front, so a short outage loses nothing, and a long
 one drops the oldest (the scheduler's prefix index is a hint, and it ages entries out anyway).
+
+A (re)registration starts this worker's entry in the scheduler's prefix index empty (a restarted
+scheduler, or one that timed the worker out), so the buffer keeps the set of hashes the worker holds,
+as the KV events so far tell it, and a registration replaces the pending events with one STORED event
+per held hash: the scheduler relearns the cache the worker already has, not only what it stores next.
+Events collected later are applied after that snapshot, in order, so the index converges.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class TelemetryBuffer:
     def __init__(self, max_samples: int = 1024, max_events: int = 100_000) -> None:
         self._samples: deque[spb.StepSample] = deque(maxlen=max_samples)
         self._events: deque[spb.KVEvent] = deque(maxlen=max_events)
+        self._held: set[int] = set()  # block hashes the worker holds, per every KV event added so far
         self._lock = threading.Lock()
 
     def add_step(self, stats: StepStats) -> None:
@@ -59,7 +66,18 @@ class TelemetryBuffer:
                                  else spb.KVEvent.KIND_EVICTED, block_hash=e.block_hash & _UINT64)
                      for e in events]
         with self._lock:
+            for event in converted:
+                if event.kind == spb.KVEvent.KIND_STORED:
+                    self._held.add(event.block_hash)
+                else:
+                    self._held.discard(event.block_hash)
             self._events.extend(converted)
+
+    def announce_held(self) -> None:
+        """After a registration: the pending events become one STORED event per hash held now."""
+        with self._lock:
+            self._events.clear()
+            self._events.extend(spb.KVEvent(kind=spb.KVEvent.KIND_STORED, block_hash=h) for h in self._held)
 
     def take(self) -> tuple[list[spb.StepSample], list[spb.KVEvent]]:
         with self._lock:
@@ -121,6 +139,7 @@ class HeartbeatClient:
         if response.heartbeat_interval_s > 0:
             self._interval_s = response.heartbeat_interval_s
         self.registered = True
+        self._buffer.announce_held()
         log.info("registered with scheduler %s as %s", self._address, self._worker_id)
 
     async def _heartbeat(self) -> None:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,40 +20,14 @@ from services.gateway.routing import RouteKind, RouterClient, RouterConfig, Rout
 from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
 from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from services.rpc.gen.baton.v1 import worker_pb2
+from tests.support.scheduler_process import SchedulerProcess
 
-ROOT = Path(__file__).resolve().parents[3]
 WORKERS = {"a": "127.0.0.1:7101", "b": "127.0.0.1:7102"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class SchedulerProcess:
-    def __init__(self, port: int, metrics_port: int, log_path: Path) -> None:
-        self.port = port
-        self.metrics_port = metrics_port
-        self.log_path = log_path  # a file, not a pipe: nobody reads a pipe, so it could fill and block
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1", "--port", str(self.port),
-                "--policy", "least_loaded", "--metrics-port", str(self.metrics_port),
-                "--heartbeat-timeout-s", "60", "--log-level", "WARNING"]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture
 def scheduler_process(tmp_path: Path) -> Iterator[SchedulerProcess]:
-    process = SchedulerProcess(_free_port(), _free_port(), tmp_path / "scheduler.log")
+    process = SchedulerProcess(tmp_path / "scheduler.log", "least_loaded", "--heartbeat-timeout-s", "60")
     yield process
     process.kill()
 
