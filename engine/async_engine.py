@@ -7,6 +7,10 @@ between steps, so the engine itself stays single-threaded. Outputs cross back wi
 
 Lifetimes: a request's stream ends with exactly one finished RequestOutput (stop/length/abort/error).
 A consumer that stops iterating (cancellation, client gone) aborts the request, which frees its blocks.
+
+The face is typed: every operation a worker needs is a method here (generate, the remote-prefill
+reservation and commit, held blocks, status, KV events); whatever touches the engine's state runs
+on the engine thread between steps, so callers never reach into `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -21,13 +25,40 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import EngineError
+from engine.batch import TokenLogprobs
+from engine.block_manager import KVEvent
+from engine.errors import EngineError, OutOfBlocksError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A consistent snapshot of the engine, taken between two steps."""
+
+    num_waiting: int
+    num_running: int
+    num_waiting_for_remote_kv: int
+    num_pending_prefill_tokens: int  # prompt tokens queued or mid-prefill in this engine
+    free_blocks: int
+    total_blocks: int
+    held_blocks: int
+    block_size: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode side: where a remote-prefill candidate went (`AsyncEngine.reserve_remote`)."""
+
+    remote: bool  # blocks reserved for a remote prefill; else the request is queued locally
+    block_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens this worker's prefix cache serves
+    out_of_blocks: bool = False  # queued locally because no blocks were free to reserve
 
 
 @dataclass
@@ -53,20 +84,77 @@ class AsyncEngine:
 
     # ---- public API (event loop side) -----------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, *,
-                       hold_for_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, hold_for_s: float | None = None,
+                       checksum_hold: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises the engine's typed error for bad input.
 
-        `hold_for_s`: prefill only, see `LLMEngine.add_request`.
+        `hold_for_s`, `checksum_hold`: prefill only, see `LLMEngine.add_request`.
         """
         rid = request_id or f"req-{next(self._ids)}"
         stream = self._open(rid)
-        await self.call(lambda: self.engine.add_request(rid, prompt_token_ids, params, hold_for_s=hold_for_s),
-                        rid_on_error=rid)
+        await self._call(lambda: self.engine.add_request(rid, prompt_token_ids, params, hold_for_s=hold_for_s,
+                                                         checksum_hold=checksum_hold), rid_on_error=rid)
         async for out in self._drain(rid, stream):
             yield out
 
-    async def call(self, fn: Callable[[], Any], rid_on_error: str | None = None) -> Any:
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request whose stream was opened with `open_stream` (typed error for bad input)."""
+        await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params),
+                         rid_on_error=request_id)
+
+    async def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                             wants_remote: Callable[[int], bool]) -> Reservation:
+        """Reserve blocks for a remote prefill, or queue the request locally: when no blocks are free
+        now, or when `wants_remote(num_cached_tokens)` (engine thread) declines given this worker's
+        prefix cache. One engine-thread command, so the decision and the blocks cannot diverge."""
+        def reserve() -> Reservation:
+            engine = self.engine
+            try:
+                block_ids, cached = engine.reserve_remote(request_id, prompt_token_ids, params)
+            except OutOfBlocksError:
+                engine.add_request(request_id, prompt_token_ids, params)  # waits for blocks like any request
+                return Reservation(remote=False, out_of_blocks=True)
+            if wants_remote(cached):
+                return Reservation(True, tuple(block_ids), cached)
+            engine.abort(request_id)  # nothing was expected or asked: the blocks are ours to drop
+            engine.add_request(request_id, prompt_token_ids, params)
+            return Reservation(remote=False)
+
+        return await self._call(reserve, rid_on_error=request_id)  # type: ignore[no-any-return]
+
+    async def commit_remote(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
+                            verify: Callable[[], str]) -> str:
+        """The remote prefill's KV landed: run `verify` (engine thread, e.g. checksums of the landed
+        blocks) and, if it finds no problem, put the sequence into the batch with its first token in
+        this very pass between steps. Returns the problem ("" when committed); on a problem nothing
+        is committed and the caller still owns (and must abort) the reservation."""
+        def commit() -> str:
+            problem = verify()
+            if not problem:
+                self.publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
+            return problem
+
+        return await self._call(commit)  # type: ignore[no-any-return]
+
+    def release_held(self, request_id: str) -> None:
+        """Free a held prefill's blocks once its transfer is terminal (between steps; not awaited:
+        nobody waits on it, and the next step frees them in time)."""
+        self._submit(lambda: None if self.engine.release_held(request_id) else None)
+
+    async def status(self) -> EngineStatus:
+        def snapshot() -> EngineStatus:
+            e, b, bm = self.engine, self.engine.batcher, self.engine.block_manager
+            return EngineStatus(b.num_waiting, b.num_running, b.num_waiting_for_remote_kv,
+                                b.num_pending_prefill_tokens, bm.num_free_blocks, bm.num_total_blocks,
+                                e.num_held_blocks, bm.block_size, e.config.batcher.max_num_seqs)
+
+        return await self._call(snapshot)  # type: ignore[no-any-return]
+
+    async def drain_kv_events(self) -> list[KVEvent]:
+        """KV events (blocks stored / evicted) since the last call, for the scheduler's prefix index."""
+        return await self._call(self.engine.block_manager.drain_events)  # type: ignore[no-any-return]
+
+    async def _call(self, fn: Callable[[], Any], rid_on_error: str | None = None) -> Any:
         """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
@@ -81,16 +169,19 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
-        self._commands.put(run)
-        self._wakeup.set()
+        self._submit(run)
         return await fut
+
+    def _submit(self, cmd: Callable[[], None]) -> None:
+        self._commands.put(cmd)
+        self._wakeup.set()
 
     def open_stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Subscribe to a request added by another route (e.g. `reserve_remote` + `commit_remote`)."""
         return self._drain(request_id, self._open(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        return bool(await self.call(lambda: self._abort_now(request_id)))
+        return bool(await self._call(lambda: self._abort_now(request_id)))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -153,7 +244,10 @@ class AsyncEngine:
             self._on_step(stats)
         if not outputs:
             if not self.engine.batcher.has_work():
-                time.sleep(self._idle_sleep_s)  # nothing runnable (e.g. waiting for remote KV)
+                # Nothing runnable (e.g. every sequence waits for remote KV): doze, but a command
+                # (a commit of landed KV) wakes the thread at once.
+                self._wakeup.wait(self._idle_sleep_s)
+                self._wakeup.clear()
             return
         self.publish(outputs)
 

@@ -27,8 +27,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.kv_integrity import block_checksums
 from engine.loader import load_model
-from engine.outputs import FinishReason, RequestOutput
+from engine.outputs import FinishReason, HeldBlocks, RequestOutput
 from engine.parallel.launcher import RankServiceFactory, create_model_runner
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -45,16 +46,8 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     stop_ids: frozenset[int]
     hold_for_s: float | None = None  # stop after the first token and hold the blocks this long
-
-
-@dataclass(frozen=True)
-class HeldBlocks:
-    """A finished prefill's block table kept alive for a KV transfer (see the module docstring)."""
-
-    block_ids: tuple[int, ...]
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens this engine's own prefix cache served
-    expires_at: float  # on the engine's clock
+    checksum_hold: bool = False  # checksum the held blocks in the step that finishes the prefill
+    started_at: float | None = None  # engine clock at its first scheduled chunk (queue wait ends)
 
 
 @dataclass(frozen=True)
@@ -107,11 +100,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, hold_for_s: float | None = None) -> None:
+                    *, hold_for_s: float | None = None, checksum_hold: bool = False) -> None:
         """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input.
 
-        `hold_for_s`: prefill only (see the module docstring): one output with the first token, then
-        the blocks stay held under `request_id` until `release_held` or the lease expires.
+        `hold_for_s`: prefill only (see the module docstring): one output with the first token and
+        `held` set, then the blocks stay held under `request_id` until `release_held` or the lease
+        expires. `checksum_hold`: `held.checksums` are computed right after the step that finished the
+        prefill (on the engine's stream, so ordered after its KV writes; one small read-back).
         """
         if hold_for_s is not None and not hold_for_s > 0:
             raise InvalidRequestError(f"hold_for_s must be > 0, got {hold_for_s}")
@@ -119,6 +114,7 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r} (its blocks are still held)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         self._requests[request_id].hold_for_s = hold_for_s
+        self._requests[request_id].checksum_hold = checksum_hold
         try:
             self.batcher.add(seq)
         except Exception:
@@ -221,6 +217,11 @@ class LLMEngine:
         plan = self.batcher.schedule()
         if plan.is_empty:
             return []
+        now = self._clock()
+        for chunk in plan.chunks:
+            tracked = self._requests.get(chunk.request_id)
+            if tracked is not None and tracked.started_at is None:
+                tracked.started_at = now
         start = time.perf_counter()
         result = self.runner.execute(plan)
         self.last_step = StepStats.of(plan, time.perf_counter() - start)
@@ -237,8 +238,9 @@ class LLMEngine:
         token = sampled[-1].token_id
         text = tracked.detok.add(token) if tracked.detok is not None else ""
         reason = self._finish_reason(tracked, token)
+        held = None
         if tracked.hold_for_s is not None:
-            self._hold(tracked)
+            held = self._hold(tracked)
             reason = reason or FinishReason.LENGTH
         elif reason is not None:
             if tracked.detok is not None and not tracked.detok.stopped:
@@ -254,16 +256,21 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            held=held,
         )
 
-    def _hold(self, tracked: _Tracked) -> None:
+    def _hold(self, tracked: _Tracked) -> HeldBlocks:
         """Finish a prefill-only request, keeping its blocks under a lease."""
         seq = tracked.seq
         assert tracked.hold_for_s is not None
-        block_ids = self.batcher.detach(seq.request_id)
+        block_ids = tuple(self.batcher.detach(seq.request_id))
         del self._requests[seq.request_id]
-        self._held[seq.request_id] = HeldBlocks(tuple(block_ids), seq.num_prompt_tokens,
-                                                seq.num_cached_tokens, self._clock() + tracked.hold_for_s)
+        checksums = tuple(block_checksums(self.runner.kv_cache, block_ids)) if tracked.checksum_hold else None
+        now = self._clock()
+        held = HeldBlocks(block_ids, seq.num_prompt_tokens, seq.num_cached_tokens, now + tracked.hold_for_s,
+                          checksums, started_at=tracked.started_at or now, finished_at=now)
+        self._held[seq.request_id] = held
+        return held
 
     def _finish_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
         seq = tracked.seq

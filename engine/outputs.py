@@ -16,6 +16,21 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
+class HeldBlocks:
+    """A finished prefill's block table kept alive for a KV transfer (see LLMEngine.add_request)."""
+
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens this engine's own prefix cache served
+    expires_at: float  # on the engine's clock
+    # Per block of `block_ids` (engine/kv_integrity.py), computed in the step that finished the
+    # prefill when the request asked for them; None otherwise.
+    checksums: tuple[int, ...] | None = None
+    started_at: float = 0.0  # engine clock: its first chunk was scheduled (queue wait ended)
+    finished_at: float = 0.0  # engine clock: the step that sampled its first token resolved
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The delta produced for one request by one step (tokens are never repeated across outputs)."""
 
@@ -27,6 +42,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or a remote prefill)
     error: str | None = None
+    held: HeldBlocks | None = None  # a hold request's only output: the blocks now held for its transfer
 
     @property
     def finished(self) -> bool:

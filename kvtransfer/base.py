@@ -18,12 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
+from engine.batch import TokenLogprobs
 from engine.kv_cache import _DTYPE_BYTES as KV_DTYPE_BYTES  # TODO: engine to export it publicly
 from engine.kv_cache import KVCacheSpec
 from kvtransfer.errors import IncompatiblePeerError, InvalidTransferPlanError
 
 # Bump when the notification format, the handshake fields or the layout meaning change.
-KV_PROTOCOL_VERSION = 1
+# 2: the DONE notice carries the first token; checksums are computed by the engines, not the link.
+KV_PROTOCOL_VERSION = 2
 # engine.kv_cache's layout: kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
 BLOCK_MAJOR_LAYOUT = "block_major_v1"
 DEVICE_KINDS = ("cpu", "cuda")
@@ -46,6 +48,16 @@ class TransferState(Enum):
 
 
 @dataclass(frozen=True)
+class HandoffPayload:
+    """What a DONE notice carries beside "every block landed", so that the decode side can verify and
+    commit the request the moment the notice arrives, without waiting for the Prefill RPC's answer."""
+
+    checksums: tuple[int, ...] | None = None  # per block in plan order (tensor parallel: rank-major); None: off
+    first_token_id: int | None = None  # the prefill's sampled first token
+    first_logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     """One request's WRITE: local block `local_block_ids[i]` goes to peer block `remote_block_ids[i]`."""
 
@@ -54,6 +66,9 @@ class TransferPlan:
     remote_block_ids: tuple[int, ...]
     deadline: float  # on the sender's monotonic clock (seconds); past it the transfer is TIMED_OUT
     attempt: int = 0  # retries of one request use a new attempt so a late notice of an old one is ignored
+    # Rides in the DONE notice. The checksums are of the local blocks, computed by the prefill engine
+    # in the step that finished them (the link thread never touches the device).
+    payload: HandoffPayload = field(default_factory=HandoffPayload)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
@@ -72,8 +87,10 @@ class TransferPlan:
         now: float,
         timeout_s: float,
         attempt: int = 0,
+        payload: HandoffPayload | None = None,
     ) -> TransferPlan:
-        return cls(request_id, tuple(local_block_ids), tuple(remote_block_ids), now + timeout_s, attempt)
+        return cls(request_id, tuple(local_block_ids), tuple(remote_block_ids), now + timeout_s, attempt,
+                   payload or HandoffPayload())
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +107,9 @@ def _plan_problem(plan: TransferPlan) -> str:
         return "empty request_id"
     if plan.attempt < 0:
         return f"attempt must be >= 0, got {plan.attempt}"
+    sums = plan.payload.checksums
+    if sums is not None and (not sums or len(sums) % len(plan.local_block_ids)):
+        return f"{len(sums)} checksums for {len(plan.local_block_ids)} blocks"
     if not plan.local_block_ids:
         return "no blocks"
     if len(plan.local_block_ids) != len(plan.remote_block_ids):
@@ -243,6 +263,18 @@ class HandshakeInfo:
 
 
 @dataclass(frozen=True)
+class LandedKV:
+    """Receiver side: every block of one attempt landed (DONE notice). Not yet verified: the owner
+    checks `payload.checksums` where device work is cheap (kvtransfer.integrity.LandedVerifier on the
+    decode engine thread) before the blocks are used."""
+
+    request_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    payload: HandoffPayload
+
+
+@dataclass(frozen=True)
 class TransferFailure:
     """Why a request's KV did not arrive (receiver side)."""
 
@@ -293,7 +325,8 @@ class KVSender(ABC):
     notices (with NIXL's progress thread off nothing else moves them).
     Lifetimes: a peer lives from `add_peer` to `remove_peer`/`close`; a transfer's source blocks must
     stay allocated and unmodified until the transfer is terminal. The caller must have finished
-    writing the source blocks (on CUDA: synchronized the prefill stream) before `start()`.
+    writing the source blocks (on CUDA: the step that wrote them has been read back) before `start()`.
+    A sender never runs device work: the plan's payload arrives computed.
     """
 
     @property
@@ -352,8 +385,9 @@ class KVReceiver(ABC):
         the sender's, so that the sender's abort notice normally arrives first."""
 
     @abstractmethod
-    def poll_arrivals(self) -> set[str]:
-        """Drain notifications; return the request ids whose KV arrived (and verified) since last call."""
+    def poll_arrivals(self) -> list[LandedKV]:
+        """Drain notifications; return the requests whose KV landed since the last call (DONE notices
+        of expected attempts with the right block count; integrity is the owner's to verify)."""
 
     @abstractmethod
     def poll_failures(self) -> dict[str, TransferFailure]:

@@ -62,6 +62,7 @@ class NixlAgentConfig:
     # Off by default: with it on each agent busy-polls ~half a core (on 2 cores throughput halved);
     # with it off the passive side must keep polling (KVReceiver's rule).
     progress_thread: bool = False
+    num_threads: int = 0  # UCX backend worker threads (0: NIXL's default)
     capture_telemetry: bool = False  # per-transfer descriptor counts and timings (get_xfer_telemetry)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class NixlAgentConfig:
             raise ValueError("NixlAgentConfig.name is empty")
         if not self.backends:
             raise ValueError("NixlAgentConfig.backends is empty; valid: UCX (CPU and GPU)")
+        if self.num_threads < 0:
+            raise ValueError(f"NixlAgentConfig.num_threads must be >= 0, got {self.num_threads}")
 
 
 @dataclass
@@ -89,6 +92,7 @@ class NixlAgent:
             enable_prog_thread=config.progress_thread,
             backends=list(config.backends),
             capture_telemetry=config.capture_telemetry,
+            num_threads=config.num_threads,
         )
         self._agent = api.nixl_agent(config.name, conf)
         missing = [b for b in config.backends if b not in self._agent.backends]

@@ -1,7 +1,9 @@
 """The notification a sender attaches to its WRITE (DONE) or sends alone when it gives up (ABORTED).
 
-Wire format: the magic `BKV1` followed by compact JSON. NIXL delivers a WRITE's notification only
-after the written bytes are visible at the target, so DONE means "every block has landed". ABORTED
+Wire format: the magic `BKV2` followed by compact JSON. NIXL delivers a WRITE's notification only
+after the written bytes are visible at the target, so DONE means "every block has landed"; it also
+carries the hand-off's payload (block checksums, the prefill's first token and its logprobs), so the
+decode side commits on the notice alone. ABORTED
 is sent only once the sender's NIXL handle has been released, so it means "no more bytes will land".
 Either one ends the receiver's danger window for that attempt.
 """
@@ -11,10 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
+from engine.batch import TokenLogprobs
+from kvtransfer.base import HandoffPayload
 from kvtransfer.errors import MalformedNotificationError
 
-MAGIC = b"BKV1"
+MAGIC = b"BKV2"
 
 
 class NoticeKind(Enum):
@@ -28,8 +33,12 @@ class TransferNotice:
     request_id: str
     attempt: int
     num_blocks: int
-    checksums: tuple[int, ...] | None = None  # per destination block, in plan order; None = not computed
+    payload: HandoffPayload = HandoffPayload()  # DONE only
     reason: str = ""  # ABORTED only: why the sender gave up
+
+    @property
+    def checksums(self) -> tuple[int, ...] | None:
+        return self.payload.checksums
 
     def encode(self) -> bytes:
         body: dict[str, object] = {
@@ -38,8 +47,7 @@ class TransferNotice:
             "a": self.attempt,
             "n": self.num_blocks,
         }
-        if self.checksums is not None:
-            body["c"] = list(self.checksums)
+        body.update(_encode_payload(self.payload))
         if self.reason:
             body["why"] = self.reason
         return MAGIC + json.dumps(body, separators=(",", ":")).encode()
@@ -50,14 +58,39 @@ class TransferNotice:
             raise MalformedNotificationError(f"not a kvtransfer notice: {raw[:16]!r}")
         try:
             body = json.loads(raw[len(MAGIC) :])
-            checksums = body.get("c")
             return cls(
                 kind=NoticeKind(body["k"]),
                 request_id=str(body["r"]),
                 attempt=int(body["a"]),
                 num_blocks=int(body["n"]),
-                checksums=None if checksums is None else tuple(int(c) for c in checksums),
+                payload=_decode_payload(body),
                 reason=str(body.get("why", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise MalformedNotificationError(f"bad kvtransfer notice {raw[:64]!r}: {e}") from e
+
+
+def _encode_payload(payload: HandoffPayload) -> dict[str, object]:
+    body: dict[str, object] = {}
+    if payload.checksums is not None:
+        body["c"] = list(payload.checksums)
+    if payload.first_token_id is not None:
+        body["t"] = payload.first_token_id
+    lp = payload.first_logprobs
+    if lp is not None:
+        body["lp"] = [lp.token_id, lp.logprob, [list(pair) for pair in lp.top]]
+    return body
+
+
+def _decode_payload(body: dict[str, Any]) -> HandoffPayload:
+    """Raises ValueError / TypeError / KeyError on a malformed payload (decode() wraps them)."""
+    sums, token, lp = body.get("c"), body.get("t"), body.get("lp")
+    logprobs = None
+    if lp is not None:
+        token_id, logprob, top = lp
+        logprobs = TokenLogprobs(int(token_id), float(logprob), tuple((int(t), float(p)) for t, p in top))
+    return HandoffPayload(
+        checksums=None if sums is None else tuple(int(c) for c in sums),
+        first_token_id=None if token is None else int(token),
+        first_logprobs=logprobs,
+    )

@@ -1,9 +1,13 @@
 """Decode side over NIXL: expose the KV blocks, detect arrivals by notification, guard reuse.
 
+Pure bookkeeping on the polling thread: no device work. A DONE notice of an expected attempt is
+reported as `LandedKV` with its payload (checksums, first token); the owner verifies the checksums
+on its engine thread (kvtransfer.integrity.LandedVerifier) before using the blocks.
+
 With tensor parallelism this receiver is rank 0's; the follower ranks' agents are passive targets
 (the sender's follower r writes into our follower r) and their owners keep them progressing. The one
 notice comes from the sender's rank 0 once every rank landed; its checksums cover every rank's shard
-(rank-major), and verifying them asks the followers for theirs (`KVShards.checksums`).
+(rank-major).
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVReceiver, TransferFailure, TransferState
+from kvtransfer.base import HandshakeInfo, KVReceiver, LandedKV, TransferFailure, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, MalformedNotificationError
-from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte
-from kvtransfer.integrity import mismatched_blocks
+from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
@@ -28,7 +31,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReceiverConfig:
-    verify_checksums: bool = True  # verify when the notice carries checksums (one device sync per 32 blocks)
     # How long released blocks of a request without a DONE/ABORTED notice stay unusable. Covers a
     # sender that died mid-WRITE; must exceed the senders' transfer timeout.
     quarantine_s: float = 30.0
@@ -66,7 +68,7 @@ class NixlKVReceiver(KVReceiver):
         self._clock = clock
         self._expected: dict[str, _Expected] = {}
         self._quarantine: dict[tuple[str, int], float] = {}  # (request, attempt) -> reusable at
-        self._arrived: set[str] = set()
+        self._arrived: dict[str, LandedKV] = {}
         self._failed: dict[str, TransferFailure] = {}
         self._reclaimable: set[str] = set()
         self.stale_notices = 0  # notices for requests not expected (late, released, other attempt)
@@ -94,10 +96,10 @@ class NixlKVReceiver(KVReceiver):
         block_indices(ids, self._agent.num_blocks, "local")
         self._expected[request_id] = _Expected(request_id, attempt, ids, deadline)
 
-    def poll_arrivals(self) -> set[str]:
+    def poll_arrivals(self) -> list[LandedKV]:
         self._progress()
-        arrived, self._arrived = self._arrived, set()
-        return arrived
+        arrived, self._arrived = self._arrived, {}
+        return list(arrived.values())
 
     def poll_failures(self) -> dict[str, TransferFailure]:
         self._progress()
@@ -110,7 +112,7 @@ class NixlKVReceiver(KVReceiver):
 
     def release(self, request_id: str, *, sender_idle: bool = False) -> bool:
         entry = self._expected.pop(request_id, None)
-        self._arrived.discard(request_id)
+        self._arrived.pop(request_id, None)
         self._failed.pop(request_id, None)
         if entry is None:  # unknown, or released before and possibly still quarantined
             quarantined = [key for key in self._quarantine if key[0] == request_id]
@@ -175,40 +177,13 @@ class NixlKVReceiver(KVReceiver):
             return  # arrived after our deadline: the blocks are now safe to reuse, nothing else
         if notice.kind is NoticeKind.ABORTED:
             self._fail(entry, TransferState.FAILED, f"sender {sender} aborted: {notice.reason}")
-        else:
-            self._verify(entry, notice)
-
-    def _verify(self, entry: _Expected, notice: TransferNotice) -> None:
-        if notice.num_blocks != len(entry.block_ids):
+        elif notice.num_blocks != len(entry.block_ids):
             reason = f"sender wrote {notice.num_blocks} blocks, {len(entry.block_ids)} expected"
-            return self._fail(entry, TransferState.FAILED, reason)
-        if self._faults.should_inject(Fault.CORRUPT_DESTINATION):
-            corrupt_block_byte(self._agent.kv_cache, entry.block_ids[0])
-        if self._config.verify_checksums and notice.checksums is not None:
-            reason = self._checksum_problem(entry.block_ids, notice.checksums)
-            if reason:
-                return self._fail(entry, TransferState.FAILED, reason)
-        entry.state = TransferState.DONE
-        self._arrived.add(entry.request_id)
-
-    def _checksum_problem(self, block_ids: tuple[int, ...], expected: tuple[int, ...]) -> str:
-        """Empty when every rank's blocks match; `expected` holds num_blocks checksums per rank, rank-major."""
-        n, tp = len(block_ids), 1 + (len(self._shards.infos) if self._shards is not None else 0)
-        if len(expected) != n * tp:
-            return f"checksum mismatch: {len(expected)} checksums for {n} blocks x {tp} ranks"
-        bad = [(0, b) for b in mismatched_blocks(self._agent.kv_cache, block_ids, expected[:n])]
-        if self._shards is not None:
-            try:
-                follower_sums = self._shards.checksums(block_ids)
-            except Exception as e:  # unverifiable counts as failed: the decode side recomputes
-                return f"checksum mismatch: follower ranks could not checksum their blocks: {e}"
-            for rank, actual in enumerate(follower_sums, start=1):
-                want = expected[rank * n:(rank + 1) * n]
-                bad += [(rank, b) for b, got, w in zip(block_ids, actual, want, strict=True) if got != w]
-        if not bad:
-            return ""
-        where = [f"rank {r} block {b}" if tp > 1 else str(b) for r, b in bad[:8]]
-        return f"checksum mismatch in {len(bad)} block(s): [{', '.join(where)}]"
+            self._fail(entry, TransferState.FAILED, reason)
+        else:
+            entry.state = TransferState.DONE
+            self._arrived[entry.request_id] = LandedKV(entry.request_id, entry.attempt, entry.block_ids,
+                                                       notice.payload)
 
     def _fail(self, entry: _Expected, state: TransferState, reason: str) -> None:
         entry.state = state

@@ -5,6 +5,9 @@ notice, has every follower WRITE its shard of the same block ids into the peer's
 for it (`KVShards.write`, blocking, bounded by the plan's deadline), and only if every rank landed
 sends the one DONE notice (carrying every rank's checksums, rank-major) that the peer's rank 0
 waits for. Any rank failing fails the transfer (ABORTED notice): the decode side recomputes.
+
+No device work here: rank 0's checksums arrive in the plan's payload, computed by the prefill engine
+in the step that finished the blocks (a follower checksums its own shard in its own process).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import dataclass
 from kvtransfer.base import HandshakeInfo, KVSender, KVTransfer, TransferPlan, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, PeerBusyError
 from kvtransfer.faults import Fault, FaultInjector
-from kvtransfer.integrity import block_checksums
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
@@ -30,7 +32,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SenderConfig:
-    checksums: bool = False  # checksum source blocks into the notice (one device sync per 32 blocks)
     close_timeout_s: float = 5.0  # how long close() polls cancelled transfers before giving up
 
     def __post_init__(self) -> None:
@@ -91,10 +92,7 @@ class NixlKVSender(KVSender):
         remote = self._agent.peer(peer)
         local_idx = block_indices(plan.local_block_ids, self._agent.num_blocks, "local")
         remote_idx = block_indices(plan.remote_block_ids, remote.info.num_blocks, "remote")
-        checksums = None
-        if self._config.checksums:
-            checksums = tuple(block_checksums(self._agent.kv_cache, plan.local_block_ids))
-        notice = TransferNotice(NoticeKind.DONE, plan.request_id, plan.attempt, plan.num_blocks, checksums)
+        notice = TransferNotice(NoticeKind.DONE, plan.request_id, plan.attempt, plan.num_blocks, plan.payload)
         if self._shards is None:
             handle = self._agent.make_write(peer, local_idx, remote_idx, notice.encode())
             transfer = NixlTransfer(self._agent, peer, plan, handle, self._faults, self._clock)
@@ -129,7 +127,8 @@ class NixlKVSender(KVSender):
             sums = list(notice.checksums)
             for outcome in outcomes:
                 sums.extend(outcome.checksums or ())
-            notice = TransferNotice(notice.kind, notice.request_id, notice.attempt, notice.num_blocks, tuple(sums))
+            payload = dataclasses.replace(notice.payload, checksums=tuple(sums))
+            notice = dataclasses.replace(notice, payload=payload)
         return transfer.settle_group("", notice.encode())
 
     def poll(self) -> list[KVTransfer]:

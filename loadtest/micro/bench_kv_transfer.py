@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import KVLayoutInfo, TransferPlan, TransferState
+from engine.kv_integrity import block_checksums
+from kvtransfer.base import HandoffPayload, KVLayoutInfo, TransferPlan, TransferState
 
 GPU_SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB
 SMOKE_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 32 KiB
@@ -141,7 +142,7 @@ def receiver_main(conn: Connection, spec: KVCacheSpec, num_blocks: int, device: 
 # ---- process A: the sender --------------------------------------------------------------------------
 def sender_main(conn: Connection, out: Connection, spec: KVCacheSpec, num_blocks: int, device: str,
                 n_blocks: int, warmup: int, iters: int, seed: int, case_names: tuple[str, ...]) -> None:
-    from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVSender, SenderConfig
+    from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVSender
 
     agent = None
     senders = []
@@ -152,26 +153,25 @@ def sender_main(conn: Connection, out: Connection, spec: KVCacheSpec, num_blocks
         sync(dev)
         layout = KVLayoutInfo.from_spec(spec, model_id=MODEL_ID)
         agent = NixlAgent(NixlAgentConfig(name=f"bench-send-{uuid.uuid4().hex[:8]}"), kv, layout)
-        plain = NixlKVSender(agent, SenderConfig(checksums=False))
-        cksum = NixlKVSender(agent, SenderConfig(checksums=True))
-        senders = [plain, cksum]
+        plain = NixlKVSender(agent)
+        senders = [plain]
         info = recv(conn, "receiver handshake")[1]
         peer = plain.add_peer(info)
-        cksum.add_peer(info)  # same agent: a no-op re-add
         log(f"sender ready on {dev}; peer {peer}")
         rng = random.Random(seed)
         contiguous = (tuple(range(n_blocks)), tuple(range(n_blocks)))
         scattered = (tuple(rng.sample(range(num_blocks), n_blocks)), tuple(rng.sample(range(num_blocks), n_blocks)))
-        cases = {"contiguous": (plain, *contiguous), "random": (plain, *scattered),
-                 "contiguous+cksum": (cksum, *contiguous)}
+        cases = {"contiguous": (None, *contiguous), "random": (None, *scattered),
+                 "contiguous+cksum": (kv, *contiguous)}
         results = {}
         counter = 0
         for name in case_names:
-            sender, local_ids, remote_ids = cases[name.split(" ")[0]]
+            sender = plain
+            cksum_of, local_ids, remote_ids = cases[name.split(" ")[0]]
             conn.send(("zero",))
             recv(conn, "zero ack")
             counter += 1
-            first_s = one_write(sender, peer, f"{name}-verify", counter, local_ids, remote_ids)
+            first_s = one_write(sender, peer, f"{name}-verify", counter, local_ids, remote_ids, cksum_of)
             source = kv[list(local_ids)].cpu().view(len(local_ids), -1).view(torch.uint8).numpy()
             conn.send(("verify", remote_ids, source))
             _, ok, bad = recv(conn, "verification")
@@ -179,7 +179,7 @@ def sender_main(conn: Connection, out: Connection, spec: KVCacheSpec, num_blocks
             times = []
             for i in range(warmup + iters):
                 counter += 1
-                seconds = one_write(sender, peer, f"{name}-{i}", counter, local_ids, remote_ids)
+                seconds = one_write(sender, peer, f"{name}-{i}", counter, local_ids, remote_ids, cksum_of)
                 if i >= warmup:
                     times.append(seconds)
             results[name] = {"verified": ok, "bad_blocks": bad, "first_write_ms": first_s * 1e3,
@@ -201,11 +201,14 @@ def sender_main(conn: Connection, out: Connection, spec: KVCacheSpec, num_blocks
             agent.close()
 
 
-def one_write(sender, peer: str, rid: str, attempt: int, local_ids: tuple, remote_ids: tuple) -> float:  # noqa: ANN001
-    """Seconds from start() to DONE (spinning on poll); raises on any other end or after the timeout."""
-    plan = TransferPlan.create(rid, local_ids, remote_ids, now=time.monotonic(), timeout_s=TRANSFER_TIMEOUT_S,
-                               attempt=attempt)
+def one_write(sender, peer: str, rid: str, attempt: int, local_ids: tuple, remote_ids: tuple,  # noqa: ANN001
+              checksum_of: torch.Tensor | None = None) -> float:
+    """Seconds from start() to DONE (spinning on poll); raises on any other end or after the timeout.
+    `checksum_of`: the KV cache, checksummed into the payload first (as the prefill engine does, timed)."""
     t0 = time.perf_counter()
+    sums = None if checksum_of is None else tuple(block_checksums(checksum_of, local_ids))
+    plan = TransferPlan.create(rid, local_ids, remote_ids, now=time.monotonic(), timeout_s=TRANSFER_TIMEOUT_S,
+                               attempt=attempt, payload=HandoffPayload(checksums=sums))
     transfer = sender.start(peer, plan)
     give_up = t0 + TRANSFER_TIMEOUT_S + 5
     while True:

@@ -13,8 +13,9 @@ cleanup. Phases and how an abort lands in each:
 
 A failed remote prefill falls back (another prefill worker if this one looks dead or slow, else a
 local recompute), counted in `baton_pd_fallback_total{reason}` and logged with the request id. A
-checksum mismatch also recomputes locally: the corrupted blocks are never committed, so garbage is
-never decoded, and the caller still gets the right tokens.
+checksum mismatch also recomputes locally: the landed blocks are verified on the engine thread in the
+same pass between steps that commits them, so corrupted blocks are never committed, garbage is never
+decoded, and the caller still gets the right tokens.
 
 Engine request ids are `<request id>@<attempt>`: an attempt whose blocks are quarantined keeps its
 own id in the engine while the retry runs under the next one.
@@ -29,15 +30,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.async_engine import AsyncEngine, Reservation
+from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.integrity import LandedVerifier
 from services.worker.config import DisaggPolicy
-from services.worker.metrics import WorkerMetrics
+from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
 from services.worker.prefill_service import DrainingError
-from services.worker.remote_prefill import AttemptResult, PrefillAsk, RemotePrefill
+from services.worker.remote_prefill import AttemptResult, FallbackReason, PrefillAsk, RemotePrefill
 
 log = logging.getLogger(__name__)
 _MAX_REMOTE_ATTEMPTS = 2  # the preferred prefill worker, then one other
@@ -69,7 +71,7 @@ class GenerateJob:
 class GenerateEvent:
     output: RequestOutput
     prefill_path: PrefillPath | None = None  # on the first event only
-    fallback_reason: str = ""
+    fallback_reason: FallbackReason | None = None  # on the first event of a fallen-back request
 
 
 @dataclass
@@ -89,22 +91,20 @@ class _Flow:
         return self.engine_rid
 
 
-@dataclass(frozen=True)
-class _Admission:
-    local: bool
-    block_ids: tuple[int, ...] = ()
-    num_cached_tokens: int = 0
-    reason: str = ""
+_Prefilled = tuple[AsyncIterator[RequestOutput] | None, PrefillPath, FallbackReason | None]
 
 
 class DecodeService:
     def __init__(self, engine: AsyncEngine, policy: DisaggPolicy, metrics: WorkerMetrics,
-                 remote: RemotePrefill | None = None, peers: PrefillPeers | None = None) -> None:
+                 remote: RemotePrefill | None = None, peers: PrefillPeers | None = None,
+                 verifier: LandedVerifier | None = None) -> None:
+        """`remote`, `peers`, `verifier`: a decode worker's; a `both` worker has none."""
         self._engine = engine
         self._policy = policy
         self._metrics = metrics
         self._remote = remote
         self._peers = peers
+        self._verifier = verifier
         self._flows: dict[str, _Flow] = {}
         self._quarantined: set[str] = set()  # engine ids holding blocks a late WRITE may still hit
         self._reclaimed_early: set[str] = set()  # reported reclaimable before we registered them
@@ -184,7 +184,7 @@ class DecodeService:
             first = True
             async for out in stream:
                 self._metrics.tokens.labels("generated").inc(len(out.new_token_ids))
-                flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else ""))
+                flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else None))
                 first = False
         except Exception as e:  # handed to the caller's stream (typed errors become gRPC statuses)
             if not isinstance(e, InvalidRequestError):
@@ -193,22 +193,23 @@ class DecodeService:
         finally:
             flow.events.put_nowait(None)
 
-    async def _prefill(self, flow: _Flow) -> tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str]:
+    async def _prefill(self, flow: _Flow) -> _Prefilled:
         """Get the request into the engine: remote attempts, else local. None: aborted first."""
         if not self._wants_remote(flow.job):
-            return await self._local(flow), PrefillPath.LOCAL, ""
-        reason, tried = "", set[str]()
+            return await self._local(flow), PrefillPath.LOCAL, None
+        reason: FallbackReason | None = None
+        tried = set[str]()
         for _ in range(_MAX_REMOTE_ATTEMPTS):
             outcome = await self._try_remote(flow, frozenset(tried))
             if isinstance(outcome, tuple):
                 return outcome
             if outcome.aborted:
-                return None, PrefillPath.REMOTE, ""
-            if outcome.fallback == "no_prefill_worker" and reason:
+                return None, PrefillPath.REMOTE, None
+            if outcome.fallback is FallbackReason.NO_PREFILL_WORKER and reason is not None:
                 break  # nobody else to ask: keep the reason the last one failed for
-            reason = outcome.fallback
-            self._metrics.fallbacks.labels(reason).inc()
-            level = logging.ERROR if reason == "checksum_mismatch" else logging.WARNING  # corruption is loud
+            reason = outcome.fallback or FallbackReason.INTERNAL_ERROR
+            self._metrics.fallbacks.labels(reason.value).inc()
+            level = logging.ERROR if reason is FallbackReason.CHECKSUM_MISMATCH else logging.WARNING  # loud
             log.log(level, "request %s: remote prefill failed (%s: %s)", flow.job.request_id, reason, outcome.detail)
             tried.add(flow.peer_address)
             if not outcome.retry_elsewhere:
@@ -225,68 +226,71 @@ class DecodeService:
             return False
         return job.mode is PrefillMode.REMOTE or self._policy.remote_by_length(len(job.prompt))
 
-    async def _try_remote(self, flow: _Flow, tried: frozenset[str]) -> (
-            tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str] | AttemptResult):
+    async def _try_remote(self, flow: _Flow, tried: frozenset[str]) -> _Prefilled | AttemptResult:
         """One remote attempt: a finished prefill (stream, path, reason) or why it failed."""
         assert self._peers is not None and self._remote is not None
         job = flow.job
         candidates = self._peers.candidates(job.prefill_worker, exclude=tried)
         if not candidates:
-            return AttemptResult(fallback="no_prefill_worker", detail="no usable prefill worker")
+            return AttemptResult(fallback=FallbackReason.NO_PREFILL_WORKER, detail="no usable prefill worker")
         peer = candidates[0]
         flow.peer_address = peer.address
         try:
             await self._peers.connect(peer)
         except HandshakeRefusedError as e:
-            return AttemptResult(fallback="handshake_refused", detail=str(e), retry_elsewhere=True)
+            return AttemptResult(fallback=FallbackReason.HANDSHAKE_REFUSED, detail=str(e), retry_elsewhere=True)
         except Exception as e:  # transport failure: the peer is marked down
-            return AttemptResult(fallback="prefill_unavailable", detail=str(e), retry_elsewhere=True)
+            return AttemptResult(fallback=FallbackReason.PREFILL_UNAVAILABLE, detail=str(e), retry_elsewhere=True)
         if flow.aborted.is_set():
             return AttemptResult(aborted=True)
         erid = flow.next_engine_rid()
         stream = self._engine.open_stream(erid)
+        reserved = time.perf_counter()
         force = job.mode is PrefillMode.REMOTE
-        admission = await self._engine.call(lambda: self._reserve(erid, job, force), rid_on_error=erid)
-        if admission.local:
-            if not admission.reason:
-                return await self._enter_engine(flow, stream), PrefillPath.LOCAL, ""
-            self._metrics.fallbacks.labels(admission.reason).inc()
-            return await self._enter_engine(flow, stream), PrefillPath.LOCAL_FALLBACK, admission.reason
-        return await self._run_attempt(flow, peer, erid, admission, stream)
+        reservation = await self._engine.reserve_remote(
+            erid, job.prompt, job.params,
+            wants_remote=lambda cached: force or self._policy.remote_given_cache(len(job.prompt), cached))
+        if not reservation.remote:
+            if not reservation.out_of_blocks:
+                return await self._enter_engine(flow, stream), PrefillPath.LOCAL, None
+            reason = FallbackReason.DECODE_OUT_OF_BLOCKS
+            self._metrics.fallbacks.labels(reason.value).inc()
+            return await self._enter_engine(flow, stream), PrefillPath.LOCAL_FALLBACK, reason
+        return await self._run_attempt(flow, peer, erid, reservation, stream, reserved)
 
-    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, erid: str, admission: _Admission,
-                           stream: AsyncIterator[RequestOutput]) -> (
-            tuple[AsyncIterator[RequestOutput] | None, PrefillPath, str] | AttemptResult):
+    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, erid: str, reservation: Reservation,
+                           stream: AsyncIterator[RequestOutput], reserved: float) -> _Prefilled | AttemptResult:
         assert self._remote is not None
-        job, start = flow.job, time.perf_counter()
-        ask = PrefillAsk(erid, flow.attempts - 1, job.prompt, job.params, admission.block_ids,
-                         admission.num_cached_tokens, job.traceparent)
+        job = flow.job
+        ask = PrefillAsk(erid, flow.attempts - 1, job.prompt, job.params, reservation.block_ids,
+                         reservation.num_cached_tokens, job.traceparent)
         if flow.aborted.is_set():
             result = AttemptResult(aborted=True)
         else:
             result = await self._remote.run(ask, peer, flow.aborted)
-        if result.first_token_id is None:
+        if not result.ok:
             await self._drop(erid, result.blocks_safe)
             return result
-        token, logprobs = result.first_token_id, result.first_logprobs
-        await self._engine.call(lambda: self._engine.publish(self._engine.engine.commit_remote(erid, token, logprobs)))
-        self._metrics.handoff_seconds.observe(time.perf_counter() - start)
-        return await self._enter_engine(flow, stream), PrefillPath.REMOTE, ""
+        problem = await self._commit(erid, result)
+        if problem:  # the blocks landed (the WRITE is over) but are not what was sent: never use them
+            await self._drop(erid, blocks_safe=True)
+            return AttemptResult(fallback=FallbackReason.CHECKSUM_MISMATCH, detail=problem)
+        self._observe_handoff(result, reserved)
+        return await self._enter_engine(flow, stream), PrefillPath.REMOTE, None
 
-    def _reserve(self, erid: str, job: GenerateJob, force_remote: bool) -> _Admission:
-        """Engine thread: blocks for a remote prefill, or the request queued locally when the
-        prompt is mostly cached here (conditional disaggregation) or no blocks are free now."""
-        engine = self._engine.engine
-        try:
-            block_ids, cached = engine.reserve_remote(erid, job.prompt, job.params)
-        except OutOfBlocksError:
-            engine.add_request(erid, job.prompt, job.params)  # waits for blocks like any request
-            return _Admission(local=True, reason="decode_out_of_blocks")
-        if force_remote or self._policy.remote_given_cache(len(job.prompt), cached):
-            return _Admission(False, tuple(block_ids), cached)
-        engine.abort(erid)  # nothing was expected or asked: the blocks are ours to drop
-        engine.add_request(erid, job.prompt, job.params)
-        return _Admission(local=True)
+    async def _commit(self, erid: str, result: AttemptResult) -> str:
+        """Verify the landed blocks and join the batch, in one pass between engine steps."""
+        landed, token = result.landed, result.first_token_id
+        assert landed is not None and token is not None
+        verifier = self._verifier
+        return await self._engine.commit_remote(
+            erid, token, result.first_logprobs, verify=lambda: verifier.problem(landed) if verifier else "")
+
+    def _observe_handoff(self, result: AttemptResult, reserved: float) -> None:
+        self._metrics.handoff_seconds.observe(time.perf_counter() - reserved)
+        self._metrics.handoff_phase(HandoffPhase.HANDOFF, time.perf_counter() - reserved)
+        self._metrics.handoff_phase(HandoffPhase.NOTICE_WAIT, result.notice_wait_s)
+        self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(time.monotonic() - result.noticed_at, 0.0))
 
     async def _local(self, flow: _Flow) -> AsyncIterator[RequestOutput] | None:
         if flow.aborted.is_set():
@@ -294,8 +298,7 @@ class DecodeService:
         job = flow.job
         erid = flow.next_engine_rid()
         stream = self._engine.open_stream(erid)
-        await self._engine.call(lambda: self._engine.engine.add_request(erid, job.prompt, job.params),
-                                rid_on_error=erid)
+        await self._engine.add_request(erid, job.prompt, job.params)
         return await self._enter_engine(flow, stream)
 
     async def _enter_engine(self, flow: _Flow, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -1,12 +1,18 @@
 """`KVLink`: one thread that owns this worker's NIXL agent, KV sender and KV receiver.
 
-Why a thread of its own: NIXL runs without its progress thread (on a 2-core box it would eat half a
-core per agent), so someone must call into NIXL every few milliseconds for the worker's whole life,
-even when idle (peers connect, abort notices go out). The engine thread is busy with steps and the
-event loop must not sleep in 50 us slices, so a dedicated thread polls: every `poll_busy_s` while a
+Why a thread of its own: someone must call into NIXL every few milliseconds for the worker's whole
+life, even when idle (peers connect, notices arrive, abort notices go out). The engine thread is busy
+with steps and the event loop must not poll in 50 us slices, so a dedicated thread does: it wakes at
+once for a command (post a WRITE, expect an arrival), and otherwise polls every `poll_busy_s` while a
 WRITE is in flight, every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
 NIXL agents are not thread-safe (NIXL_THREAD_SYNC_NONE): every NIXL call happens on this thread.
 asyncio callers cross in through a command queue and get asyncio futures back.
+
+What this thread never does (the hand-off under load was lost exactly there): device work of any
+kind (no torch, no CUDA call, no synchronisation: checksums are computed and verified by the engines,
+kvtransfer/integrity.py), or waiting on a lock the engine holds during a step. With NIXL's progress
+thread on (the default on GPUs) UCX completes WRITEs and delivers notices without this thread, which
+then only observes them.
 
 Dangerous windows handled here:
 - receiver: `release(rid, sender_idle=False)` of blocks whose WRITE may still land quarantines them;
@@ -29,9 +35,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, LandedKV, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
-from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig
+from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig
 from kvtransfer.nixl.transfer import NixlTransfer
 from kvtransfer.shards import KVShards
 from services.worker.config import TransferConfig
@@ -52,11 +58,14 @@ class TransferResult:
 
 @dataclass(frozen=True)
 class Arrival:
-    """Receiver side: DONE (landed and verified) or FAILED / TIMED_OUT with a reason."""
+    """Receiver side: DONE (landed, with the notice's payload; verified by the engine before use) or
+    FAILED / TIMED_OUT with a reason."""
 
     request_id: str
     state: TransferState
     reason: str
+    landed: LandedKV | None = None  # DONE only
+    at: float = 0.0  # time.monotonic() when the link thread saw it
 
 
 class KVLink:
@@ -66,12 +75,12 @@ class KVLink:
         follower ranks of a tensor-parallel worker (this link is rank 0's; services/worker/kv_shards.py);
         only this link's thread calls them (each call also holds the engine's next step back)."""
         self._config = config
-        self._agent = NixlAgent(NixlAgentConfig(name=name, progress_thread=config.progress_thread), kv_cache, layout)
-        self._sender = NixlKVSender(self._agent, SenderConfig(checksums=config.checksums), faults, shards=shards)
-        self._receiver = NixlKVReceiver(
-            self._agent, ReceiverConfig(verify_checksums=config.checksums, quarantine_s=config.quarantine_s), faults,
-            shards=shards,
-        )
+        progress = config.progress_thread if config.progress_thread is not None else kv_cache.is_cuda
+        agent_config = NixlAgentConfig(name=name, progress_thread=progress, num_threads=config.nixl_threads)
+        self._agent = NixlAgent(agent_config, kv_cache, layout)
+        self._sender = NixlKVSender(self._agent, faults=faults, shards=shards)
+        self._receiver = NixlKVReceiver(self._agent, ReceiverConfig(quarantine_s=config.quarantine_s), faults,
+                                        shards=shards)
         self._info = self._sender.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -79,6 +88,7 @@ class KVLink:
         self._transfers: dict[tuple[str, int], NixlTransfer] = {}  # in flight, for cancel()
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a command is queued: poll now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="baton-kv-link", daemon=True)
         self.num_quarantined = 0  # read by status (a plain int: atomic under the GIL)
@@ -158,6 +168,7 @@ class KVLink:
         """Stop the thread and close NIXL. WRITEs still in flight are cancelled by the sender; their
         futures then read CANCELLED (the process is going away: nothing reuses their blocks)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.error("KV link thread did not stop in %.1f s; leaving NIXL open", timeout_s)
@@ -188,6 +199,7 @@ class KVLink:
         if self._stop.is_set():
             raise RuntimeError("the KV link is closed")
         self._commands.put(cmd)
+        self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -196,7 +208,8 @@ class KVLink:
                 self._poll_once()
             except Exception:  # one bad poll must not stop NIXL progress for every other request
                 log.exception("KV link poll failed")
-            time.sleep(self._interval())
+            self._wake.wait(self._interval())
+            self._wake.clear()
 
     def _interval(self) -> float:
         if self._sends:
@@ -216,10 +229,11 @@ class KVLink:
     def _poll_once(self) -> None:
         for transfer in self._sender.poll():
             self._finish_send(transfer)
-        for rid in self._receiver.poll_arrivals():
-            self._resolve_expect(Arrival(rid, TransferState.DONE, ""))
+        now = time.monotonic()
+        for landed in self._receiver.poll_arrivals():
+            self._resolve_expect(Arrival(landed.request_id, TransferState.DONE, "", landed, now))
         for rid, failure in self._receiver.poll_failures().items():
-            self._resolve_expect(Arrival(rid, failure.state, failure.reason))
+            self._resolve_expect(Arrival(rid, failure.state, failure.reason, at=now))
         reclaimable = self._receiver.poll_reclaimable()
         self.num_quarantined = self._receiver.num_quarantined
         self.num_inflight = self._sender.num_inflight

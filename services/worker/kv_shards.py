@@ -87,12 +87,15 @@ class ShardAgentFactory:
     model_id: str
     poll_idle_s: float = 1e-3
     poll_busy_s: float = 5e-5
-    progress_thread: bool = False  # TransferConfig.progress_thread
+    progress_thread: bool | None = None  # TransferConfig.progress_thread (None: on for a GPU KV cache)
+    num_threads: int = 0  # TransferConfig.nixl_threads
 
     def __call__(self, runner: Any, tp: Any) -> ShardAgent:
         layout = KVLayoutInfo.from_spec(runner.kv_spec, self.model_id, tp_size=tp.size, tp_rank=tp.rank)
         name = f"{self.worker_name}-tp{tp.rank}-{uuid.uuid4().hex[:8]}"
-        return ShardAgent(name, runner.kv_cache, layout, self.poll_idle_s, self.poll_busy_s, self.progress_thread)
+        progress = self.progress_thread if self.progress_thread is not None else runner.kv_cache.is_cuda
+        return ShardAgent(name, runner.kv_cache, layout, self.poll_idle_s, self.poll_busy_s, progress,
+                          self.num_threads)
 
 
 class ShardAgent:
@@ -100,10 +103,11 @@ class ShardAgent:
     (one at a time, as rank 0 broadcasts them); every NIXL call runs on this object's own thread."""
 
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, poll_idle_s: float,
-                 poll_busy_s: float, progress_thread: bool = False) -> None:
+                 poll_busy_s: float, progress_thread: bool = False, num_threads: int = 0) -> None:
         self._rank = layout.tp_rank
         self._kv_cache = kv_cache
-        self._agent = NixlAgent(NixlAgentConfig(name=name, progress_thread=progress_thread), kv_cache, layout)
+        agent_config = NixlAgentConfig(name=name, progress_thread=progress_thread, num_threads=num_threads)
+        self._agent = NixlAgent(agent_config, kv_cache, layout)
         self._info = self._agent.handshake_info
         self._poll_idle_s, self._poll_busy_s = poll_idle_s, poll_busy_s
         self._peers: dict[str, str] = {}  # peer worker's rank 0 agent -> its agent of our rank

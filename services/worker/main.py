@@ -86,7 +86,10 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-down-s", type=float, default=t.peer_down_s,
                    help="skip a prefill worker this long after a transport failure")
     p.add_argument("--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=t.progress_thread,
-                   help="NIXL's progress thread per agent (about half a core each; see TransferConfig)")
+                   help="NIXL's progress thread per agent (default: on when the KV cache is on a GPU; about "
+                        "half a core each; see TransferConfig)")
+    p.add_argument("--nixl-threads", type=int, default=t.nixl_threads,
+                   help="UCX worker threads per NIXL agent (0: NIXL's default)")
 
 
 def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -105,7 +108,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
                                 transfer_timeout_s=args.transfer_timeout_s,
                                 quarantine_s=args.kv_quarantine_s, checksums=args.kv_checksums,
                                 notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s,
-                                progress_thread=args.nixl_progress_thread),
+                                progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads),
     )
 
 
@@ -155,7 +158,7 @@ def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
 
     return ShardAgentFactory(config.worker_id or config.role.value, config.model_id,
                              poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s,
-                             progress_thread=config.transfer.progress_thread)
+                             progress_thread=config.transfer.progress_thread, num_threads=config.transfer.nixl_threads)
 
 
 async def _serve(config: WorkerConfig, engine: object) -> None:

@@ -5,12 +5,26 @@ Updated from the event loop and from the engine thread (prometheus_client is thr
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from engine.llm_engine import StepStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class HandoffPhase(StrEnum):
+    """Where a disaggregated request's time goes (`baton_pd_handoff_phase_seconds{phase}`)."""
+
+    QUEUE_WAIT = "queue_wait"  # prefill worker: Prefill RPC in -> its first chunk scheduled
+    PREFILL_COMPUTE = "prefill_compute"  # prefill worker: first chunk scheduled -> first token resolved
+    PREFILL_JOB = "prefill_job"  # prefill worker: Prefill RPC in -> WRITE done
+    NOTICE_WAIT = "notice_wait"  # decode worker: Prefill RPC sent -> DONE notice seen by the KV link
+    NOTICE_TO_COMMIT = "notice_to_commit"  # decode worker: DONE notice seen -> verified and in the batch
+    HANDOFF = "handoff"  # decode worker: blocks reserved -> committed (the whole remote prefill)
 
 
 class WorkerMetrics:
@@ -40,6 +54,12 @@ class WorkerMetrics:
         self.quarantined = Gauge("baton_kv_quarantined_requests",
                                  "Requests whose blocks wait for a late WRITE's notice", registry=r)
         self.held_blocks = Gauge("baton_kv_held_blocks", "Prefill: blocks held for pending WRITEs", registry=r)
+        self.handoff_phases = Histogram("baton_pd_handoff_phase_seconds",
+                                        "KV hand-off phases (successful remote prefills), by phase",
+                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+
+    def handoff_phase(self, phase: HandoffPhase, seconds: float) -> None:
+        self.handoff_phases.labels(phase.value).observe(seconds)
 
     def observe_step(self, stats: StepStats) -> None:
         """Engine thread: one step's time, labelled prefill / decode / mixed."""

@@ -3,14 +3,19 @@
 One `Prefill` RPC is one job, run as a task of its own so that neither the RPC's cancellation nor the
 decode worker's `Abort` can skip its cleanup:
 
-    queued/delayed -> prefilling in the engine (batched with other prefills) -> blocks HELD ->
-    WRITE in flight -> terminal -> blocks released -> response
+    queued/delayed -> prefilling in the engine (batched with other prefills) -> blocks HELD (and
+    checksummed, in the step that finished them) -> WRITE in flight -> terminal -> response; the
+    held blocks are released to the engine without waiting for it
 
 Dangerous window: the held blocks are the WRITE's source. They are released only once the transfer
 is terminal (NIXL let go of them), never on abort alone; the engine's hold lease (longer than the
 transfer deadline) is the backstop if this process loses track of a job. The job answers only once
 nothing more can land in the decode worker's blocks, which is what the `baton-kv-idle` trailer
 promises (see worker.proto).
+
+Nothing on this path waits for an engine step after the prefill's own: the hold output carries the
+block table and checksums, the WRITE's DONE notice carries the first token (the decode worker
+commits on it, not on this RPC's answer), and the blocks are handed back fire-and-forget.
 """
 
 from __future__ import annotations
@@ -25,15 +30,14 @@ from typing import Any
 from engine.async_engine import AsyncEngine
 from engine.batch import TokenLogprobs
 from engine.errors import InvalidRequestError
-from engine.llm_engine import HeldBlocks
-from engine.outputs import FinishReason, RequestOutput
+from engine.outputs import FinishReason, HeldBlocks, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandshakeInfo, TransferPlan, TransferState
+from kvtransfer.base import HandoffPayload, HandshakeInfo, TransferPlan, TransferState
 from kvtransfer.errors import UnknownPeerError
 from services.worker.config import TransferConfig
 from services.worker.faults import WorkerFaults
 from services.worker.kv_link import KVLink, TransferResult
-from services.worker.metrics import WorkerMetrics
+from services.worker.metrics import HandoffPhase, WorkerMetrics
 
 log = logging.getLogger(__name__)
 _TOMBSTONE_S = 120.0  # an Abort that overtook its Prefill is remembered this long
@@ -167,24 +171,30 @@ class PrefillService:
                 return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted before prefill")
             first = await self._first_token(job)
             job.prefilling = False
-            if first is None:
+            if first is None or first.held is None:
                 return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted during prefill")
-            held = await self._engine.call(lambda: self._engine.engine.held_blocks(spec.request_id))
-            if held is None:
-                return PrefillResult(spec.request_id, TransferState.FAILED, "held blocks were lost (lease expired)")
+            held = first.held
+            self._observe_prefill(start, held)
             prefill_s = time.monotonic() - start
             if job.aborted.is_set():
                 return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted after prefill")
-            sent = await self._transfer(job, held)
+            sent = await self._transfer(job, held, first)
             self._metrics.transfer_seconds.labels(sent.state.value).observe(sent.seconds)
             if sent.state is TransferState.DONE:
                 self._metrics.transfer_bytes.inc(sent.num_bytes)
+                self._metrics.handoff_phase(HandoffPhase.PREFILL_JOB, time.monotonic() - start)
             logprobs = first.logprobs[0] if first.logprobs else None
             return PrefillResult(spec.request_id, sent.state, sent.reason, first.new_token_ids[0], logprobs,
                                  prefill_s, sent.seconds, sent.num_bytes, held.num_cached_tokens)
         finally:
-            # Reached only once no WRITE reads the blocks (see _transfer); idempotent.
-            await self._engine.call(lambda: self._engine.engine.release_held(spec.request_id))
+            # Reached only once no WRITE reads the blocks (see _transfer); idempotent, and not waited
+            # for: the answer (and the `baton-kv-idle` trailer) must not wait for an engine step.
+            self._engine.release_held(spec.request_id)
+
+    def _observe_prefill(self, start: float, held: HeldBlocks) -> None:
+        """Queue wait (RPC in -> first chunk scheduled) and compute (-> first token resolved)."""
+        self._metrics.handoff_phase(HandoffPhase.QUEUE_WAIT, max(held.started_at - start, 0.0))
+        self._metrics.handoff_phase(HandoffPhase.PREFILL_COMPUTE, max(held.finished_at - held.started_at, 0.0))
 
     async def _delay(self, job: _Job) -> bool:
         """Injected slowness (delay_prefill); False when aborted meanwhile."""
@@ -198,7 +208,7 @@ class PrefillService:
         """Prefill in the engine with the blocks held afterwards; None when aborted first."""
         spec = job.spec
         stream = self._engine.generate(spec.prompt, spec.params, spec.request_id,
-                                       hold_for_s=self._config.hold_lease_s)
+                                       hold_for_s=self._config.hold_lease_s, checksum_hold=self._config.checksums)
         first = asyncio.ensure_future(_first_output(stream))
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
@@ -212,13 +222,17 @@ class PrefillService:
             return None
         return out
 
-    async def _transfer(self, job: _Job, held: HeldBlocks) -> TransferResult:
+    async def _transfer(self, job: _Job, held: HeldBlocks, first: RequestOutput) -> TransferResult:
         """Post the WRITE and wait until it is terminal, cancelling it if the job is aborted."""
         spec = job.spec
         first_block = spec.num_cached_tokens // self._block_size
-        local = held.block_ids[first_block:first_block + len(spec.remote_block_ids)]
+        end = first_block + len(spec.remote_block_ids)
+        local = held.block_ids[first_block:end]
+        payload = HandoffPayload(checksums=None if held.checksums is None else held.checksums[first_block:end],
+                                 first_token_id=first.new_token_ids[0],
+                                 first_logprobs=first.logprobs[0] if first.logprobs else None)
         plan = TransferPlan.create(spec.request_id, local, spec.remote_block_ids, now=time.monotonic(),
-                                   timeout_s=spec.transfer_timeout_s, attempt=spec.attempt)
+                                   timeout_s=spec.transfer_timeout_s, attempt=spec.attempt, payload=payload)
         done = await self._link.send(spec.decode_agent, plan)  # raises before posting: nothing to wait for
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:

@@ -1,7 +1,13 @@
 """Decode side: one attempt at having a prefill worker compute a prompt into this worker's blocks.
 
-    expect(blocks) -> Prefill RPC -> response (first token, WRITE outcome) + NIXL DONE notice -> success
-                                  \\-> error / outcome != DONE / checksum mismatch / no notice -> fallback
+    expect(blocks) -> Prefill RPC ... NIXL DONE notice (first token + checksums) -> landed: success
+                                  \\-> RPC error / outcome != DONE / ABORTED notice / no notice -> fallback
+
+Success is decided by the DONE notice alone, the moment the KV link sees it: NIXL delivers it only
+once every block is visible here, and it carries the first token, so the caller verifies and commits
+without waiting for the Prefill RPC's answer (which the prefill worker sends only after its WRITE
+turned terminal and which then trails the notice; it is still awaited in the background). The
+checksums are verified by the caller, on its engine thread (kvtransfer.integrity).
 
 Dangerous window: from `expect` until the WRITE is known to be over, the prefill worker may write
 into the blocks at any moment. It is known to be over when the Prefill RPC ended with the
@@ -19,13 +25,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 import grpc
 
 from engine.batch import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import TransferState
+from kvtransfer.base import LandedKV, TransferState
 from services.rpc.convert import logprob_from_proto, outcome_from_proto, sampling_to_proto
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import TransferConfig
@@ -35,17 +42,37 @@ from services.worker.prefill_peers import PrefillPeer, PrefillPeers
 log = logging.getLogger(__name__)
 KV_IDLE_TRAILER = "baton-kv-idle"  # set by the prefill worker once its WRITE is terminal
 _ABORT_RPC_TIMEOUT_S = 2.0
+
+
+class FallbackReason(StrEnum):
+    """Why a remote prefill did not hand its KV over (`baton_pd_fallback_total{reason}`)."""
+
+    NO_PREFILL_WORKER = "no_prefill_worker"
+    HANDSHAKE_REFUSED = "handshake_refused"
+    PREFILL_UNAVAILABLE = "prefill_unavailable"
+    PREFILL_DEADLINE = "prefill_deadline"
+    PREFILL_REJECTED = "prefill_rejected"
+    PREFILL_OVERLOADED = "prefill_overloaded"
+    PREFILL_ERROR = "prefill_error"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    TRANSFER_ABORTED = "transfer_aborted"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    INTERNAL_ERROR = "internal_error"
+    DECODE_OUT_OF_BLOCKS = "decode_out_of_blocks"  # no blocks to reserve: prefilled locally at once
+
+
 # gRPC codes after which another prefill worker may succeed (this one is dead, slow or restarting).
 _RETRY_ELSEWHERE = {
-    grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "prefill_deadline",
-    grpc.StatusCode.FAILED_PRECONDITION: "prefill_rejected",  # e.g. it restarted and lost our handshake
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "prefill_overloaded",
+    grpc.StatusCode.UNAVAILABLE: FallbackReason.PREFILL_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FallbackReason.PREFILL_DEADLINE,
+    grpc.StatusCode.FAILED_PRECONDITION: FallbackReason.PREFILL_REJECTED,  # e.g. it restarted: lost our handshake
+    grpc.StatusCode.RESOURCE_EXHAUSTED: FallbackReason.PREFILL_OVERLOADED,
 }
 _OUTCOME_REASON = {
-    TransferState.FAILED: "transfer_failed",
-    TransferState.TIMED_OUT: "transfer_timeout",
-    TransferState.CANCELLED: "transfer_aborted",
+    TransferState.FAILED: FallbackReason.TRANSFER_FAILED,
+    TransferState.TIMED_OUT: FallbackReason.TRANSFER_TIMEOUT,
+    TransferState.CANCELLED: FallbackReason.TRANSFER_ABORTED,
 }
 
 
@@ -64,9 +91,12 @@ class PrefillAsk:
 
 @dataclass(frozen=True)
 class AttemptResult:
-    first_token_id: int | None = None  # set on success
+    landed: LandedKV | None = None  # set on success: every block is here (checksums not yet verified)
+    first_token_id: int | None = None  # set on success (from the DONE notice)
     first_logprobs: TokenLogprobs | None = None
-    fallback: str = ""  # reason label (baton_pd_fallback_total) unless it succeeded or was aborted
+    noticed_at: float = 0.0  # time.monotonic() when the KV link saw the DONE notice
+    notice_wait_s: float = 0.0  # Prefill RPC sent -> DONE notice seen
+    fallback: FallbackReason | None = None  # set unless it succeeded or was aborted
     detail: str = ""
     blocks_safe: bool = True  # False: quarantined until the KV link reports them reclaimable
     retry_elsewhere: bool = False  # another prefill worker may succeed
@@ -74,7 +104,7 @@ class AttemptResult:
 
     @property
     def ok(self) -> bool:
-        return self.first_token_id is not None
+        return self.landed is not None and self.first_token_id is not None
 
 
 @dataclass(frozen=True)
@@ -91,11 +121,12 @@ class RemotePrefill:
         self._peers = peers
         self._config = config
         self._block_size = block_size
+        self._trailing: set[asyncio.Future[_CallEnd]] = set()  # answered after their KV landed
 
     async def run(self, ask: PrefillAsk, peer: PrefillPeer, aborted: asyncio.Event) -> AttemptResult:
         """One attempt, to a definite end (see the module docstring for when blocks are safe).
 
-        Never raises: a bug inside reads as fallback "internal_error" with the blocks' real safety."""
+        Never raises: a bug inside reads as fallback INTERNAL_ERROR with the blocks' real safety."""
         bs, n = self._block_size, len(ask.prompt)
         remote_ids = ask.block_ids[ask.num_cached_tokens // bs:-(-n // bs)]
         deadline = time.monotonic() + self._config.prefill_timeout_s + self._config.notice_grace_s
@@ -103,25 +134,41 @@ class RemotePrefill:
             arrival = await self._link.expect(ask.engine_request_id, remote_ids, deadline, ask.attempt)
         except Exception as e:  # nothing registered, nothing asked: the blocks are ours
             log.exception("%s: cannot expect a transfer", ask.engine_request_id)
-            return AttemptResult(fallback="internal_error", detail=str(e))
+            return AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
         asked = time.monotonic()
         rpc = asyncio.ensure_future(self._call(peer, ask, remote_ids))
         peer.inflight += 1
+        rpc.add_done_callback(lambda _: _leave(peer))
         end: _CallEnd | None = None
         try:
-            end = await self._until_rpc_end(peer, ask, rpc, aborted)
-            answered = time.monotonic()
-            result = AttemptResult(aborted=True) if aborted.is_set() else await self._judge(peer, end, arrival, aborted)
-            _log_phases(ask.engine_request_id, end, answered - asked, time.monotonic() - answered)
+            if await _landed_first(arrival, rpc, aborted):
+                result = _landed(arrival.result(), asked)
+                self._trail(rpc, ask.engine_request_id)  # its answer follows; the WRITE is over already
+            else:
+                end = await self._until_rpc_end(peer, ask, rpc, aborted)
+                answered = time.monotonic()
+                result = (AttemptResult(aborted=True) if aborted.is_set()
+                          else await self._judge(peer, end, arrival, aborted, asked))
+                _log_phases(ask.engine_request_id, end, answered - asked, time.monotonic() - answered)
         except Exception as e:
             log.exception("%s: remote prefill attempt failed", ask.engine_request_id)
-            result = AttemptResult(fallback="internal_error", detail=str(e))
+            result = AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
         finally:
-            peer.inflight -= 1
             safe = await self._link.release(ask.engine_request_id, sender_idle=end is not None and end.idle)
         if not safe:
             log.warning("%s: blocks quarantined (no definite end of the WRITE)", ask.engine_request_id)
         return replace(result, blocks_safe=safe)
+
+    def _trail(self, rpc: asyncio.Future[_CallEnd], request_id: str) -> None:
+        """Keep the Prefill RPC whose KV already landed until it answers (its outcome no longer matters)."""
+        self._trailing.add(rpc)
+
+        def done(fut: asyncio.Future[_CallEnd]) -> None:
+            self._trailing.discard(fut)
+            if not fut.cancelled() and fut.exception() is None and fut.result().response is None:
+                log.info("%s: KV landed, then the Prefill RPC ended %s", request_id, fut.result().code.name)
+
+        rpc.add_done_callback(done)
 
     async def _until_rpc_end(self, peer: PrefillPeer, ask: PrefillAsk, rpc: asyncio.Future[_CallEnd],
                              aborted: asyncio.Event) -> _CallEnd:
@@ -137,13 +184,13 @@ class RemotePrefill:
         return await rpc
 
     async def _judge(self, peer: PrefillPeer, end: _CallEnd, arrival: asyncio.Future[Arrival],
-                     aborted: asyncio.Event) -> AttemptResult:
+                     aborted: asyncio.Event, asked: float) -> AttemptResult:
         if end.response is None:
             label = _RETRY_ELSEWHERE.get(end.code)
             if label is not None:
                 self._peers.mark_down(peer, f"{end.code.name}: {end.details}")
                 return AttemptResult(fallback=label, detail=end.details, retry_elsewhere=True)
-            return AttemptResult(fallback="prefill_error", detail=f"{end.code.name}: {end.details}")
+            return AttemptResult(fallback=FallbackReason.PREFILL_ERROR, detail=f"{end.code.name}: {end.details}")
         response = end.response
         state = outcome_from_proto(response.outcome)
         if state is not TransferState.DONE:
@@ -152,12 +199,15 @@ class RemotePrefill:
         if aborted.is_set():
             return AttemptResult(aborted=True)
         if landed is None or landed.state is TransferState.TIMED_OUT:
-            return AttemptResult(fallback="transfer_timeout", detail="no NIXL notice after a DONE response")
+            return AttemptResult(fallback=FallbackReason.TRANSFER_TIMEOUT,
+                                 detail="no NIXL notice after a DONE response")
         if landed.state is not TransferState.DONE:
-            label = "checksum_mismatch" if "checksum" in landed.reason else "transfer_failed"
-            return AttemptResult(fallback=label, detail=landed.reason)
-        logprobs = logprob_from_proto(response.first_logprob) if response.HasField("first_logprob") else None
-        return AttemptResult(first_token_id=response.first_token_id, first_logprobs=logprobs)
+            return AttemptResult(fallback=FallbackReason.TRANSFER_FAILED, detail=landed.reason)
+        result = _landed(landed, asked)
+        if result.first_token_id is None:  # not in the notice: take the answer's
+            logprobs = logprob_from_proto(response.first_logprob) if response.HasField("first_logprob") else None
+            result = replace(result, first_token_id=response.first_token_id, first_logprobs=logprobs)
+        return result
 
     async def _wait_arrival(self, arrival: asyncio.Future[Arrival], aborted: asyncio.Event) -> Arrival | None:
         """The notice follows the bytes; after a DONE response it is at most `notice_grace_s` away."""
@@ -187,6 +237,30 @@ class RemotePrefill:
         except grpc.aio.AioRpcError as e:
             return _CallEnd(None, e.code(), e.details() or "", _idle(e.trailing_metadata()))
         return _CallEnd(response, grpc.StatusCode.OK, "", _idle(await call.trailing_metadata()))
+
+
+async def _landed_first(arrival: asyncio.Future[Arrival], rpc: asyncio.Future[_CallEnd],
+                        aborted: asyncio.Event) -> bool:
+    """Wait for the first of: the arrival, the RPC's end, an abort. True: the KV landed first."""
+    waiter = asyncio.ensure_future(aborted.wait())
+    try:
+        await asyncio.wait(_futures(arrival, rpc, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    return (arrival.done() and not aborted.is_set() and arrival.exception() is None
+            and arrival.result().state is TransferState.DONE)
+
+
+def _landed(arrival: Arrival, asked: float) -> AttemptResult:
+    assert arrival.landed is not None
+    payload = arrival.landed.payload
+    return AttemptResult(landed=arrival.landed, first_token_id=payload.first_token_id,
+                         first_logprobs=payload.first_logprobs, noticed_at=arrival.at,
+                         notice_wait_s=max(arrival.at - asked, 0.0))
+
+
+def _leave(peer: PrefillPeer) -> None:
+    peer.inflight -= 1
 
 
 def _log_phases(request_id: str, end: _CallEnd, rpc_s: float, notice_s: float) -> None:

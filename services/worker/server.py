@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, StepStats
 from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
+from kvtransfer.integrity import LandedVerifier
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
@@ -51,6 +52,7 @@ class WorkerServer:
         self.telemetry = TelemetryBuffer()
         self.port = 0
         self._link: KVLink | None = None
+        self._verifier: LandedVerifier | None = None
         self._decode: DecodeService | None = None
         self._prefill: PrefillService | None = None
         self._peers: PrefillPeers | None = None
@@ -97,6 +99,8 @@ class WorkerServer:
             shards = FollowerShards(runner.call_followers) if isinstance(runner, TensorParallelRunner) else None
             self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", runner.kv_cache, layout,
                                 cfg.transfer, self.faults.kv, self._on_reclaimable, shards)
+            self._verifier = LandedVerifier(runner.kv_cache, enabled=cfg.transfer.checksums, faults=self.faults.kv,
+                                            shards=shards)
         if cfg.role is WorkerRole.PREFILL:
             assert self._link is not None
             self._prefill = PrefillService(engine, self._link, cfg.transfer, self.faults, self.metrics, block_size)
@@ -104,7 +108,7 @@ class WorkerServer:
             assert self._link is not None
             self._peers = PrefillPeers(cfg.prefill_peers, self._link, self.worker_id, cfg.transfer.peer_down_s)
             remote = RemotePrefill(self._link, self._peers, cfg.transfer, block_size)
-            self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers)
+            self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers, self._verifier)
         else:
             self._decode = DecodeService(engine, cfg.policy, self.metrics)
 
@@ -121,27 +125,21 @@ class WorkerServer:
     async def status(self) -> pb.WorkerStatus:
         """A consistent snapshot, taken on the engine thread between steps."""
         assert self._async_engine is not None
-        engine = self.engine
-
-        def snapshot() -> tuple[int, int, int, int, int, int, int]:
-            b, bm = engine.batcher, engine.block_manager
-            return (b.num_waiting, b.num_running, bm.num_free_blocks, bm.num_total_blocks,
-                    b.num_waiting_for_remote_kv, engine.num_held_blocks, b.num_pending_prefill_tokens)
-
-        waiting, running, free, total, remote, held, local_prefill = await self._async_engine.call(snapshot)
-        self.metrics.free_blocks.set(free)
-        self.metrics.held_blocks.set(held)
+        s = await self._async_engine.status()
+        self.metrics.free_blocks.set(s.free_blocks)
+        self.metrics.held_blocks.set(s.held_blocks)
         quarantined = self._decode.num_quarantined if self._decode is not None else 0
         self.metrics.quarantined.set(quarantined)
         return pb.WorkerStatus(
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
-            queue_depth=waiting, running_seqs=running, free_blocks=free, total_blocks=total,
-            block_size=engine.block_manager.block_size, max_num_seqs=engine.config.batcher.max_num_seqs,
+            queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
             # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
             # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum.
-            inflight_prefill_tokens=max(local_prefill, self._prefill.inflight_prefill_tokens
+            inflight_prefill_tokens=max(s.num_pending_prefill_tokens, self._prefill.inflight_prefill_tokens
                                         if self._prefill is not None else 0),
-            held_blocks=held, quarantined_requests=quarantined, waiting_for_remote_kv=remote,
+            held_blocks=s.held_blocks, quarantined_requests=quarantined,
+            waiting_for_remote_kv=s.num_waiting_for_remote_kv,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,
             draining=self._draining)
 
@@ -157,7 +155,7 @@ class WorkerServer:
 
     async def _collect_kv_events(self) -> None:
         assert self._async_engine is not None
-        events = await self._async_engine.call(self.engine.block_manager.drain_events)
+        events = await self._async_engine.drain_kv_events()
         self.telemetry.add_kv_events(events)
 
     async def _drain_kv_events_forever(self) -> None:

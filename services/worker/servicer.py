@@ -152,7 +152,7 @@ def _missing(field: str) -> str:
 def _response(event: GenerateEvent, request_id: str) -> pb.GenerateResponse:
     msg = convert.output_to_proto(event.output, request_id)
     msg.prefill_path = _PATHS[event.prefill_path]
-    msg.fallback_reason = event.fallback_reason
+    msg.fallback_reason = event.fallback_reason.value if event.fallback_reason is not None else ""
     return msg
 
 

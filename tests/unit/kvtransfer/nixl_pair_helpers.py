@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import KVLayoutInfo, KVTransfer, TransferFailure
+from kvtransfer.base import KVLayoutInfo, KVTransfer, LandedKV, TransferFailure
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 32 KiB blocks
@@ -46,19 +46,19 @@ def drive(
     receiver: NixlKVReceiver,
     transfers: Iterable[KVTransfer],
     timeout_s: float = 10.0,
-) -> tuple[set[str], dict[str, TransferFailure]]:
+) -> tuple[dict[str, LandedKV], dict[str, TransferFailure]]:
     """Poll both sides from this one thread until every transfer is terminal and the receiver has
-    an outcome for each request (or the real-time timeout passes)."""
+    an outcome for each request (or the real-time timeout passes). Arrivals by request id."""
     transfers = list(transfers)
     wanted = {t.plan.request_id for t in transfers}
-    arrived: set[str] = set()
+    arrived: dict[str, LandedKV] = {}
     failures: dict[str, TransferFailure] = {}
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         sender.poll()
-        arrived |= receiver.poll_arrivals()
+        arrived.update((landed.request_id, landed) for landed in receiver.poll_arrivals())
         failures.update(receiver.poll_failures())
-        if all(t.state.is_terminal for t in transfers) and wanted <= arrived | failures.keys():
+        if all(t.state.is_terminal for t in transfers) and wanted <= arrived.keys() | failures.keys():
             break
     return arrived, failures
 
@@ -75,7 +75,7 @@ def receiver_process(conn: Connection, num_blocks: int, requests: list[tuple[str
     failures: dict[str, TransferFailure] = {}
     give_up = time.monotonic() + 30
     while len(arrived) + len(failures) < len(requests) and time.monotonic() < give_up:
-        arrived |= receiver.poll_arrivals()
+        arrived |= {landed.request_id for landed in receiver.poll_arrivals()}
         failures.update(receiver.poll_failures())
     landed = {rid: agent.kv_cache[ids].numpy().copy() for rid, ids in requests}
     conn.send((arrived, failures, landed))

@@ -4,9 +4,11 @@ from dataclasses import replace
 
 import pytest
 
+from engine.batch import TokenLogprobs
 from engine.kv_cache import KVCacheSpec
 from kvtransfer.base import (
     KV_PROTOCOL_VERSION,
+    HandoffPayload,
     HandshakeInfo,
     KVLayoutInfo,
     TransferPlan,
@@ -120,8 +122,19 @@ def test_terminal_states() -> None:
 
 
 def test_notice_round_trips_with_checksums() -> None:
-    notice = TransferNotice(NoticeKind.DONE, "req-é/1", 2, 3, checksums=(0, 2**64 - 1, 42))
+    notice = TransferNotice(NoticeKind.DONE, "req-é/1", 2, 3, HandoffPayload(checksums=(0, 2**64 - 1, 42)))
     assert TransferNotice.decode(notice.encode()) == notice
+
+
+def test_done_notice_round_trips_the_first_token_and_its_logprobs() -> None:
+    logprobs = TokenLogprobs(17, -0.25, ((17, -0.25), (4, -1.5)))
+    notice = TransferNotice(NoticeKind.DONE, "r", 0, 2, HandoffPayload((1, 2), 17, logprobs))
+    assert TransferNotice.decode(notice.encode()).payload == HandoffPayload((1, 2), 17, logprobs)
+
+
+def test_a_plan_refuses_checksums_that_do_not_cover_its_blocks() -> None:
+    with pytest.raises(InvalidTransferPlanError, match="3 checksums for 2 blocks"):
+        TransferPlan.create("r", [1, 2], [3, 4], now=0, timeout_s=1, payload=HandoffPayload((1, 2, 3)))
 
 
 def test_abort_notice_round_trips_with_reason() -> None:
@@ -130,7 +143,8 @@ def test_abort_notice_round_trips_with_reason() -> None:
 
 
 @pytest.mark.parametrize(
-    "raw", [b"hello", b"BKV1{not json", b'BKV1{"k":"done"}', b'BKV1{"k":"x","r":"a","a":0,"n":1}']
+    "raw", [b"hello", b"BKV2{not json", b'BKV2{"k":"done"}', b'BKV2{"k":"x","r":"a","a":0,"n":1}',
+            b'BKV1{"k":"done","r":"a","a":0,"n":1}', b'BKV2{"k":"done","r":"a","a":0,"n":1,"lp":[1]}']
 )
 def test_foreign_notifications_are_malformed(raw: bytes) -> None:
     with pytest.raises(MalformedNotificationError):

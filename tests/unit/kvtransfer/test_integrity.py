@@ -87,7 +87,7 @@ def _reference_checksum(block: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("segment_words", [1 << 21, 1000])
 def test_checksum_matches_the_documented_formula(monkeypatch, segment_words: int) -> None:
-    monkeypatch.setattr("kvtransfer.integrity._SEGMENT_WORDS", segment_words)
+    monkeypatch.setattr("engine.kv_integrity._SEGMENT_WORDS", segment_words)
     kv = _kv()
     kv[3].reshape(-1).view(torch.int16)[:] = 32767  # extreme words: the largest partial sums
     assert block_checksums(kv, [3, 11]) == [_reference_checksum(kv[3]), _reference_checksum(kv[11])]

@@ -17,7 +17,7 @@ require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, neve
 
 from nixl_pair_helpers import LAYOUT, SPEC, ManualClock, drive, make_agent, receiver_process  # noqa: E402
 
-from kvtransfer.base import HandshakeInfo, TransferPlan, TransferState  # noqa: E402
+from kvtransfer.base import HandoffPayload, HandshakeInfo, TransferPlan, TransferState  # noqa: E402
 from kvtransfer.errors import (  # noqa: E402
     IncompatiblePeerError,
     InvalidTransferPlanError,
@@ -25,7 +25,8 @@ from kvtransfer.errors import (  # noqa: E402
     UnknownPeerError,
 )
 from kvtransfer.faults import Fault, FaultInjector  # noqa: E402
-from kvtransfer.nixl import NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig  # noqa: E402
+from kvtransfer.integrity import LandedVerifier, block_checksums  # noqa: E402
+from kvtransfer.nixl import NixlKVReceiver, NixlKVSender, ReceiverConfig  # noqa: E402
 
 NUM_BLOCKS = 48
 TIMEOUT_S = 5.0
@@ -46,7 +47,7 @@ def pair(clock, faults):
     """(sender, receiver, peer name) on two agents in this process; checksums on both sides."""
     prefill = make_agent("prefill", NUM_BLOCKS, random_fill=True)
     decode = make_agent("decode", NUM_BLOCKS, random_fill=False)
-    sender = NixlKVSender(prefill, SenderConfig(checksums=True), faults, clock)
+    sender = NixlKVSender(prefill, faults=faults, clock=clock)
     receiver = NixlKVReceiver(decode, ReceiverConfig(quarantine_s=60.0), faults, clock)
     peer = sender.add_peer(receiver.handshake_info)
     yield sender, receiver, peer
@@ -99,7 +100,7 @@ def test_notification_reports_exactly_the_arrived_requests(pair, clock) -> None:
     _expect(receiver, clock, plans[0])
     _expect(receiver, clock, plans[1])
     arrived, failures = drive(sender, receiver, [sender.start(peer, p) for p in plans])
-    assert (arrived, failures) == ({"req-a", "req-b"}, {})
+    assert (set(arrived), failures) == ({"req-a", "req-b"}, {})
     assert receiver.state("req-a") is TransferState.DONE
 
 
@@ -199,15 +200,32 @@ def test_blocks_released_mid_write_become_reusable_when_the_write_lands(pair, cl
     assert reclaimed == {"req-aborted"} and receiver.stale_notices == 0
 
 
+def _with_checksums(sender: NixlKVSender, plan: TransferPlan) -> TransferPlan:
+    """The plan as the prefill engine hands it over: its source blocks' checksums and first token."""
+    sums = tuple(block_checksums(_kv(sender), plan.local_block_ids))
+    return replace(plan, payload=HandoffPayload(sums, first_token_id=7))
+
+
+def test_landed_payload_carries_the_checksums_and_first_token(pair, clock) -> None:
+    sender, receiver, peer = pair
+    plan = _with_checksums(sender, _plan(clock, "req-payload"))
+    _expect(receiver, clock, plan)
+    arrived, _ = drive(sender, receiver, [sender.start(peer, plan)])
+    landed = arrived["req-payload"]
+    assert (landed.block_ids, landed.payload) == (plan.remote_block_ids, plan.payload)
+    assert LandedVerifier(_kv(receiver)).problem(landed) == ""
+
+
 def test_checksum_detects_a_corrupted_destination_byte(pair, clock, faults) -> None:
     sender, receiver, peer = pair
-    plan = _plan(clock, "req-corrupt")
+    plan = _with_checksums(sender, _plan(clock, "req-corrupt"))
     _expect(receiver, clock, plan)
     faults.arm(Fault.CORRUPT_DESTINATION)
     transfer = sender.start(peer, plan)
     arrived, failures = drive(sender, receiver, [transfer])
-    assert transfer.state is TransferState.DONE and not arrived
-    assert failures["req-corrupt"].reason == f"checksum mismatch in 1 block(s): [{plan.remote_block_ids[0]}]"
+    assert transfer.state is TransferState.DONE and not failures
+    problem = LandedVerifier(_kv(receiver), faults=faults).problem(arrived["req-corrupt"])
+    assert problem == f"checksum mismatch in 1 block(s): [{plan.remote_block_ids[0]}]"
 
 
 def test_unknown_peer_and_out_of_range_blocks_are_refused_before_posting(pair, clock) -> None:
@@ -235,7 +253,7 @@ def test_no_handle_leaks_after_200_transfers(pair, clock) -> None:
         )
         _expect(receiver, clock, plan)
         arrived, _ = drive(sender, receiver, [sender.start(peer, plan)])
-        assert arrived == {plan.request_id}
+        assert set(arrived) == {plan.request_id}
         receiver.release(plan.request_id)
     agent = sender._agent
     assert (agent.live_xfer_handles, agent.raw._leaked_xfer_handles, sender.num_inflight) == (0, [], 0)
@@ -252,7 +270,7 @@ def test_two_processes_write_and_notify(clock) -> None:
     try:
         assert parent.poll(30), "receiver process did not send its handshake"
         info: HandshakeInfo = parent.recv()
-        sender = NixlKVSender(prefill, SenderConfig(checksums=True))
+        sender = NixlKVSender(prefill)
         peer = sender.add_peer(info)
         sources = {"req-x": [1, 2, 30, 31, 7], "req-y": [50, 51, 52, 53]}
         states = []
@@ -294,7 +312,7 @@ def test_write_lands_with_nixl_progress_threads(clock, faults) -> None:
     """`--nixl-progress-thread`: the same WRITE + notice with NIXL progressing on its own threads."""
     prefill = make_agent("prefill", NUM_BLOCKS, random_fill=True, progress_thread=True)
     decode = make_agent("decode", NUM_BLOCKS, random_fill=False, progress_thread=True)
-    sender = NixlKVSender(prefill, SenderConfig(checksums=True), faults, clock)
+    sender = NixlKVSender(prefill, faults=faults, clock=clock)
     receiver = NixlKVReceiver(decode, ReceiverConfig(quarantine_s=60.0), faults, clock)
     try:
         peer = sender.add_peer(receiver.handshake_info)
@@ -302,7 +320,7 @@ def test_write_lands_with_nixl_progress_threads(clock, faults) -> None:
         _expect(receiver, clock, plan)
         transfer = sender.start(peer, plan)
         arrived, _ = drive(sender, receiver, [transfer])
-        assert transfer.state is TransferState.DONE and arrived == {"req-pt"}
+        assert transfer.state is TransferState.DONE and set(arrived) == {"req-pt"}
         assert torch.equal(_kv(receiver)[list(plan.remote_block_ids)], _kv(sender)[list(plan.local_block_ids)])
     finally:
         sender.close()

@@ -22,9 +22,10 @@ require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, neve
 sys.path.insert(0, str(Path(__file__).parents[1] / "kvtransfer"))
 from nixl_pair_helpers import LAYOUT, SPEC, drive  # noqa: E402
 
-from kvtransfer.base import TransferPlan, TransferState  # noqa: E402
+from kvtransfer.base import HandoffPayload, TransferPlan, TransferState  # noqa: E402
 from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte  # noqa: E402
-from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig, SenderConfig  # noqa: E402
+from kvtransfer.integrity import LandedVerifier, block_checksums  # noqa: E402
+from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig  # noqa: E402
 from services.worker.kv_shards import FollowerShards, ShardAgent  # noqa: E402
 
 NUM_BLOCKS = 32
@@ -60,7 +61,7 @@ class Workers:
         self.prefill1 = ShardAgent(f"prefill-{tag}-tp1", self.prefill_kv[1], RANK1, 1e-3, 5e-5)
         self.decode1 = ShardAgent(f"decode-{tag}-tp1", self.decode_kv[1], RANK1, 1e-3, 5e-5)
         self.decode_hooks: dict[str, object] = {}
-        self.sender = NixlKVSender(self.prefill0, SenderConfig(checksums=True), faults,
+        self.sender = NixlKVSender(self.prefill0, faults=faults,
                                    shards=FollowerShards(_direct(self.prefill1)))
         self.receiver = NixlKVReceiver(self.decode0, ReceiverConfig(quarantine_s=60.0), faults,
                                        shards=FollowerShards(_direct(self.decode1, self.decode_hooks)))
@@ -86,10 +87,17 @@ def workers(faults):
     pair.close()
 
 
-def _plan(request_id: str) -> TransferPlan:
+def _plan(request_id: str, checksums_of: torch.Tensor | None = None) -> TransferPlan:
+    """`checksums_of`: rank 0's KV, checksummed into the payload as the prefill engine does."""
     rng = random.Random(request_id)
     local, remote = rng.sample(range(NUM_BLOCKS), 5), rng.sample(range(NUM_BLOCKS), 5)
-    return TransferPlan.create(request_id, local, remote, now=time.monotonic(), timeout_s=5.0)
+    sums = None if checksums_of is None else tuple(block_checksums(checksums_of, local))
+    return TransferPlan.create(request_id, local, remote, now=time.monotonic(), timeout_s=5.0,
+                               payload=HandoffPayload(sums, first_token_id=3))
+
+
+def _verifier(workers: Workers) -> LandedVerifier:
+    return LandedVerifier(workers.decode_kv[0], shards=FollowerShards(_direct(workers.decode1, workers.decode_hooks)))
 
 
 def _start(workers: Workers, plan: TransferPlan):  # noqa: ANN202
@@ -105,10 +113,11 @@ def test_the_handshake_lists_the_follower_ranks_agents(workers) -> None:
 
 
 def test_every_rank_lands_its_shard_before_the_one_notice(workers) -> None:
-    plan = _plan("req-tp")
+    plan = _plan("req-tp", workers.prefill_kv[0])
     transfer, arrived, failures = _start(workers, plan)
-    assert transfer.state is TransferState.DONE and arrived == {"req-tp"} and not failures
-    for rank in (0, 1):  # and the notice's checksums covered both ranks (verified on arrival)
+    assert transfer.state is TransferState.DONE and set(arrived) == {"req-tp"} and not failures
+    assert _verifier(workers).problem(arrived["req-tp"]) == ""  # the notice's checksums cover both ranks
+    for rank in (0, 1):
         sent = workers.prefill_kv[rank][list(plan.local_block_ids)]
         assert torch.equal(workers.decode_kv[rank][list(plan.remote_block_ids)], sent)
 
@@ -122,9 +131,10 @@ def test_a_failed_follower_write_fails_the_whole_transfer(workers, faults) -> No
 
 
 def test_a_corrupted_follower_block_fails_the_checksum(workers) -> None:
-    plan = _plan("req-corrupt")
+    plan = _plan("req-corrupt", workers.prefill_kv[0])
     bad = plan.remote_block_ids[2]
     workers.decode_hooks["checksums"] = lambda: corrupt_block_byte(workers.decode_kv[1], bad)
     transfer, arrived, failures = _start(workers, plan)
-    assert transfer.state is TransferState.DONE and not arrived
-    assert failures["req-corrupt"].reason == f"checksum mismatch in 1 block(s): [rank 1 block {bad}]"
+    assert transfer.state is TransferState.DONE and not failures
+    problem = _verifier(workers).problem(arrived["req-corrupt"])
+    assert problem == f"checksum mismatch in 1 block(s): [rank 1 block {bad}]"

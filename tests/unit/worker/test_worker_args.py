@@ -56,8 +56,10 @@ def test_tensor_parallel_size_reaches_the_engine_and_the_worker_config() -> None
     assert build_worker_config(args).tensor_parallel_size == 3
 
 
-def test_nixl_progress_thread_is_off_by_default_and_reaches_the_transfer_config() -> None:
+def test_nixl_progress_thread_follows_the_device_unless_set_and_reaches_the_transfer_config() -> None:
     from services.worker.main import build_worker_config
 
-    assert build_worker_config(_parse()).transfer.progress_thread is False
+    assert build_worker_config(_parse()).transfer.progress_thread is None  # on for a GPU KV cache only
     assert build_worker_config(_parse("--nixl-progress-thread")).transfer.progress_thread is True
+    assert build_worker_config(_parse("--no-nixl-progress-thread")).transfer.progress_thread is False
+    assert build_worker_config(_parse("--nixl-threads", "4")).transfer.nixl_threads == 4
