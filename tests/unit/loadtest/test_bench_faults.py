@@ -97,3 +97,14 @@ def test_cli_reports_goodput_before_during_and_after_the_fault(sse_server: Bench
     windows = json.loads(out.read_text())["runs"][0]["summary"]["fault_windows"]["victim@0.2"]
     assert set(windows) == {"before", "during", "after"}
     assert sum(w["requests"] for w in windows.values()) == 12
+
+
+def test_a_serve_run_file_names_the_pids_that_may_be_killed(tmp_path: Path) -> None:
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps({"pids": {"worker-prefill": victim.pid}}))
+    controller = make_controller(None, None, None, "SIGKILL", str(run_file))
+    assert "worker-prefill pid" in controller.kill("worker-prefill")
+    assert victim.wait(10) == -9
+    with pytest.raises(FaultError, match="not running under this baton serve"):
+        controller.kill("gateway")

@@ -1,0 +1,82 @@
+"""Chaos: `baton serve` (real Postgres, Redis and broker, embedded) keeps serving while its children are
+SIGKILLed one after another under a steady load of streaming chats.
+
+Killed in turn: the prefill worker (decode prefills locally meanwhile), the billing consumer, Redis
+(rate limits fail open) and the gateway. (Safety is off to keep the test short on two cores; it is
+restarted like any other gRPC child.) Asserted: no request hangs; after each
+kill a request started after it completes within RECOVERY_S; every completed request is billed
+exactly once (one `usage_events` row per request id); `baton serve` still exits 0 on SIGTERM.
+The kills go through loadtest's `ServeRunController`, i.e. the run file `baton serve` writes.
+Figures (requests lost per kill, recovery time) are printed; docs/benchmarks.md records them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psycopg
+
+from loadtest.faults import ServeRunController
+from tests.chaos.serve_load import ServeProcess, SteadyLoad
+from tests.support.gateway_stack import MODEL
+
+VICTIMS = ("worker-prefill", "billing", "redis", "gateway")
+RECOVERY_S = 30.0  # a kill must be followed by a completed request within this long
+BILLING_S = 30.0  # every completed request is billed within this long after the load stops
+
+
+def _recover(load: SteadyLoad, killed_at: float) -> float:
+    deadline = killed_at + RECOVERY_S
+    while load.completed_since(killed_at) == 0:
+        assert time.monotonic() < deadline, f"nothing completed within {RECOVERY_S}s of the kill"
+        time.sleep(0.1)
+    return time.monotonic() - killed_at
+
+
+def _billed(database_url: str, ids: set[str]) -> dict[str, int]:
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT request_id, count(*) FROM usage_events WHERE request_id = ANY(%s) "
+                            "GROUP BY 1", (list(ids),)).fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
+def test_children_killed_in_turn_lose_no_billing_and_the_cluster_recovers(tmp_path: Path,
+                                                                          default_model_dir: Path) -> None:
+    serve = ServeProcess(default_model_dir, tmp_path / "serve.log")
+    try:
+        started = time.monotonic()
+        serve.wait_ready(240)
+        ready_s = time.monotonic() - started
+        run = serve.run()
+        controller = ServeRunController(str(serve.run_file))
+        load = SteadyLoad(serve.url, serve.key, MODEL)
+        load.start()
+        _recover(load, time.monotonic())  # warm: the first request completes
+        figures = []
+        for victim in VICTIMS:
+            before = len(load.outcomes)
+            killed_at = time.monotonic()
+            controller.kill(victim)
+            controller.restart(victim)  # waits until baton serve runs it under a new pid
+            recovery = _recover(load, killed_at)
+            in_flight = [o for o in load.outcomes[before:] if o.started < killed_at]
+            figures.append((victim, recovery, sum(o.result != "completed" for o in in_flight),
+                            sum(o.result != "completed" and o.started >= killed_at for o in load.outcomes[before:])))
+        load.stop()
+        hung = [o for o in load.outcomes if o.result == "hung"]
+        assert not hung, f"{len(hung)} requests hung"
+        completed = {o.request_id for o in load.outcomes if o.result == "completed"}
+        deadline = time.monotonic() + BILLING_S
+        while (billed := _billed(run["database_url"], completed)).keys() != completed and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert completed - billed.keys() == set(), f"{len(completed - billed.keys())} completed requests unbilled"
+        assert set(billed.values()) == {1}
+        print(f"\nchaos: {len(load.outcomes)} requests, {len(completed)} completed and billed once")
+        print(f"  cluster ready after {ready_s:.1f}s")
+        for victim, recovery, lost, refused in figures:
+            print(f"  kill -9 {victim:15s} serving again after {recovery:5.1f}s; in-flight requests lost: {lost}; "
+                  f"requests refused meanwhile: {refused}")
+    finally:
+        code = serve.stop()
+    assert code == 0, serve.log_path.read_text()[-3000:]
