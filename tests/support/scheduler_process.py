@@ -78,15 +78,21 @@ class SchedulerProcess:
             time.sleep(0.1)
         raise AssertionError(f"scheduler sees {sorted(seen)} after {timeout_s} s, not {sorted(worker_ids)}")
 
+    def decide(self, summary: RequestSummary) -> tuple[pb.RouteResponse, bool]:
+        """(the final decision for `summary`, whether the scheduler queued it first). The caller owes
+        `finished(request_id)` once the request ends, as the gateway does."""
+        answers = list(self.stub.Route(summary_to_proto(summary), timeout=60))
+        return answers[-1], answers[0].kind == pb.RouteResponse.KIND_QUEUE
+
+    def finished(self, request_id: str) -> None:
+        self.stub.Finished(pb.FinishedRequest(request_id=request_id), timeout=5)
+
     def route(self, summary: RequestSummary) -> pb.RouteResponse:
-        """The final decision for `summary` (a QUEUE message first is skipped), then `Finished` for it, so
-        that probing leaves no load behind in the scheduler's accounting."""
+        """The final decision for `summary`, then `Finished` for it: a probe leaves no load behind."""
         try:
-            final = [r for r in self.stub.Route(summary_to_proto(summary), timeout=30)
-                     if r.kind != pb.RouteResponse.KIND_QUEUE][-1]
+            return self.decide(summary)[0]
         finally:
-            self.stub.Finished(pb.FinishedRequest(request_id=summary.request_id), timeout=5)
-        return final
+            self.finished(summary.request_id)
 
     def log_tail(self, n: int = 40) -> str:
         try:
