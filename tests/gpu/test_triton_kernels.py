@@ -13,11 +13,13 @@ import math
 import pytest
 import torch
 
+from tests.support.required import require_module
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+require_module("triton")
 
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
