@@ -41,9 +41,16 @@ def test_a_gpu_skip_on_a_machine_without_one_passes(tmp_path: Path) -> None:
                                "def test_ok():\n    pass\n\n"
                                "@pytest.mark.skipif(True, reason='tensor parallelism needs 2 GPUs')\n"
                                "def test_tp():\n    pass\n\n"
-                               "def test_cuda():\n    pytest.skip('needs a CUDA GPU')\n")
+                               "def test_cuda():\n    pytest.skip('needs a CUDA GPU')\n\n"
+                               "def test_two():\n    pytest.skip('needs 2 CUDA GPUs')\n")
     assert run.returncode == 0, run.stdout
-    assert "1 passed, 2 skipped" in run.stdout
+    assert "1 passed, 3 skipped" in run.stdout
+
+
+def test_a_skip_that_mentions_a_gpu_but_lacks_a_package_fails_the_run(tmp_path: Path) -> None:
+    run = _run_suite(tmp_path, "import pytest\n\n"
+                               "def test_kernels():\n    pytest.skip('GPU kernels need triton (pip install triton)')\n")
+    assert run.returncode == 1, run.stdout
 
 
 def test_require_module_errors_with_the_install_hint(tmp_path: Path) -> None:
