@@ -44,8 +44,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy scheduler kvtransfer services
 
+# One xdist worker: a test that hangs is killed by pytest-timeout (thread method) and xdist replaces the
+# worker, so one hang is one failure, not a wedged suite.
 gpu-test:
-	pytest -m gpu tests/gpu
+	pytest -m gpu tests/gpu -n 1 --timeout 300 --timeout-method thread
 
 # The CPU services image with buildah: a debootstrap base FROM scratch, the build, a smoke test.
 image:

@@ -79,6 +79,15 @@ class DecodeGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     @torch.inference_mode()
+    def release(self) -> None:
+        """Destroy every captured graph (and with it the NCCL work captured inside it), then wait for
+        the device: NCCL cannot tear a communicator down while a graph still holds its captured
+        collectives (destroy and even abort then hang: pytorch#115388, seen on 2xH200)."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        torch.cuda.synchronize()
+
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its pool memory.
 

@@ -87,6 +87,12 @@ class ModelRunner:
                  time.perf_counter() - start, self.tp.rank, self.tp.size)
         return model
 
+    def release_graphs(self) -> None:
+        """Before leaving a tensor-parallel group: drop the decode graphs (see DecodeGraphRunner.release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _build_graphs(self) -> DecodeGraphRunner | None:
         """Capture decode graphs, or None where steps run eagerly (see the module docstring)."""
         cfg = self.config

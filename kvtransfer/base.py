@@ -55,6 +55,7 @@ class HandoffPayload:
     checksums: tuple[int, ...] | None = None  # per block in plan order (tensor parallel: rank-major); None: off
     first_token_id: int | None = None  # the prefill's sampled first token
     first_logprobs: TokenLogprobs | None = None
+    prefill_seconds: float = 0.0  # the prefill worker's queue wait + compute for this prompt (metrics)
 
 
 @dataclass(frozen=True)

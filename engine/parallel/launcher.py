@@ -198,6 +198,7 @@ class TensorParallelRunner:
             log.warning("tensor parallel shutdown message failed (%s); stopping the followers", e)
         finally:
             self._stop_followers(timeout)
+            self.runner.release_graphs()
             shutdown_tensor_parallel()
 
     def _stop_followers(self, timeout: float) -> None:
@@ -221,6 +222,7 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
     _exit_with_parent(parent)
     tp = init_tensor_parallel(config.parallel, rank, port, _device_type(config))
     service: Any = None
+    runner: ModelRunner | None = None
     try:
         loaded = load_model(config.model, config.load_format, config.dtype, tp.device, seed=config.seed,
                             cache_dir=config.cache_dir)
@@ -239,6 +241,8 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
         close = getattr(service, "close", None)
         if close is not None:
             close()
+        if runner is not None:
+            runner.release_graphs()
         shutdown_tensor_parallel()
 
 

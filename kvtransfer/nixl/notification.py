@@ -76,6 +76,8 @@ def _encode_payload(payload: HandoffPayload) -> dict[str, object]:
         body["c"] = list(payload.checksums)
     if payload.first_token_id is not None:
         body["t"] = payload.first_token_id
+    if payload.prefill_seconds:
+        body["ps"] = round(payload.prefill_seconds, 6)
     lp = payload.first_logprobs
     if lp is not None:
         body["lp"] = [lp.token_id, lp.logprob, [list(pair) for pair in lp.top]]
@@ -93,4 +95,5 @@ def _decode_payload(body: dict[str, Any]) -> HandoffPayload:
         checksums=None if sums is None else tuple(int(c) for c in sums),
         first_token_id=None if token is None else int(token),
         first_logprobs=logprobs,
+        prefill_seconds=float(body.get("ps", 0.0)),
     )

@@ -81,6 +81,7 @@ from loadtest.experiments.distserve_plan import (
     kv_bytes_per_block,
     make_plan,
 )
+from loadtest.experiments.handoff_phases import PHASE_PREFIXES, phase_summary
 
 log = logging.getLogger("loadtest.experiments.distserve")
 
@@ -133,13 +134,16 @@ def run_configuration(config: str, plan: Plan, work: Path, deadline: float, conf
                             name, need, share_end - time.monotonic())
                 continue
             started = time.monotonic()
+            counters = cluster.worker_counters(PHASE_PREFIXES, buckets=True)
             num = max(1, math.ceil(rate * plan.duration_s))
             seed = 1000 * [w.name for w in plan.workloads].index(workload.name) + index + 1
             code = bench(cluster.url, plan.spec.model_dir, workload.args,
                          ["--num-prompts", str(num), "--request-rate", f"{rate:g}", "--seed", str(seed),
                           "--max-duration", f"{1.5 * plan.duration_s:g}"], work / "runs" / f"{name}.json",
                          plan.request_timeout_s, slo)
-            entry["runs"].append({"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1)})
+            phases = phase_summary(counters, cluster.worker_counters(PHASE_PREFIXES, buckets=True))
+            entry["runs"].append({"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1),
+                                  "handoff_phases": phases})
             log.warning("%s: done in %.1f s (exit %d)", name, time.monotonic() - started, code)
         entry["worker_counters"] = cluster.worker_counters()
 

@@ -29,7 +29,7 @@ WORKER_READY = "BATON_WORKER_READY"
 CONFIGS = ("disagg", "colocated")
 # What shows where prompts were prefilled and how the KV moved (scraped after each configuration).
 METRIC_PREFIXES = ("baton_pd_prefill_path", "baton_pd_fallback", "baton_worker_requests", "baton_kv_transfer_seconds",
-                   "baton_pd_handoff_seconds")
+                   "baton_pd_handoff_seconds", "baton_pd_handoff_phase_seconds")
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,11 @@ class Cluster:
             except Exception:  # noqa: BLE001 - keep stopping the others
                 process.kill()
 
-    def worker_counters(self, prefixes: tuple[str, ...] = METRIC_PREFIXES) -> dict[str, dict[str, float]]:
-        """Each worker's samples whose name starts with one of `prefixes` (diagnostics; {} if unreachable)."""
+    def worker_counters(self, prefixes: tuple[str, ...] = METRIC_PREFIXES,
+                        buckets: bool = False) -> dict[str, dict[str, float]]:
+        """Each worker's samples whose name starts with one of `prefixes` (diagnostics; {} if unreachable);
+        histogram buckets too with `buckets` (for per-run quantiles: loadtest/experiments/handoff_phases.py)."""
+        skip = ("_created",) if buckets else ("_created", "_bucket")
         from prometheus_client.parser import text_string_to_metric_families
 
         out: dict[str, dict[str, float]] = {}
@@ -165,7 +168,7 @@ class Cluster:
             samples = out[name] = {}
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name.startswith(prefixes) and not sample.name.endswith(("_created", "_bucket")):
+                    if sample.name.startswith(prefixes) and not sample.name.endswith(skip):
                         labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                         samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return out

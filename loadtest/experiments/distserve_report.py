@@ -166,5 +166,18 @@ def print_tables(summary: dict[str, Any]) -> None:
               + json.dumps([(r["rate"], r["goodput_ratio"]) for r in entry["ratio_by_rate"]]))
 
 
+    print_handoff_phases(summary)
+
+
+def print_handoff_phases(summary: dict[str, Any]) -> None:
+    """Per disaggregated run: each hand-off phase's count, p50 / p90 / mean (ms), worker by worker."""
+    runs = summary.get("configurations", {}).get("disagg", {}).get("runs", [])
+    for run in runs:
+        for worker, phases in sorted((run.get("handoff_phases") or {}).items()):
+            cells = [f"{p} n={v['count']} p50={_f(v['p50_ms'])} p90={_f(v['p90_ms'])} mean={_f(v['mean_ms'])}"
+                     for p, v in sorted(phases.items())]
+            print(f"hand-off {run['run']} {worker}: " + "; ".join(cells))
+
+
 def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"

@@ -23,7 +23,8 @@ vocab 32000, max_position 4096; KV 64 KiB per token.
     from calling Generate to the first response carrying tokens (client side, gRPC included).
     Reports p50 / p90 per path and the p50 difference (target: disagg adds <= 5 ms), and from the
     workers' Prometheus metrics over the TTFT phase: the prefill side's mean KV WRITE time and GB/s
-    (64 MiB per 1k-token prompt) and the decode side's mean hand-off time (reserve -> KV committed).
+    (64 MiB per 1k-token prompt), the decode side's mean hand-off time (reserve -> KV committed), and
+    every hand-off phase's count / p50 / p90 / mean (`handoff_phases`, loadtest/experiments/handoff_phases.py).
     A WRITE far below NVLink speed means UCX did not use cuda_ipc (e.g. fell back to TCP).
 Exit code: 0 only if every request succeeded, identity holds and the prefill paths are as expected.
 Workers are stopped at the end and on any failure (SIGTERM, then SIGKILL); every wait has a timeout.
@@ -52,6 +53,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadtest.experiments.handoff_phases import phase_summary, scrape
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 
@@ -335,6 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+def scrape_phases(*workers: Worker) -> dict[str, dict[str, float]]:
+    """Each worker's hand-off phase histograms ({} for one that cannot be scraped: diagnostics only)."""
+    out: dict[str, dict[str, float]] = {}
+    for w in workers:
+        try:
+            out[w.name] = scrape(f"http://127.0.0.1:{w.metrics_port}/metrics")
+        except OSError as e:
+            log(f"hand-off phases of {w.name} unavailable: {e}")
+    return out
+
+
 def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
@@ -413,9 +426,11 @@ def run_checks(args: argparse.Namespace, model_cfg: dict, prefill: Worker, decod
     ttft: dict[str, list[float]] = {"disagg": [], "both": []}
     paths_seen: list[str] = []
     metrics_before: tuple[dict, dict] = ({}, {})
+    phases_before: dict[str, dict[str, float]] = {}
     for i in range(args.ttft_warmup + args.ttft_requests):
         if i == args.ttft_warmup:
             metrics_before = (prefill.metrics(), decode.metrics())
+            phases_before = scrape_phases(prefill, decode)
         for key, w in (("disagg", decode), ("both", both)):
             r = generate(w, prompt(args.ttft_prompt), args.ttft_max_tokens, timeout)
             if r["error"] or r["ttft_s"] is None:
@@ -434,6 +449,7 @@ def run_checks(args: argparse.Namespace, model_cfg: dict, prefill: Worker, decod
     report["ttft"]["disagg_paths"] = sorted(set(paths_seen))
     report["kv_during_ttft"] = kv_stats(metric_delta(metrics_before[0], prefill.metrics()),
                                         metric_delta(metrics_before[1], decode.metrics()))
+    report["handoff_phases"] = phase_summary(phases_before, scrape_phases(prefill, decode))
     if ttft["disagg"] and ttft["both"]:
         report["ttft"]["p50_added_ms"] = report["ttft"]["disagg"]["p50_ms"] - report["ttft"]["both"]["p50_ms"]
     return 0 if not failures else 1
@@ -482,6 +498,10 @@ def print_tables(report: dict, args: argparse.Namespace) -> None:
               f"(reserve -> committed) mean {kv['handoff_mean_ms'] or 0:.2f} ms over {kv['handoffs']}")
     elif kv is not None:
         print("KV hand-off metrics: none scraped")
+    for worker, phases in sorted((report.get("handoff_phases") or {}).items()):
+        for phase, v in sorted(phases.items()):
+            print(f"hand-off phase {worker:>10} {phase:<17} n={v['count']:<4} p50 {v['p50_ms']} ms  "
+                  f"p90 {v['p90_ms']} ms  mean {v['mean_ms']} ms")
     if report.get("startup_s") is not None:
         print(f"\nstartup {report['startup_s']:.1f} s, warm-up {report.get('warmup_s', 0):.1f} s, "
               f"logs: {report['log_dir']}")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 cd "$(dirname "$0")/../.." && ls .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/baton-site .whl/*.whl && export PYTHONPATH=/tmp/baton-site${PYTHONPATH:+:$PYTHONPATH}
-# Disaggregation on 2 GPUs in one call: the NIXL KV WRITE benchmark (GPU0 -> GPU1, VRAM) and the
-# 3-worker identity + TTFT benchmark, each under its own time limit (6 minutes in all at worst).
+# Disaggregation on 2 GPUs in one call: the 3-worker identity + TTFT benchmark, the GPU tests
+# (`pytest -m gpu tests/gpu`, one process per test file under pytest-xdist so that a hung test is one
+# failure: pytest-timeout's thread method kills the hung worker and xdist replaces it), and the NIXL KV
+# WRITE benchmark (GPU0 -> GPU1, VRAM, with and without checksums), each under its own time limit.
 # The line above installs the wheels carried in .whl/ (nixl, nixl_cu13, gguf) into /tmp/baton-site.
 #
 #   OUT=/some/dir bash loadtest/micro/disagg_suite.sh          # from anywhere; OUT defaults to ./disagg-out
@@ -56,10 +58,14 @@ step() {  # step NAME LIMIT_S CMD...: run under a time limit into $OUT/NAME.log;
   echo "$name rc=$rc $((SECONDS - start))s (limit ${limit}s)" | tee -a "$SUMMARY"
 }
 
-step kv_transfer 120 $PY -m loadtest.micro.bench_kv_transfer "${SMOKE_FLAG[@]}" --timeout-s 110 \
-  --out "$OUT/kv_transfer.json"
-step disagg 240 $PY -m loadtest.micro.bench_disagg_gpu "${SMOKE_FLAG[@]}" --timeout-s 225 \
+step disagg 200 $PY -m loadtest.micro.bench_disagg_gpu "${SMOKE_FLAG[@]}" --timeout-s 190 \
   --log-dir "$OUT/disagg-logs" --out "$OUT/disagg.json"
+if [ "${SMOKE:-0}" != 1 ]; then
+  step gpu_tests "${GPU_TESTS_LIMIT_S:-280}" $PY -m pytest -m gpu tests/gpu -p no:cacheprovider -n 1 \
+    --timeout 240 --timeout-method thread -rA
+fi
+step kv_transfer 100 $PY -m loadtest.micro.bench_kv_transfer "${SMOKE_FLAG[@]}" --timeout-s 90 \
+  --out "$OUT/kv_transfer.json"
 
 table() {  # table NAME FIRST_LINE_REGEX: the log from the table on, else its last 40 lines
   echo
@@ -70,8 +76,9 @@ table() {  # table NAME FIRST_LINE_REGEX: the log from the table on, else its la
     tail -n 40 "$OUT/$1.log" 2>/dev/null || echo "(no log)"
   fi
 }
-table kv_transfer '^NIXL KV WRITE'
 table disagg '^Disaggregated serving'
+table gpu_tests 'short test summary'
+table kv_transfer '^NIXL KV WRITE'
 echo
 echo "=== summary"
 cat "$SUMMARY"

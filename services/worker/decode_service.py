@@ -287,8 +287,12 @@ class DecodeService:
             erid, token, result.first_logprobs, verify=lambda: verifier.problem(landed) if verifier else "")
 
     def _observe_handoff(self, result: AttemptResult, reserved: float) -> None:
-        self._metrics.handoff_seconds.observe(time.perf_counter() - reserved)
-        self._metrics.handoff_phase(HandoffPhase.HANDOFF, time.perf_counter() - reserved)
+        handoff = time.perf_counter() - reserved
+        self._metrics.handoff_seconds.observe(handoff)
+        self._metrics.handoff_phase(HandoffPhase.HANDOFF, handoff)
+        if result.landed is not None and result.landed.payload.prefill_seconds:
+            overhead = max(handoff - result.landed.payload.prefill_seconds, 0.0)
+            self._metrics.handoff_phase(HandoffPhase.OVERHEAD, overhead)
         self._metrics.handoff_phase(HandoffPhase.NOTICE_WAIT, result.notice_wait_s)
         self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(time.monotonic() - result.noticed_at, 0.0))
 

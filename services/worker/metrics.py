@@ -13,7 +13,8 @@ from engine.llm_engine import StepStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
-_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035, 0.05, 0.075, 0.1,
+                  0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class HandoffPhase(StrEnum):
@@ -25,6 +26,9 @@ class HandoffPhase(StrEnum):
     NOTICE_WAIT = "notice_wait"  # decode worker: Prefill RPC sent -> DONE notice seen by the KV link
     NOTICE_TO_COMMIT = "notice_to_commit"  # decode worker: DONE notice seen -> verified and in the batch
     HANDOFF = "handoff"  # decode worker: blocks reserved -> committed (the whole remote prefill)
+    # decode worker: HANDOFF minus the prefill worker's own queue wait + compute (from the notice):
+    # what disaggregation adds to TTFT (RPC, WRITE, notice, verification, commit)
+    OVERHEAD = "overhead"
 
 
 class WorkerMetrics:

@@ -178,7 +178,7 @@ class PrefillService:
             prefill_s = time.monotonic() - start
             if job.aborted.is_set():
                 return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted after prefill")
-            sent = await self._transfer(job, held, first)
+            sent = await self._transfer(job, held, first, max(held.finished_at - start, 0.0))
             self._metrics.transfer_seconds.labels(sent.state.value).observe(sent.seconds)
             if sent.state is TransferState.DONE:
                 self._metrics.transfer_bytes.inc(sent.num_bytes)
@@ -222,7 +222,7 @@ class PrefillService:
             return None
         return out
 
-    async def _transfer(self, job: _Job, held: HeldBlocks, first: RequestOutput) -> TransferResult:
+    async def _transfer(self, job: _Job, held: HeldBlocks, first: RequestOutput, prefill_s: float) -> TransferResult:
         """Post the WRITE and wait until it is terminal, cancelling it if the job is aborted."""
         spec = job.spec
         first_block = spec.num_cached_tokens // self._block_size
@@ -230,7 +230,8 @@ class PrefillService:
         local = held.block_ids[first_block:end]
         payload = HandoffPayload(checksums=None if held.checksums is None else held.checksums[first_block:end],
                                  first_token_id=first.new_token_ids[0],
-                                 first_logprobs=first.logprobs[0] if first.logprobs else None)
+                                 first_logprobs=first.logprobs[0] if first.logprobs else None,
+                                 prefill_seconds=prefill_s)
         plan = TransferPlan.create(spec.request_id, local, spec.remote_block_ids, now=time.monotonic(),
                                    timeout_s=spec.transfer_timeout_s, attempt=spec.attempt, payload=payload)
         done = await self._link.send(spec.decode_agent, plan)  # raises before posting: nothing to wait for
