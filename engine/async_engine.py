@@ -131,7 +131,7 @@ class AsyncEngine:
         def commit() -> str:
             problem = verify()
             if not problem:
-                self.publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
+                self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
             return problem
 
         return await self._call(commit)  # type: ignore[no-any-return]
@@ -249,9 +249,9 @@ class AsyncEngine:
                 self._wakeup.wait(self._idle_sleep_s)
                 self._wakeup.clear()
             return
-        self.publish(outputs)
+        self._publish(outputs)
 
-    def publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput]) -> None:
         """Deliver outputs to their streams (engine thread)."""
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvtransfer.faults import FaultConfig
+from kvtransfer.transport import TransportKind
 
 
 class WorkerRole(StrEnum):
@@ -62,8 +63,11 @@ class TransferConfig:
     # each agent's thread would busy-poll about half a core.
     progress_thread: bool | None = None
     nixl_threads: int = 0  # UCX worker threads per agent (0: NIXL's default)
+    # What moves the blocks (kvtransfer/transport.py): NIXL, or the in-process fake of the unit tests.
+    transport: TransportKind = TransportKind.NIXL
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "transport", TransportKind.parse(self.transport))
         for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,4 +1,4 @@
-"""`KVLink`: one thread that owns this worker's NIXL agent, KV sender and KV receiver.
+"""`KVLink`: one thread that owns this worker's KV transport (sender and receiver over one agent).
 
 Why a thread of its own: someone must call into NIXL every few milliseconds for the worker's whole
 life, even when idle (peers connect, notices arrive, abort notices go out). The engine thread is busy
@@ -6,7 +6,9 @@ with steps and the event loop must not poll in 50 us slices, so a dedicated thre
 once for a command (post a WRITE, expect an arrival), and otherwise polls every `poll_busy_s` while a
 WRITE is in flight, every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
 NIXL agents are not thread-safe (NIXL_THREAD_SYNC_NONE): every NIXL call happens on this thread.
-asyncio callers cross in through a command queue and get asyncio futures back.
+asyncio callers cross in through a command queue and get asyncio futures back. The transport is
+opened by name (`TransferConfig.transport`: `nixl`, or the in-process `memory` fake of the unit
+tests; kvtransfer/transport.py), and only its KVSender / KVReceiver contract is used here.
 
 What this thread never does (the hand-off under load was lost exactly there): device work of any
 kind (no torch, no CUDA call, no synchronisation: checksums are computed and verified by the engines,
@@ -35,11 +37,10 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, LandedKV, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVTransfer, LandedKV, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
-from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig
-from kvtransfer.nixl.transfer import NixlTransfer
 from kvtransfer.shards import KVShards
+from kvtransfer.transport import open_transport
 from services.worker.config import TransferConfig
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,15 @@ class Arrival:
     at: float = 0.0  # time.monotonic() when the link thread saw it
 
 
+@dataclass
+class _Send:
+    """A WRITE this link posted, until its future resolves."""
+
+    future: asyncio.Future[TransferResult]
+    started_at: float  # time.monotonic() when the link thread posted it
+    transfer: KVTransfer | None = None  # None until the sender accepted the plan
+
+
 class KVLink:
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
                  faults: FaultInjector, on_reclaimable: Callable[[str], None], shards: KVShards | None = None) -> None:
@@ -75,24 +85,21 @@ class KVLink:
         follower ranks of a tensor-parallel worker (this link is rank 0's; services/worker/kv_shards.py);
         only this link's thread calls them (each call also holds the engine's next step back)."""
         self._config = config
-        progress = config.progress_thread if config.progress_thread is not None else kv_cache.is_cuda
-        agent_config = NixlAgentConfig(name=name, progress_thread=progress, num_threads=config.nixl_threads)
-        self._agent = NixlAgent(agent_config, kv_cache, layout)
-        self._sender = NixlKVSender(self._agent, faults=faults, shards=shards)
-        self._receiver = NixlKVReceiver(self._agent, ReceiverConfig(quarantine_s=config.quarantine_s), faults,
-                                        shards=shards)
-        self._info = self._sender.handshake_info  # every rank's agent; immutable
+        self._transport = open_transport(config.transport, name, kv_cache, layout,
+                                         progress_thread=config.progress_thread, num_threads=config.nixl_threads,
+                                         faults=faults, shards=shards, quarantine_s=config.quarantine_s)
+        self._sender = self._transport.sender
+        self._receiver = self._transport.receiver
+        self._info = self._transport.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._sends: dict[tuple[str, int], asyncio.Future[TransferResult]] = {}
-        self._transfers: dict[tuple[str, int], NixlTransfer] = {}  # in flight, for cancel()
+        self._sends: dict[tuple[str, int], _Send] = {}  # posted, future not yet resolved
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # a command is queued: poll now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="baton-kv-link", daemon=True)
-        self.num_quarantined = 0  # read by status (a plain int: atomic under the GIL)
-        self.num_inflight = 0
+        self.num_inflight = 0  # WRITEs not yet terminal; read by status (a plain int: atomic under the GIL)
 
     @property
     def handshake_info(self) -> HandshakeInfo:
@@ -139,14 +146,13 @@ class KVLink:
 
         def start() -> None:
             key = (plan.request_id, plan.attempt)
-            self._sends[key] = fut
+            send = _Send(fut, time.monotonic())
+            self._sends[key] = send
             try:
-                transfer = self._sender.start(peer, plan)
+                send.transfer = self._sender.start(peer, plan)
             except Exception:
                 del self._sends[key]
                 raise
-            assert isinstance(transfer, NixlTransfer)
-            self._transfers[key] = transfer
 
         await self._call(start)
         return fut
@@ -157,7 +163,7 @@ class KVLink:
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
         """Cancel in-flight WRITEs, wait until they are terminal (bounded), then `close()`."""
-        pending = list(self._sends.values())
+        pending = [send.future for send in self._sends.values()]
         for rid, attempt in list(self._sends):
             self.cancel(rid, attempt)
         if pending:
@@ -173,10 +179,8 @@ class KVLink:
         if self._thread.is_alive():
             log.error("KV link thread did not stop in %.1f s; leaving NIXL open", timeout_s)
             return
-        self._sender.close()
+        self._transport.close()
         self._resolve_sends()
-        self._receiver.close()
-        self._agent.close()
 
     # ---- the link thread ------------------------------------------------------------------------
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -235,22 +239,19 @@ class KVLink:
         for rid, failure in self._receiver.poll_failures().items():
             self._resolve_expect(Arrival(rid, failure.state, failure.reason, at=now))
         reclaimable = self._receiver.poll_reclaimable()
-        self.num_quarantined = self._receiver.num_quarantined
-        self.num_inflight = self._sender.num_inflight
+        self.num_inflight = len(self._sends)
         if reclaimable and self._loop is not None:
             for rid in reclaimable:
                 self._loop.call_soon_threadsafe(self._on_reclaimable, rid)
 
-    def _finish_send(self, transfer: Any) -> None:
-        key = (transfer.plan.request_id, transfer.plan.attempt)
-        self._transfers.pop(key, None)
-        fut = self._sends.pop(key, None)
-        if fut is None or self._loop is None:
+    def _finish_send(self, transfer: KVTransfer) -> None:
+        plan = transfer.plan
+        send = self._sends.pop((plan.request_id, plan.attempt), None)
+        if send is None or self._loop is None:
             return
-        assert isinstance(transfer, NixlTransfer)
-        result = TransferResult(transfer.plan.request_id, transfer.state, transfer.reason,
-                                transfer.duration_s or 0.0, transfer.num_bytes)
-        self._loop.call_soon_threadsafe(_settle, fut, result, None)
+        result = TransferResult(plan.request_id, transfer.state, transfer.reason,
+                                time.monotonic() - send.started_at, plan.num_blocks * self._info.bytes_per_block)
+        self._loop.call_soon_threadsafe(_settle, send.future, result, None)
 
     def _resolve_expect(self, arrival: Arrival) -> None:
         fut = self._expects.pop(arrival.request_id, None)
@@ -258,18 +259,17 @@ class KVLink:
             self._loop.call_soon_threadsafe(_settle, fut, arrival, None)
 
     def _cancel_now(self, request_id: str, attempt: int) -> None:
-        transfer = self._transfers.get((request_id, attempt))
-        if transfer is not None:
-            transfer.cancel()
+        send = self._sends.get((request_id, attempt))
+        if send is not None and send.transfer is not None:
+            send.transfer.cancel()
 
     def _resolve_sends(self) -> None:
-        """After sender.close(): every WRITE is cancelled (or NIXL refused and we leak loudly)."""
-        for (rid, _), fut in list(self._sends.items()):
+        """After the transport closed: every WRITE is cancelled (or the agent refused and we leak loudly)."""
+        for (rid, _), send in list(self._sends.items()):
             if self._loop is not None and not self._loop.is_closed():
                 result = TransferResult(rid, TransferState.CANCELLED, "worker shutting down", 0.0, 0)
-                self._loop.call_soon_threadsafe(_settle, fut, result, None)
+                self._loop.call_soon_threadsafe(_settle, send.future, result, None)
         self._sends.clear()
-        self._transfers.clear()
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -1,0 +1,8 @@
+"""In-memory KV transport for tests: the NIXL sender/receiver state machines over a `MemoryAgent`
+that copies blocks between tensors of one process (no NIXL, no UCX). Open it through
+`kvtransfer.transport.open_transport(TransportKind.MEMORY, ...)`."""
+
+from kvtransfer.memory.agent import MemoryAgent
+from kvtransfer.memory.fabric import FABRIC, MemoryFabric
+
+__all__ = ["FABRIC", "MemoryAgent", "MemoryFabric"]
