@@ -196,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-rates", type=float, nargs="*", default=None,
                    help="default: per model (see above); the flag alone leaves the workload out")
     p.add_argument("--sharegpt-rates", type=float, nargs="*", default=None)
+    p.add_argument("--random-len", type=int, nargs=2, default=None, metavar=("ISL", "OSL"),
+                   help="the random workload's prompt and output lengths (default: per model, 8b 2048 128)")
     p.add_argument("--duration-s", type=float, default=None, help="arrivals per rate (8b 10, 70b 6, smoke 4)")
     p.add_argument("--deadline-s", type=float, default=None, help="whole run (default 480; smoke 900)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="8b 500, 70b 1500, smoke 5000")

@@ -55,8 +55,7 @@ class Plan:
 
 
 GPU_ENGINE = ("--dtype", "bfloat16", "--attention-backend", "triton", "--load-format",
-              "dummy", "--seed", "0", "--max-num-seqs", "128", "--max-model-len", "4096",
-              "--no-prefix-caching", "--log-level", "INFO")
+              "dummy", "--seed", "0", "--max-num-seqs", "128", "--no-prefix-caching", "--log-level", "INFO")
 SMOKE_ENGINE = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--torch-threads", "1",
                 "--max-num-seqs", "8", "--max-model-len", "2048", "--no-prefix-caching", "--log-level", "INFO")
 NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -77,6 +76,7 @@ def weight_bytes(hf: dict) -> int:
 
 def make_plan(work: Path, args: argparse.Namespace) -> Plan:
     prof = PROFILES["smoke" if args.smoke else args.model_shape]
+    isl, osl = args.random_len or prof.random_len
     sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
     blocks = ("--num-blocks", str(args.num_blocks))
     if args.smoke:
@@ -92,13 +92,16 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
         model_dir = assets.build_model_dir(work / name, hf)
         # The worker sees its GPUs only; under TP the engine wants "cuda" (rank r takes cuda:r).
         device = ("--device", "cuda:0" if args.tp == 1 else "cuda")
-        spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *blocks), args.slo_ttft_ms, args.slo_tpot_ms,
-                           args.policy, tp=args.tp, env=NO_NVLS)
-        warmup = (("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "16",
+        context = ("--max-model-len", str(max(4096, isl + osl + 64)))
+        spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *context, *blocks), args.slo_ttft_ms,
+                           args.slo_tpot_ms, args.policy, tp=args.tp, env=NO_NVLS)
+        # The measured prompt length too: a shape first seen while serving compiles then (~1 s TTFT).
+        warmup = (("--dataset", "random", "--random-input-len", str(isl), "--random-output-len", "16",
+                   "--num-prompts", "12", "--request-rate", "6"),
+                  ("--dataset", "random", "--random-input-len", "2048", "--random-output-len", "16",
                    "--num-prompts", "12", "--request-rate", "6"),
                   ("--dataset", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "12",
                    "--request-rate", "6", "--sharegpt-output-len", "16"))
-    isl, osl = prof.random_len
     random = ("--dataset", "random", "--random-input-len", str(isl), "--random-output-len", str(osl))
     share: tuple[str, ...] = ("--dataset", "sharegpt", "--dataset-path", str(sharegpt))
     if prof.sharegpt_output_len:
