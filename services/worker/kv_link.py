@@ -175,7 +175,8 @@ class KVLink:
         futures then read CANCELLED (the process is going away: nothing reuses their blocks)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started (a link that failed before start() has no thread)
+            self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.error("KV link thread did not stop in %.1f s; leaving NIXL open", timeout_s)
             return

@@ -1,0 +1,151 @@
+"""KVLink on the in-memory transport: the asyncio face of one worker's KV sender and receiver,
+driven by the link's own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from handoff_harness import transfer_config
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.base import HandoffPayload, KVLayoutInfo, TransferPlan, TransferState
+from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
+from kvtransfer.faults import Fault, FaultInjector
+from kvtransfer.memory import FABRIC
+from services.worker.kv_link import KVLink
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+LAYOUT = KVLayoutInfo.from_spec(SPEC, "tiny")
+
+
+@dataclass
+class Links:
+    prefill: KVLink
+    decode: KVLink
+    src: torch.Tensor
+    dst: torch.Tensor
+    peer: str
+    faults: FaultInjector
+    reclaimed: list[str] = field(default_factory=list)
+
+    async def send(self, rid: str, local: list[int], remote: list[int], timeout_s: float = 0.5,
+                   payload: HandoffPayload | None = None) -> asyncio.Future:
+        plan = TransferPlan.create(rid, local, remote, now=time.monotonic(), timeout_s=timeout_s, payload=payload)
+        return await self.prefill.send(self.peer, plan)
+
+    async def expect(self, rid: str, remote: list[int], within_s: float = 1.0) -> asyncio.Future:
+        return await self.decode.expect(rid, remote, time.monotonic() + within_s, 0)
+
+
+@pytest.fixture
+async def links() -> AsyncIterator[Links]:
+    config, faults, reclaimed = transfer_config(transfer_timeout_s=0.05, quarantine_s=0.1), FaultInjector(), []
+    src, dst = SPEC.allocate(16, "cpu"), SPEC.allocate(16, "cpu")
+    src.copy_(torch.randn(src.shape, generator=torch.Generator().manual_seed(1)))
+    tag = uuid.uuid4().hex[:8]
+    prefill = KVLink(f"prefill-{tag}", src, LAYOUT, config, faults, lambda rid: None)
+    decode = KVLink(f"decode-{tag}", dst, LAYOUT, config, faults, reclaimed.append)
+    prefill.start()
+    decode.start()
+    peer = await prefill.add_peer(decode.handshake_info)
+    await decode.accept_peer(prefill.handshake_info)
+    yield Links(prefill, decode, src, dst, peer, faults, reclaimed)
+    await prefill.aclose(timeout_s=2.0)
+    await decode.aclose(timeout_s=2.0)
+
+
+async def test_a_write_resolves_both_sides_with_the_payload(links: Links) -> None:
+    arrival = await links.expect("r1", [7, 2, 11])
+    sent = await links.send("r1", [1, 2, 3], [7, 2, 11], payload=HandoffPayload(first_token_id=42))
+    result, landed = await asyncio.wait_for(sent, 2), await asyncio.wait_for(arrival, 2)
+    assert (result.state, result.num_bytes) == (TransferState.DONE, 3 * SPEC.bytes_per_block)
+    assert (landed.state, landed.landed.block_ids, landed.landed.payload.first_token_id) == (
+        TransferState.DONE, (7, 2, 11), 42)
+    assert torch.equal(links.dst[[7, 2, 11]], links.src[[1, 2, 3]])
+    assert await links.decode.release("r1", sender_idle=False) is True  # the notice ended the danger window
+
+
+async def test_handshakes_are_checked_both_ways(links: Links) -> None:
+    other = KVLayoutInfo.from_spec(KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8,
+                                               dtype="float32"), "tiny")
+    stranger = KVLink(f"odd-{uuid.uuid4().hex[:8]}", KVCacheSpec(2, 2, 8, 8, "float32").allocate(4, "cpu"), other,
+                      transfer_config(), FaultInjector(), lambda rid: None)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="block_size: local=4 peer=8"):
+            await links.prefill.add_peer(stranger.handshake_info)
+        with pytest.raises(IncompatiblePeerError, match="block_size"):
+            await links.decode.accept_peer(stranger.handshake_info)
+    finally:
+        stranger.close()
+
+
+async def test_a_write_to_an_unknown_peer_raises_before_anything_is_posted(links: Links) -> None:
+    plan = TransferPlan.create("r", [1], [1], now=time.monotonic(), timeout_s=1)
+    with pytest.raises(UnknownPeerError):
+        await links.prefill.send("nobody", plan)
+    assert links.prefill.num_inflight == 0
+
+
+async def test_a_cancelled_write_resolves_only_once_the_transport_lets_go(links: Links) -> None:
+    agent = FABRIC.lookup(links.prefill.handshake_info.agent_name)
+    arrival = await links.expect("r2", [4, 5])
+    agent.hold_writes(True)
+    sent = await links.send("r2", [1, 2], [4, 5])
+    links.prefill.cancel("r2", 0)
+    await asyncio.sleep(0.05)
+    assert not sent.done() and links.prefill.num_inflight == 1  # still in flight: the source blocks are busy
+    agent.hold_writes(False)
+    result = await asyncio.wait_for(sent, 2)
+    assert result.state is TransferState.DONE  # the WRITE finished before the cancel could take effect
+    assert (await asyncio.wait_for(arrival, 2)).state is TransferState.DONE
+
+
+async def test_a_stalled_write_times_out_and_the_receiver_hears_it_aborted(links: Links) -> None:
+    arrival = await links.expect("r3", [4, 5])
+    links.faults.arm(Fault.STALL_TRANSFER)
+    sent = await links.send("r3", [1, 2], [4, 5], timeout_s=0.05)
+    assert (await asyncio.wait_for(sent, 2)).state is TransferState.TIMED_OUT
+    failure = await asyncio.wait_for(arrival, 2)
+    assert failure.state is TransferState.FAILED and "aborted" in failure.reason
+
+
+async def test_quarantined_blocks_are_reported_on_the_loop_when_the_late_write_lands(links: Links) -> None:
+    agent = FABRIC.lookup(links.prefill.handshake_info.agent_name)
+    await links.expect("r4", [8, 9])
+    agent.hold_writes(True)
+    sent = await links.send("r4", [1, 2], [8, 9])
+    assert await links.decode.release("r4", sender_idle=False) is False  # aborted mid-WRITE: quarantined
+    await asyncio.sleep(0.02)
+    assert links.reclaimed == []
+    agent.hold_writes(False)
+    await asyncio.wait_for(sent, 2)
+    for _ in range(500):
+        if links.reclaimed:
+            break
+        await asyncio.sleep(0.002)
+    assert links.reclaimed == ["r4"]
+
+
+async def test_no_notice_times_out_and_the_quarantine_expires(links: Links) -> None:
+    arrival = await links.expect("r5", [3], within_s=0.05)
+    assert (await asyncio.wait_for(arrival, 2)).state is TransferState.TIMED_OUT
+    assert await links.decode.release("r5", sender_idle=False) is False
+    await asyncio.sleep(0.1)
+    for _ in range(500):
+        if links.reclaimed:
+            break
+        await asyncio.sleep(0.002)
+    assert links.reclaimed == ["r5"]
+
+
+async def test_closing_resolves_writes_in_flight_as_cancelled(links: Links) -> None:
+    links.faults.arm(Fault.STALL_TRANSFER)
+    sent = await links.send("r6", [1], [1], timeout_s=30)
+    await links.prefill.aclose(timeout_s=1.0)
+    assert (await asyncio.wait_for(sent, 2)).state is TransferState.CANCELLED
