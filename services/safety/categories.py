@@ -44,7 +44,7 @@ class Direction(StrEnum):
 class Tier(StrEnum):
     NONE = "none"                # the policy switched this direction off: nothing ran
     PATTERN = "pattern"          # normalising regex/keyword tier
-    CLASSIFIER = "classifier"    # learned linear classifier
+    CLASSIFIER = "classifier"    # sentence-embedding classifier (MiniLM + MLP head)
     UNAVAILABLE = "unavailable"  # client side only: the service did not answer; `allowed` is the fail mode
 
 
@@ -55,12 +55,18 @@ class SafetyVerdict:
     allowed=False: refuse the prompt / halt the generation (finish_reason `content_filter`).
     allowed=True with a category: the policy's action is "flag": serve it, but record it.
     allowed=True with category None: nothing crossed a threshold; `score` is the highest score seen.
+    watch: the score fell in the classifier's uncertain band: served, but logged and its generation's
+    output is checked more often.
+    category_scores: (category, probability) of each learned category the classifier scored (empty
+    when it did not run), for `/v1/moderations`.
     """
 
     allowed: bool
     category: str | None
     score: float
     tier: str
+    watch: bool = False
+    category_scores: tuple[tuple[str, float], ...] = ()
 
     @property
     def flagged(self) -> bool:

@@ -2,20 +2,25 @@
 
 Order: the pattern tier first (microseconds); a hit decides at once with score 1.0. Otherwise the
 classifier tier scores the enabled learned categories (`classifier.harm_score`) against the
-likeliest category's threshold. The policy's action turns a crossing into a block (allowed=False)
-or a flag (allowed=True, category set).
+likeliest category's threshold (the policy's, or by default the classifier's held-out refuse
+threshold). The policy's action turns a crossing into a block (allowed=False) or a flag
+(allowed=True, category set). A score in the uncertain band [watch, refuse) is served with
+`watch=True`: the caller logs it and checks that generation's output more often.
 
-Pure CPU and stateless per call; one instance serves every request of a process. The streaming
-filter calls `scan_patterns` and `classify` separately because it runs them on different schedules.
+Pure CPU and stateless per call; one instance serves every request of a process (the classifier's
+encoder releases the GIL in its matmuls, so callers may run `check` in worker threads). The
+streaming filter calls `scan_patterns` and `classify` separately: it runs them on different
+schedules.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from services.safety.categories import ALLOW_UNCHECKED, LEARNED_CATEGORIES, Category, Direction, SafetyVerdict, Tier
-from services.safety.classifier import LinearClassifier, harm_score
+from services.safety.classifier import EmbeddingClassifier, harm_score
 from services.safety.metrics import TIER_LATENCY
 from services.safety.normalize import NormalizedText, normalize
 from services.safety.patterns import PatternTier
@@ -34,7 +39,7 @@ def decide(policy: SafetyPolicy, category: Category, score: float, tier: Tier) -
 
 class SafetyChecker:
     def __init__(self, policies: PolicyBook, patterns: PatternTier | None = None,
-                 classifier: LinearClassifier | None = None) -> None:
+                 classifier: EmbeddingClassifier | None = None) -> None:
         """`classifier=None` runs the pattern tier only (e.g. to measure it alone)."""
         self.policies = policies
         self.patterns = patterns or PatternTier()
@@ -64,16 +69,21 @@ class SafetyChecker:
     def classify(self, policy: SafetyPolicy, text: str, categories: Iterable[Category]) -> SafetyVerdict:
         """The classifier tier's verdict on `text` (allowed when no classifier is loaded).
 
-        A long text is scored sentence by sentence (`segments`) and the worst sentence counts.
+        A long text is scored sentence by sentence (`segments`, embedded in one batch) and the worst
+        sentence counts. `category_scores` carries every enabled learned category's probability in
+        that sentence, for callers that report scores (`/v1/moderations`).
         """
         learned = [c for c in categories if c in LEARNED_CATEGORIES]
         if self.classifier is None or not learned:
             return SafetyVerdict(allowed=True, category=None, score=0.0, tier=Tier.PATTERN)
         start = time.perf_counter()
-        predict = self.classifier.predict
-        category, score = max((harm_score(predict(normalize(piece).words), learned) for piece in segments(text)),
-                              key=lambda scored: scored[1])
+        scored = [(harm_score(probs, learned), probs) for probs in self.classifier.predict_many(segments(text))]
+        (category, score), probs = max(scored, key=lambda s: s[0][1])
         _CLASSIFIER_LATENCY.observe(time.perf_counter() - start)
-        if category is not None and score >= policy.threshold(category):
-            return decide(policy, category, score, Tier.CLASSIFIER)
-        return SafetyVerdict(allowed=True, category=None, score=score, tier=Tier.CLASSIFIER)
+        scores = tuple((c.value, round(probs[c], 4)) for c in learned)
+        threshold = policy.threshold(category) if category is not None else None
+        if category is not None and score >= (threshold or self.classifier.refuse_threshold):
+            verdict = decide(policy, category, score, Tier.CLASSIFIER)
+            return replace(verdict, category_scores=scores)
+        return SafetyVerdict(allowed=True, category=None, score=score, tier=Tier.CLASSIFIER,
+                             watch=score >= self.classifier.watch_threshold, category_scores=scores)

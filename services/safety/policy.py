@@ -12,7 +12,8 @@ category by category):
 Fields: `input`/`output` switch a direction off entirely (nothing runs, no latency added);
 `action` is "block" (refuse / halt) or "flag" (serve, but the verdict carries the category);
 per category `enabled`, `threshold` in (0, 1] (the classifier's harm score at or above which the
-category fires; pattern hits score 1.0, so they fire at any threshold), and `input`/`output`.
+category fires; unset: the classifier's refuse threshold, chosen on its held-out split; pattern hits
+score 1.0, so they fire at any threshold), and `input`/`output`.
 Unknown organisations get the default. Everything is validated at load; errors name the bad key
 and the valid choices.
 """
@@ -29,7 +30,8 @@ from typing import Any
 from services.common.errors import ConfigError
 from services.safety.categories import Category, Direction
 
-DEFAULT_THRESHOLD = 0.5  # with classifier.TrainingConfig: chosen by cross-validation on train only
+# None: the classifier's own refuse threshold, chosen on its held-out split (`train_head`).
+DEFAULT_THRESHOLD: float | None = None
 
 
 class Action(StrEnum):
@@ -40,7 +42,7 @@ class Action(StrEnum):
 @dataclass(frozen=True)
 class CategoryRule:
     enabled: bool = True
-    threshold: float = DEFAULT_THRESHOLD
+    threshold: float | None = DEFAULT_THRESHOLD
     input: bool = True
     output: bool = True
 
@@ -66,7 +68,8 @@ class SafetyPolicy:
             return ()
         return tuple(c for c in Category if c in self.categories and self.categories[c].applies_to(direction))
 
-    def threshold(self, category: Category) -> float:
+    def threshold(self, category: Category) -> float | None:
+        """The category's threshold, or None for the classifier's calibrated default."""
         return self.categories[category].threshold
 
 

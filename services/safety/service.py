@@ -1,18 +1,24 @@
 """`SafetyService`: the gRPC edge of the safety service (grpc.aio servicer).
 
-CheckInput is unary: one prompt, one verdict. FilterOutput is one bidirectional stream per
-generation: the gateway sends each detokenized delta and reads one verdict per delta, in order; the
-server ends the stream after a halting verdict. A stream holds only its sliding window (a few hundred
-characters), so thousands can be open at once.
+CheckInput is unary: one text (a message of any role), one verdict. FilterOutput is one
+bidirectional stream per generation: the gateway sends each detokenized delta and reads one verdict
+per delta, in order; the server ends the stream after a halting verdict. A stream holds only its
+sliding window (a few hundred characters), so thousands can be open at once.
+
+The classifier tier (a sentence-encoder forward pass, milliseconds) runs in a small thread pool, never
+on the event loop: numpy releases the GIL in its matmuls, and the loop keeps answering pattern-tier
+verdicts of other streams meanwhile. Two threads: more would only contend for the same cores.
 
 Texts are never logged, only request ids, categories and tiers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -30,20 +36,23 @@ _CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
 
 
 class SafetyService(safety_pb2_grpc.SafetyServicer):
-    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None) -> None:
+    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None,
+                 classifier_threads: int = 2) -> None:
         self._checker = checker
         self._stream_config = stream_config or StreamFilterConfig()
+        self._pool = ThreadPoolExecutor(classifier_threads, thread_name_prefix="safety-classifier")
 
     async def CheckInput(self, request: safety_pb2.CheckInputRequest,
                          context: grpc.aio.ServicerContext) -> safety_pb2.Verdict:
         start = time.perf_counter()
-        verdict = self._checker.check(request.org_id, request.text, Direction.INPUT)
+        verdict = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
         _CHECK_LATENCY.observe(time.perf_counter() - start)
         record_verdict(Direction.INPUT, verdict.allowed, verdict.category, verdict.tier)
-        if verdict.category is not None:
+        if verdict.category is not None or verdict.watch:
             log.info("input %s org=%s request=%s category=%s tier=%s score=%.2f",
-                     "flagged" if verdict.allowed else "refused", request.org_id, request.request_id,
-                     verdict.category, verdict.tier, verdict.score)
+                     "watched" if verdict.category is None else "flagged" if verdict.allowed else "refused",
+                     request.org_id, request.request_id, verdict.category, verdict.tier, verdict.score)
         return verdict_to_pb(verdict)
 
     async def FilterOutput(self, request_iterator: AsyncIterator[safety_pb2.OutputChunk],
@@ -58,8 +67,12 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
                 if stream is None:
                     org_id, request_id = chunk.org_id, chunk.request_id
                     stream = OutputStreamFilter(self._checker, self._checker.policies.for_org(org_id),
-                                                self._stream_config)
-                last = stream.feed(chunk.delta, chunk.final)
+                                                self._stream_config, watch=chunk.watch)
+                if stream.needs_classifier(chunk.delta, chunk.final):
+                    last = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, stream.feed, chunk.delta, chunk.final)
+                else:
+                    last = stream.feed(chunk.delta, chunk.final)
                 _CHUNK_LATENCY.observe(time.perf_counter() - start)
                 if last.category is not None:
                     record_verdict(Direction.OUTPUT, last.allowed, last.category, last.tier)

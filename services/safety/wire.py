@@ -15,9 +15,11 @@ _PB_TO_TIER = {v: k for k, v in _TIER_TO_PB.items()}
 
 def verdict_to_pb(verdict: SafetyVerdict) -> safety_pb2.Verdict:
     return safety_pb2.Verdict(allowed=verdict.allowed, category=verdict.category or "", score=verdict.score,
-                              tier=_TIER_TO_PB[Tier(verdict.tier)])
+                              tier=_TIER_TO_PB[Tier(verdict.tier)], watch=verdict.watch,
+                              category_scores=dict(verdict.category_scores))
 
 
 def verdict_from_pb(pb: safety_pb2.Verdict) -> SafetyVerdict:
     return SafetyVerdict(allowed=pb.allowed, category=pb.category or None, score=pb.score,
-                         tier=_PB_TO_TIER.get(pb.tier, Tier.NONE))
+                         tier=_PB_TO_TIER.get(pb.tier, Tier.NONE), watch=pb.watch,
+                         category_scores=tuple(sorted(pb.category_scores.items())))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.safety.checker import SafetyChecker
-from services.safety.classifier import LinearClassifier
+from services.safety.classifier import EmbeddingClassifier
 from services.safety.client import SafetyClient, SafetyClientConfig
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
@@ -19,7 +19,7 @@ POLICIES = {"orgs": {"org_no_input": {"input": False}, "org_flag": {"action": "f
 @pytest.fixture(scope="session")
 def checker() -> SafetyChecker:
     """Trained once per session (about a second); servers of every test share it."""
-    return SafetyChecker(PolicyBook.from_mapping(POLICIES), PatternTier(), LinearClassifier.from_training_file())
+    return SafetyChecker(PolicyBook.from_mapping(POLICIES), PatternTier(), EmbeddingClassifier.load())
 
 
 @pytest.fixture

@@ -1,18 +1,18 @@
-"""Fixtures of the safety unit tests: one trained classifier per session (about a second)."""
+"""Fixtures of the safety unit tests: one loaded classifier per session (encoder + committed head)."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.safety.checker import SafetyChecker
-from services.safety.classifier import LinearClassifier
+from services.safety.classifier import EmbeddingClassifier
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
 
 
 @pytest.fixture(scope="session")
-def classifier() -> LinearClassifier:
-    return LinearClassifier.from_training_file()
+def classifier() -> EmbeddingClassifier:
+    return EmbeddingClassifier.load()
 
 
 @pytest.fixture(scope="session")
@@ -21,5 +21,5 @@ def patterns() -> PatternTier:
 
 
 @pytest.fixture
-def checker(classifier: LinearClassifier, patterns: PatternTier) -> SafetyChecker:
+def checker(classifier: EmbeddingClassifier, patterns: PatternTier) -> SafetyChecker:
     return SafetyChecker(PolicyBook(), patterns, classifier)
