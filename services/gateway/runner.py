@@ -1,7 +1,8 @@
 """`CompletionRunner`: safety pre-check, placement, the n generations, and everything at the end.
 
 Order for one request (the HTTP layer has authenticated, tokenized and admitted it already):
-1. `precheck`: the safety pre-filter on the new user text; a refusal means no worker is called.
+1. `precheck`: the safety pre-filter on every text the model will read (all roles, stored history);
+   a refusal means no worker is called.
 2. `place`: one routing decision per choice (each choice is its own request to the scheduler). A
    REJECT is a 503 with Retry-After, and releases the choices already placed.
 3. `Generation.run`: the choices stream concurrently; each delta goes through the safety output
@@ -29,9 +30,10 @@ from services.common.errors import BatonError
 from services.gateway.errors import OverloadedError, UpstreamError
 from services.gateway.generation import GenerateTarget, GenerationDelta, WorkerClient
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.output_gate import OutputGate
 from services.gateway.routing import RouterClient, RouteSource, RoutingDecision
 from services.gateway.run_state import ChoiceEvent, ChoiceState, GenerationPlan
-from services.gateway.safety_gate import OutputFilter, OutputGate, SafetyGate, SafetyVerdict
+from services.gateway.safety_gate import InputDecision, SafetyGate, SafetyVerdict
 from services.gateway.tracing import tracer
 
 if TYPE_CHECKING:
@@ -65,18 +67,18 @@ class CompletionRunner:
         self.slos = slos
         self._background: set[asyncio.Task[None]] = set()
 
-    def spawn_close(self, output_filter: OutputFilter) -> None:
+    def spawn_close(self, gate: OutputGate) -> None:
         """Close a safety filter in the background (a cancelled choice must not wait on it)."""
-        task = asyncio.get_running_loop().create_task(output_filter.close())
+        task = asyncio.get_running_loop().create_task(gate.close())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def precheck(self, plan: GenerationPlan, text: str) -> SafetyVerdict | None:
-        """The refusing verdict, or None when the prompt may be served."""
-        if self.safety is None or not text:
-            return None
-        verdict = await self.safety.check_input(plan.principal.org_id, text, plan.completion_id)
-        return None if verdict.allowed else verdict
+    async def precheck(self, plan: GenerationPlan, history: tuple[str, ...], new: tuple[str, ...]) -> InputDecision:
+        """The input check of every text the model will read (`history`: stored turns, checked once
+        per text thanks to the gate's cache; `new`: this request's messages of every role)."""
+        if self.safety is None:
+            return InputDecision(None)
+        return await self.safety.check_texts(plan.principal.org_id, history, new, plan.completion_id)
 
     async def place(self, plan: GenerationPlan) -> list[RoutingDecision]:
         decisions: list[RoutingDecision] = []
@@ -100,17 +102,19 @@ class CompletionRunner:
             raise
         return decisions
 
-    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision]) -> Generation:
-        return Generation(self, plan, decisions)
+    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False) -> Generation:
+        return Generation(self, plan, decisions, watch)
 
 
 class Generation:
     """The running choices of one plan. `run` once, then `finish` once (also after errors)."""
 
-    def __init__(self, runner: CompletionRunner, plan: GenerationPlan, decisions: list[RoutingDecision]) -> None:
+    def __init__(self, runner: CompletionRunner, plan: GenerationPlan, decisions: list[RoutingDecision],
+                 watch: bool = False) -> None:
         self.runner = runner
         self.plan = plan
         self.decisions = decisions
+        self.watch = watch  # the prompt scored in the safety classifier's uncertain band
         self.states = [ChoiceState(spec) for spec in plan.choices]
 
     @property
@@ -161,8 +165,8 @@ class Generation:
             gate = OutputGate(None)
             try:
                 if self.runner.safety is not None:
-                    gate = OutputGate(await self.runner.safety.open_output_filter(plan.principal.org_id,
-                                                                                 spec.request_id))
+                    gate = OutputGate(await self.runner.safety.open_output_filter(
+                        plan.principal.org_id, spec.request_id, self.watch))
                 async for delta in stream:
                     if await self._on_delta(state, delta, gate, emit):
                         return
@@ -174,7 +178,7 @@ class Generation:
             finally:
                 stream.abort()  # no-op after a finish; else cancels the call and frees the KV
                 if gate.output_filter is not None:
-                    self.runner.spawn_close(gate.output_filter)
+                    self.runner.spawn_close(gate)
 
     async def _on_delta(self, state: ChoiceState, delta: GenerationDelta, gate: OutputGate,
                         emit: Emit | None) -> bool:
@@ -185,8 +189,8 @@ class Generation:
         if delta.token_ids and state.first_token_at is None:
             state.first_token_at = time.monotonic()
         state.token_ids.extend(delta.token_ids)  # billed even when the filter withholds their text
-        # The final feed runs every tier on the tail before the last chunk goes out.
-        text, halt = await gate.admit(delta.text, final=delta.finish_reason is not None)
+        # Text goes out at once; the gate's filter checks it behind (the final chunk waits for it).
+        text, halt = await gate.admit(delta.text, len(delta.token_ids), final=delta.finish_reason is not None)
         if halt is not None:
             self._halt(state, halt, emit)
             return True

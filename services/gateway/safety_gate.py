@@ -1,6 +1,13 @@
 """What the gateway needs from the safety service (`services.safety.client.SafetyClient`), typed.
 
-`SafetyGate` is the client's shape; `CheckedSafety` wraps it for the gateway's two rules:
+`SafetyGate` wraps the client for the gateway's rules:
+- every text the model will read is checked on input, whatever its role: system, developer, user,
+  assistant and tool messages, a continued conversation's stored history, a conversation's messages
+  when it is created (`check_texts`). Each distinct text is checked once per organisation: verdicts
+  are cached by (organisation, SHA-256 of the text) in a bounded LRU (`VerdictCache`), so a long
+  history costs one lookup per message per turn, not a classifier pass. Outage verdicts are never
+  cached. The new messages are also checked joined together, so a request split over several
+  messages is read as the model reads it;
 - input: a refusal with tier "unavailable" is an outage, not a content decision: a retryable 503
   (`SafetyUnavailableError`), never `content_filter`. The client fails input closed by default.
 - any unexpected exception of the client (a bug) is also a 503: an unchecked prompt never reaches a
@@ -9,8 +16,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from services.gateway.errors import UpstreamError
@@ -29,6 +41,15 @@ class SafetyVerdict(Protocol):
     @property
     def tier(self) -> str: ...
 
+    @property
+    def score(self) -> float: ...
+
+    @property
+    def watch(self) -> bool: ...
+
+    @property
+    def category_scores(self) -> tuple[tuple[str, float], ...]: ...
+
 
 class OutputFilter(Protocol):
     async def feed(self, delta: str, final: bool = False) -> SafetyVerdict: ...
@@ -39,7 +60,7 @@ class OutputFilter(Protocol):
 class SafetyClientLike(Protocol):
     async def check_input(self, org_id: str, text: str, request_id: str = "") -> SafetyVerdict: ...
 
-    async def open_output_filter(self, org_id: str, request_id: str) -> OutputFilter: ...
+    async def open_output_filter(self, org_id: str, request_id: str, watch: bool = False) -> OutputFilter: ...
 
 
 class SafetyUnavailableError(UpstreamError):
@@ -47,23 +68,84 @@ class SafetyUnavailableError(UpstreamError):
     code = "safety_unavailable"
 
 
+@dataclass(frozen=True)
+class InputDecision:
+    """The input check of one request: `refusal` is the first refusing verdict (None: serve it);
+    `watch`: some text scored in the classifier's uncertain band, so the output is checked more often."""
+
+    refusal: SafetyVerdict | None
+    watch: bool = False
+
+
+class VerdictCache:
+    """LRU of verdicts by (organisation, SHA-256 of the text); ~200 bytes an entry."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, bytes], SafetyVerdict] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(org_id: str, text: str) -> tuple[str, bytes]:
+        return org_id, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, key: tuple[str, bytes]) -> SafetyVerdict | None:
+        verdict = self._entries.get(key)
+        if verdict is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return verdict
+
+    def put(self, key: tuple[str, bytes], verdict: SafetyVerdict) -> None:
+        self._entries[key] = verdict
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class SafetyGate:
-    def __init__(self, client: SafetyClientLike) -> None:
+    def __init__(self, client: SafetyClientLike, cache: VerdictCache | None = None) -> None:
         self._client = client
+        self.cache = cache or VerdictCache()
 
     async def check_input(self, org_id: uuid.UUID, text: str, request_id: str) -> SafetyVerdict:
-        """The verdict on new user text; raises SafetyUnavailableError when it could not be checked."""
+        """The verdict on one text; raises SafetyUnavailableError when it could not be checked."""
+        key = VerdictCache.key(str(org_id), text)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
         try:
             verdict = await self._client.check_input(str(org_id), text, request_id)
         except Exception as e:
             raise SafetyUnavailableError(f"the safety check failed: {e}") from e
-        if not verdict.allowed and verdict.tier == UNAVAILABLE_TIER:
-            raise SafetyUnavailableError("the safety service is unavailable; retry shortly")
+        if verdict.tier == UNAVAILABLE_TIER:
+            if not verdict.allowed:
+                raise SafetyUnavailableError("the safety service is unavailable; retry shortly")
+            return verdict  # failed open: served, but never remembered as checked
+        self.cache.put(key, verdict)
         return verdict
 
-    async def open_output_filter(self, org_id: uuid.UUID, request_id: str) -> OutputFilter:
+    async def check_texts(self, org_id: uuid.UUID, history: Sequence[str], new: Sequence[str],
+                          request_id: str) -> InputDecision:
+        """Check every text the model will read: `history` (stored turns) and `new` (this request's
+        messages, any role), each on its own and the new ones joined; cached texts cost nothing."""
+        texts = [t for t in (*history, *new) if t.strip()]
+        joined = "\n".join(t for t in new if t.strip())
+        if len([t for t in new if t.strip()]) > 1:
+            texts.append(joined)
+        unique = list(dict.fromkeys(texts))
+        verdicts = await asyncio.gather(*(self.check_input(org_id, t, request_id) for t in unique))
+        refusal = next((v for v in verdicts if not v.allowed), None)
+        return InputDecision(refusal, watch=any(v.watch for v in verdicts))
+
+    async def open_output_filter(self, org_id: uuid.UUID, request_id: str, watch: bool = False) -> OutputFilter:
         try:
-            return await self._client.open_output_filter(str(org_id), request_id)
+            return await self._client.open_output_filter(str(org_id), request_id, watch)
         except Exception as e:
             raise SafetyUnavailableError(f"the safety output filter could not open: {e}") from e
 
@@ -71,34 +153,3 @@ class SafetyGate:
         close = getattr(self._client, "close", None)
         if close is not None:
             await close()
-
-
-class OutputGate:
-    """Releases generated text to the client only once the output filter has passed it, whole words only.
-
-    The safety stream filter judges a word only once it is closed (it leaves an open trailing word for
-    the next delta), so text must not reach the client before that: the gate holds back everything
-    after the last whitespace until the next allowed verdict, and releases the rest with the final
-    one. On a halt the held text is dropped. Without a filter, text passes straight through.
-    """
-
-    def __init__(self, output_filter: OutputFilter | None) -> None:
-        self.output_filter = output_filter
-        self._held = ""
-
-    async def admit(self, delta: str, final: bool) -> tuple[str, SafetyVerdict | None]:
-        """(text that may be sent now, the halting verdict or None)."""
-        if self.output_filter is None:
-            return delta, None
-        if not delta and not final:
-            return "", None
-        verdict = await self.output_filter.feed(delta, final=final)
-        if not verdict.allowed:
-            self._held = ""
-            return "", verdict
-        text, self._held = self._held + delta, ""
-        if final:
-            return text, None
-        cut = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t")) + 1
-        self._held = text[cut:]
-        return text[:cut], None

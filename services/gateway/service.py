@@ -70,11 +70,12 @@ class _Request:
     stream: bool
     include_usage: bool
     want_logprobs: bool
-    safety_text: str
+    safety_texts: tuple[str, ...]  # every new text the model reads (all roles), for the input check
     echo: bool = False
     user: str | None = None
     conversation_id: uuid.UUID | None = None
     conversation_messages: tuple[TemplateMessage, ...] = ()
+    safety_history: tuple[str, ...] = ()  # a continued conversation's stored turns (checked too, cached)
 
 
 class CompletionService:
@@ -103,8 +104,9 @@ class CompletionService:
         prompt = await asyncio.to_thread(self.prompts.chat, new, body.requested_max_tokens(), history)
         request = _Request(
             "chat", [prompt], body.n, self._sampling(body, body.logprobs_count()), body.stream,
-            body.include_usage, body.logprobs, "\n".join(m["content"] for m in new if m["role"] == "user"),
-            user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new))
+            body.include_usage, body.logprobs, tuple(m["content"] for m in new),
+            user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new),
+            safety_history=tuple(m["content"] for m in history))
         return await self._serve(request, principal, client_gone)
 
     async def text(self, body: CompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
@@ -115,7 +117,7 @@ class CompletionService:
             raise BadRequestError(f"n times the number of prompts may be at most {MAX_CHOICES}", "n")
         prompts = [await asyncio.to_thread(self.prompts.text, p, body.requested_max_tokens()) for p in body.prompts()]
         request = _Request("text", prompts, body.n, self._sampling(body, body.logprobs), body.stream,
-                           body.include_usage, body.logprobs is not None, "\n".join(p.text for p in prompts),
+                           body.include_usage, body.logprobs is not None, tuple(p.text for p in prompts),
                            echo=body.echo, user=body.user)
         return await self._serve(request, principal, client_gone)
 
@@ -176,12 +178,13 @@ class CompletionService:
         headers = plan.lease.headers()
         formatter = self._formatter(request, plan)
         try:
-            refusal = await self.runner.precheck(plan, request.safety_text)
+            screened = await self.runner.precheck(plan, request.safety_history, request.safety_texts)
+            refusal = screened.refusal
             decisions = [] if refusal is not None else await self.runner.place(plan)
         except BaseException:
             await self.rate_limiter.reconcile(plan.lease, 0)
             raise
-        generation = self.runner.start(plan, decisions)
+        generation = self.runner.start(plan, decisions, screened.watch)
         if refusal is not None:
             await self.rate_limiter.reconcile(plan.lease, 0)
             for state in generation.states:

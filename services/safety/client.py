@@ -2,7 +2,7 @@
 
     client = SafetyClient("safety:50071")
     verdict = await client.check_input(org_id, prompt)          # before routing: no GPU work if refused
-    output = await client.open_output_filter(org_id, request_id)
+    output = await client.open_output_filter(org_id, request_id, watch=verdict.watch)
     for delta in deltas:
         verdict = await output.feed(delta)                      # allowed=False: abort, free KV, send
         ...                                                     # the partial text + content_filter
@@ -20,8 +20,9 @@ decision (answer a refused prompt with a retryable 503, not `content_filter`). D
   costs each stream one timeout, not one per token. Organisations that must never see unchecked
   output set `output_fail_mode=FailMode.CLOSED`.
 
-`timeout_s` (default 250 ms) bounds each call; the service answers in well under a millisecond of
-work, so the timeout only ever fires on an outage. Every failure is counted in
+`timeout_s` (default 1 s) bounds each call; the service's work is a few milliseconds (one sentence-
+encoder pass; tens for a long text), so the timeout leaves room for queueing under load and fires
+on an outage. The gateway never waits on output verdicts for its first token (`OutputGate`). Every failure is counted in
 `baton_safety_client_failures_total{direction,fail_mode,reason}`.
 """
 
@@ -53,7 +54,7 @@ class FailMode(StrEnum):
 
 @dataclass(frozen=True)
 class SafetyClientConfig:
-    timeout_s: float = 0.25
+    timeout_s: float = 1.0
     input_fail_mode: FailMode = FailMode.CLOSED
     output_fail_mode: FailMode = FailMode.OPEN
 
@@ -76,10 +77,10 @@ class OutputFilter:
     """One generation's post-filter stream. Feed deltas in order, one at a time; then `close`."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall, org_id: str, request_id: str,
-                 config: SafetyClientConfig) -> None:
+                 config: SafetyClientConfig, watch: bool = False) -> None:
         self._call = call
         self._first: safety_pb2.OutputChunk | None = safety_pb2.OutputChunk(org_id=org_id,
-                                                                             request_id=request_id)
+                                                                             request_id=request_id, watch=watch)
         self._config = config
         self._halt: SafetyVerdict | None = None
         self.degraded = False  # the service failed once: every later feed answers the fail mode
@@ -166,9 +167,10 @@ class SafetyClient:
             return unavailable_verdict(mode)
         return verdict_from_pb(response)
 
-    async def open_output_filter(self, org_id: str, request_id: str) -> OutputFilter:
-        """A post-filter stream for one generation (opening it does not wait for the service)."""
-        return OutputFilter(self._safety().FilterOutput(), org_id, request_id, self.config)
+    async def open_output_filter(self, org_id: str, request_id: str, watch: bool = False) -> OutputFilter:
+        """A post-filter stream for one generation (opening it does not wait for the service).
+        `watch`: the prompt scored in the uncertain band; the service classifies this output more often."""
+        return OutputFilter(self._safety().FilterOutput(), org_id, request_id, self.config, watch)
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
-from services.gateway.deps import Conversations, CurrentPrincipal
+from services.gateway.deps import Conversations, CurrentPrincipal, Deps
+from services.gateway.errors import BadRequestError
 from services.gateway.schemas import ConversationCreate
 
 if TYPE_CHECKING:
@@ -36,7 +37,13 @@ def conversation_object(c: Conversation, messages: list[Message] | None = None) 
 
 @router.post("/v1/conversations")
 async def create_conversation(body: ConversationCreate, principal: CurrentPrincipal,
-                              store: Conversations) -> dict[str, object]:
+                              store: Conversations, deps: Deps) -> dict[str, object]:
+    if deps.safety is not None:  # stored turns are read by the model when continued: check them now
+        screened = await deps.safety.check_texts(principal.org_id, (), [m.text() for m in body.messages],
+                                                 "conversation-create")
+        if screened.refusal is not None:
+            raise BadRequestError("the conversation was refused by the content policy "
+                                  f"({screened.refusal.category or 'unsafe'})", "messages", "content_policy_violation")
     conversation = await store.create(principal.org_id, principal.user_id, body.title)
     messages = []
     for m in body.messages:

@@ -120,14 +120,15 @@ function newConversation() {
 }
 
 // Reads an SSE body: `data:` lines carry JSON chunks; ids, keep-alive comments and blank lines are
-// skipped. Returns the finish reason.
+// skipped. Returns { finish, refusal } (refusal: the text of any `delta.refusal`, else "").
 async function readStream(body, onDelta) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   let finish = "unknown";
+  let refusal = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return finish;
+    if (done) return { finish, refusal };
     buffer += value;
     let newline;
     while ((newline = buffer.indexOf("\n")) >= 0) {
@@ -135,11 +136,12 @@ async function readStream(body, onDelta) {
       buffer = buffer.slice(newline + 1);
       if (!line.startsWith("data:")) continue;
       const data = line.slice(5).trim();
-      if (data === "[DONE]") return finish;
+      if (data === "[DONE]") return { finish, refusal };
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) onDelta(choice.delta.content);
+        if (choice.delta && choice.delta.refusal) refusal += choice.delta.refusal;
         if (choice.finish_reason) finish = choice.finish_reason;
       }
     }
@@ -166,11 +168,20 @@ async function send(text) {
       }),
     });
     if (!response.ok) throw await apiError(response);
-    const finish = await readStream(response.body, (delta) => {
+    const { finish, refusal } = await readStream(response.body, (delta) => {
       bubble.textContent += delta;
       bubble.scrollIntoView({ block: "end" });
     });
     bubble.dataset.finish = finish;
+    if (finish === "content_filter") {
+      // A refused prompt has no text at all; a halted answer keeps what was shown before the halt.
+      const note = document.createElement("div");
+      note.className = "refusal";
+      note.textContent = refusal || (bubble.textContent
+        ? "The rest of this answer was stopped by the content policy."
+        : "Sorry, this request was refused by the content policy.");
+      bubble.appendChild(note);
+    }
     setStatus(`Done (${finish}).`);
   } catch (error) {
     if (error.name === "AbortError") {
