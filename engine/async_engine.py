@@ -252,14 +252,20 @@ class AsyncEngine:
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Deliver outputs to their streams (engine thread)."""
+        """Deliver outputs to their streams (engine thread): one event-loop wake-up per loop and step,
+        not one per request (at 128 running sequences that was 128 self-pipe writes and callbacks a
+        step, and a busy decode worker's event loop then delayed every hand-off's commit)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException],
+                                                             RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _apply_commands(self) -> None:
         while True:
@@ -279,6 +285,11 @@ class AsyncEngine:
                 self.engine.abort(rid)
             stream = self._streams.pop(rid)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
+    for q, out in batch:
+        q.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

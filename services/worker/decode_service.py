@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -129,11 +130,14 @@ class DecodeService:
         self._flows[job.request_id] = flow
         flow.task = asyncio.create_task(self._run(flow), name=f"flow-{job.request_id}")
         flow.task.add_done_callback(lambda _: self._forget(flow))
+        backlog: deque[GenerateEvent | BaseException | None] = deque()
         try:
-            while (item := await flow.events.get()) is not None:
+            while (item := backlog.popleft() if backlog else await flow.events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                while not flow.events.empty():
+                    backlog.append(flow.events.get_nowait())
+                yield _coalesce(item, backlog)
         finally:
             if not flow.task.done():
                 self._abort_flow(flow)
@@ -319,3 +323,19 @@ class DecodeService:
             await self._engine.abort(erid)
         else:
             self._quarantined.add(erid)
+
+
+def _coalesce(event: GenerateEvent, backlog: deque[GenerateEvent | BaseException | None]) -> GenerateEvent:
+    """`event` merged with the outputs queued right behind it: a caller that fell behind gets one
+    message with several tokens instead of a backlog of one-token messages. Stops at an error or the
+    end marker, which stay in `backlog` for the caller's loop."""
+    while backlog and isinstance(nxt := backlog[0], GenerateEvent) and not event.output.finished:
+        backlog.popleft()
+        event = GenerateEvent(_join(event.output, nxt.output), event.prefill_path, event.fallback_reason)
+    return event
+
+
+def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.new_text + b.new_text,
+                         a.logprobs + b.logprobs, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens,
+                         b.num_cached_tokens or a.num_cached_tokens, b.error or a.error)
