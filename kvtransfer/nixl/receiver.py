@@ -111,6 +111,7 @@ class NixlKVReceiver(KVReceiver):
         return None if entry is None else entry.state
 
     def release(self, request_id: str, *, sender_idle: bool = False) -> bool:
+        self._progress()  # a DONE/ABORTED notice already received ends the danger window now, not later
         entry = self._expected.pop(request_id, None)
         self._arrived.pop(request_id, None)
         self._failed.pop(request_id, None)

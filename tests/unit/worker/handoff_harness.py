@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from kvtransfer.memory import FABRIC, MemoryAgent
 from kvtransfer.transport import TransportKind
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import DisaggPolicy, TransferConfig
-from services.worker.decode_service import DecodeService
+from services.worker.decode_service import DecodeService, GenerateEvent
 from services.worker.faults import WorkerFaults
 from services.worker.kv_link import KVLink
 from services.worker.metrics import WorkerMetrics
@@ -58,8 +58,8 @@ def write_tiny_model(path: Path) -> Path:
 
 def transfer_config(**overrides: Any) -> TransferConfig:
     """Short deadlines so every failure path ends within a fraction of a second."""
-    base: dict[str, Any] = dict(transport=TransportKind.MEMORY, prefill_timeout_s=5.0, transfer_timeout_s=0.5,
-                                notice_grace_s=0.2, quarantine_s=0.8)
+    base: dict[str, Any] = dict(transport=TransportKind.MEMORY, prefill_timeout_s=5.0, transfer_timeout_s=0.25,
+                                notice_grace_s=0.1, quarantine_s=0.3)
     return TransferConfig(**{**base, **overrides})
 
 
@@ -258,6 +258,14 @@ async def no_status() -> pb.WorkerStatus:
 
 def prefill_servicer(worker: Worker, service: PrefillService) -> WorkerServicer:
     return WorkerServicer("prefill-1", worker.metrics, worker.faults, True, no_status, prefill=service)
+
+
+async def drain_events(stream: AsyncIterator[GenerateEvent]) -> list[GenerateEvent]:
+    return [event async for event in stream]
+
+
+def tokens_of(events: list[GenerateEvent]) -> list[int]:
+    return [t for e in events for t in e.output.new_token_ids]
 
 
 def prefill_service(worker: Worker, config: TransferConfig) -> PrefillService:
