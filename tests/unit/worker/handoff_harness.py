@@ -227,7 +227,7 @@ class Worker:
         s = await self.engine.status()
         return s.free_blocks == s.total_blocks and s.held_blocks == 0
 
-    def _reclaimable(self, rid: str) -> None:
+    def note_reclaimable(self, rid: str) -> None:
         self.reclaimed.append(rid)
         if self.on_reclaimable is not None:
             self.on_reclaimable(rid)
@@ -246,7 +246,7 @@ async def open_worker(model_dir: Path, role: str, config: TransferConfig, num_bl
     layout = KVLayoutInfo.from_spec(llm.runner.kv_spec, MODEL_ID)
     worker: Worker
     link = KVLink(f"{role}-{uuid.uuid4().hex[:8]}", llm.runner.kv_cache, layout, config, faults.kv,
-                  lambda rid: worker._reclaimable(rid))
+                  lambda rid: worker.note_reclaimable(rid))
     worker = Worker(llm, engine, link, faults, metrics, gate)
     link.start()
     return worker
