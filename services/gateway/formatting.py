@@ -109,6 +109,8 @@ class ChatFormatter:
         if event.index not in self._started:
             self._started.add(event.index)
             delta = {"role": "assistant", "content": event.text}
+        if event.refusal:
+            delta["refusal"] = event.refusal
         choice = {"index": event.index, "delta": delta,
                   "logprobs": self._logprobs(event.logprobs) if event.logprobs else None,
                   "finish_reason": event.finish_reason}

@@ -46,6 +46,7 @@ class ChoiceEvent:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
+    refusal: str | None = None  # why the content policy refused or halted the choice (chat: delta.refusal)
 
 
 @dataclass

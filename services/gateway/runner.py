@@ -210,7 +210,7 @@ class Generation:
         state.refusal = f"the output was stopped by the content policy ({verdict.category or 'unsafe'})"
         state.finish("content_filter")
         if emit is not None:
-            emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter"))
+            emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))
 
     async def finish(self) -> None:
         """Bill, settle, release, store. Errors here are logged, never raised: the response is out."""

@@ -230,7 +230,8 @@ class CompletionService:
                         include_usage: bool, headers: dict[str, str]) -> StreamOutcome:
         event_log = self.streams.open(plan.completion_id, plan.principal.org_id)
         for state in generation.states:
-            event_log.append(json_data(formatter.chunk(ChoiceEvent(state.spec.index, "", (), (), "content_filter"))))
+            event_log.append(json_data(formatter.chunk(
+                ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))))
         self._finish_log(event_log, formatter, generation, include_usage)
         return StreamOutcome(event_log, -1, headers)
 

@@ -106,3 +106,10 @@ def test_moderations_through_the_openai_sdk(safe_url: str, tenant: Tenant) -> No
     harmful, benign = result.results
     assert harmful.flagged and harmful.categories.violence and harmful.category_scores.violence == 1.0
     assert not benign.flagged and not any(benign.categories.model_dump().values())
+
+
+def test_a_streamed_refusal_carries_its_reason(safe_url: str, tenant: Tenant) -> None:
+    chunks = list(_client(safe_url, tenant).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": HARM}], max_tokens=5, stream=True))
+    refusals = [c.choices[0].delta.refusal for c in chunks if c.choices and c.choices[0].delta.refusal]
+    assert len(refusals) == 1 and "violence" in refusals[0]
