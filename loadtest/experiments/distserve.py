@@ -82,6 +82,7 @@ from loadtest.experiments.distserve_plan import (
     make_plan,
 )
 from loadtest.experiments.handoff_phases import PHASE_PREFIXES, phase_summary
+from loadtest.metrics import SLO
 
 log = logging.getLogger("loadtest.experiments.distserve")
 
@@ -168,15 +169,19 @@ def write_outputs(work: Path, out: Path, record: dict) -> dict:
     return summary
 
 
-def replot(out: Path) -> int:
+def replot(out: Path, slo: SLO | None = None) -> int:
+    """Summary and plots again from OUT/results.tar.gz; under another `slo` into OUT/slo-ttft<ms>-tpot<ms>/
+    (the same requests judged by, e.g., a tight TPOT)."""
+    dest = out if slo is None else out / f"slo-ttft{slo.ttft_ms:g}-tpot{slo.tpot_ms:g}"
+    dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="distserve-replot-") as tmp:
         with tarfile.open(out / "results.tar.gz") as tar:
             tar.extractall(tmp, filter="data")
         old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
         meta = {k: v for k, v in old.items() if k != "workloads"}
-        summary = report.summarize(Path(tmp) / "runs", meta)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-        report.plot(Path(tmp) / "runs", out, summary)
+        summary = report.summarize(Path(tmp) / "runs", meta, slo)
+        (dest / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        report.plot(Path(tmp) / "runs", dest, summary)
         report.print_tables(summary)
     return 0
 
@@ -187,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/distserve"))
     p.add_argument("--smoke", action="store_true", help="CPU: default tiny model, torch backend, tiny rates")
     p.add_argument("--replot", type=Path, default=None, metavar="OUT", help="only redo summary + plots of OUT")
+    p.add_argument("--replot-slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"),
+                   help="with --replot: judge the same requests by this SLO (into OUT/slo-ttft<ms>-tpot<ms>/)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--model-shape", choices=sorted(assets.SHAPES), default=None, help="GPU model (default 8b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (= GPUs) per worker; 2 x tp GPUs in all")
@@ -239,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     if args.replot is not None:
-        return replot(args.replot)
+        override = args.replot_slo is not None
+        return replot(args.replot, SLO(*args.replot_slo) if override else None)
     missing = assets.missing_assets()
     if missing:
         print(f"distserve: missing {missing} in {assets.ASSET_DIR}: run python -m "

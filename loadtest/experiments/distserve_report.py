@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from loadtest.metrics import SLO
 from loadtest.report import BenchResult, load_result
 
 ATTAINMENT_TARGET = 0.9
@@ -31,9 +32,9 @@ def run_files(runs_dir: Path) -> dict[tuple[str, str], list[Path]]:
     return {k: [p for _, p in sorted(v)] for k, v in out.items()}
 
 
-def merged(paths: list[Path], label: str) -> BenchResult:
-    """One BenchResult holding every rate's run (each file holds one)."""
-    results = [load_result(p) for p in paths]
+def merged(paths: list[Path], label: str, slo: SLO | None = None) -> BenchResult:
+    """One BenchResult holding every rate's run (each file holds one); `slo` overrides the stored one."""
+    results = [load_result(p, slo) for p in paths]
     return BenchResult(label, results[0].config, results[0].slo, [r for res in results for r in res.runs])
 
 
@@ -69,11 +70,15 @@ def distserve_goodput(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "censored_at_top_rate": censored}
 
 
-def summarize(runs_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
+def summarize(runs_dir: Path, meta: dict[str, Any], slo: SLO | None = None) -> dict[str, Any]:
+    """Attainment and goodput per workload and configuration; judged by `slo` when given (the same
+    per-request records under another SLO, e.g. a tight TPOT), else by the SLO the runs had."""
     files = run_files(runs_dir)
     per: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    if slo is not None:
+        meta = {**meta, "slo": {**meta.get("slo", {}), "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}}
     for (config, workload), paths in files.items():
-        result = merged(paths, config)
+        result = merged(paths, config, slo)
         per.setdefault(workload, {})[config] = [_row(s, run.request_rate)
                                                 for run, s in zip(result.runs, result.summaries(), strict=True)]
     gpus = WORKERS * meta.get("tp", 1)
