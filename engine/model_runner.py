@@ -73,6 +73,9 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self.kv_spec.num_blocks_for(config.cache.memory_bytes)
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        if self.device.type == "cuda":
+            self.backend.warm_up(self.kv_cache, model_config.num_heads // self.tp.size,
+                                 config.batcher.max_num_seqs, self.dtype)
         self.graphs = self._build_graphs()
 
     def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:

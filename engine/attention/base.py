@@ -72,6 +72,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, H_q, D]
         """Causal attention of each sequence's queries over its paged context (GQA: H_q % H_kv == 0)."""
 
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: torch.dtype) -> None:
+        """Compile whatever a step may need, before serving (a compile mid-step stalls every request
+        of that step). Nothing to do for backends without JIT kernels."""
+        return None
+
 
 _REGISTRY = {
     "torch": "engine.attention.torch_ref:TorchAttentionBackend",

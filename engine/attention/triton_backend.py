@@ -13,6 +13,9 @@ for any context length (the kernels read `seq_lens` on the device); only its spe
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -20,6 +23,9 @@ from engine.errors import ConfigError
 from engine.kernels.kv_store import store_kv
 from engine.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode
 from engine.kernels.paged_prefill import paged_prefill
+from engine.kernels.paged_prefill import warm_up as warm_up_prefill
+
+log = logging.getLogger(__name__)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -64,6 +70,13 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill(
             query, kv_cache, layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
         )
+
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: torch.dtype) -> None:
+        """Prefill/mixed steps: one kernel variant per sequence-count bucket and tile shape; compiled
+        here at start, else ~1 s each in the middle of serving (seen in the DistServe runs)."""
+        start = time.perf_counter()
+        n = warm_up_prefill(kv_cache, num_q_heads, max_num_seqs, dtype)
+        log.info("warmed %d paged-prefill kernel variants in %.1f s", n, time.perf_counter() - start)
 
     def _sm_count(self, device: torch.device) -> int:
         """Multiprocessors of the device (cached); 1 off CUDA, where only the interpreter runs."""

@@ -65,7 +65,10 @@ def _attend_key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would compile a variant for
+# each of ==1 / multiple of 16 / other, ~1 s each, while serving): the block table's width and the
+# sequence count. What still varies (BLOCK_B, the tile shape) is compiled by `warm_up` at start.
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr,  # [T, H_q, D] strides (stride_qt, stride_qh, 1)
     cache_ptr,  # [num_blocks, 2, block_size, H_kv, D]: one layer of the cache, [:, 0] = K, [:, 1] = V;
@@ -192,6 +195,25 @@ def paged_prefill(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def warm_up(kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """Compile every kernel variant a step can need, before serving: each sequence-count bucket
+    (BLOCK_B = 16 .. next_pow2(max_num_seqs)) with both tile shapes. Reads the cache, writes nothing
+    to it. Returns the number of launches (one compile each, the first time in a process)."""
+    head_dim, device = kv_cache.shape[-1], kv_cache.device
+    buckets = [16 << i for i in range(max(triton.next_power_of_2(max_num_seqs), 16).bit_length() - 4)]
+    launches = 0
+    for bucket in buckets:
+        num_seqs = bucket // 2 + 1 if bucket > 16 else 1
+        query = torch.zeros((num_seqs, num_q_heads, head_dim), dtype=dtype, device=device)
+        tables = torch.zeros((num_seqs, 1), dtype=torch.int32, device=device)
+        lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
+        starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        for block_m, warps in ((None, None), (128, 8)):  # the small and the large tile shape
+            paged_prefill(query, kv_cache, 0, tables, lens, starts, 1.0, block_m=block_m, num_warps=warps)
+            launches += 1
+    return launches
 
 
 def _check_prefill_inputs(

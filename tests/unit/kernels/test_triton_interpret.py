@@ -71,6 +71,13 @@ def test_kernels_are_interpreted() -> None:
     assert kv_store.is_interpreted(kv_checksum._checksum_kernel)
 
 
+def test_prefill_warm_up_launches_every_bucket_and_tile_and_leaves_the_cache_alone() -> None:
+    cache = make_cache(8, 2, 4, 2, 16, torch.float32, torch.Generator().manual_seed(3))
+    before = cache.clone()
+    assert paged_prefill_mod.warm_up(cache, num_q_heads=4, max_num_seqs=40, dtype=torch.float32) == 6  # 16/32/64 x 2
+    assert torch.equal(cache, before)
+
+
 @pytest.mark.parametrize("width", [8, 4096 + 3, 3 * kv_checksum._SPLIT_WORDS // 2])
 def test_checksum_kernel_matches_the_reference(width: int) -> None:
     """Extreme words (-32768, 32767) and widths that end mid-tile and span several splits."""
