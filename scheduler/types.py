@@ -136,6 +136,9 @@ class RouteDecision:
     retry_after_s: float | None = None  # REJECT only: when a retry may succeed; None = don't retry
     max_tokens: int | None = None  # DEGRADE only: the cap the gateway must apply instead of the asked one
     cached_blocks: int = 0  # leading prompt blocks the decode worker already holds
+    # Placed only: why the prompt is prefilled where it is (a `SiteReason` value, core/prefill_site.py);
+    # empty when the policy does not site by cost (the baselines' fixed threshold).
+    prefill_reason: str = ""
 
     @property
     def is_placed(self) -> bool:

@@ -172,4 +172,5 @@ def response_from_decision(
         response.prefill_worker = workers[decision.prefill_worker_id].address
     if decision.is_placed:
         response.max_tokens = decision.max_tokens or asked_max_tokens
+        response.prefill_reason = decision.prefill_reason
     return response

@@ -280,6 +280,11 @@ class CostModel:
         a, b, c = self._prefill.coefficients
         return max(_MIN_STEP_S, a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens))
 
+    def prefill_marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """A prefill's cost inside a step that runs anyway (chunked into a decode step): no fixed part."""
+        _, b, c = self._prefill.coefficients
+        return b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
+
     def prefill_backlog_s(self, queued_tokens: int, queued_requests: int) -> float:
         """Time to drain a prefill queue whose per-prompt sizes are unknown (assumed equal)."""
         if queued_tokens <= 0:

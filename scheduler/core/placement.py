@@ -57,6 +57,13 @@ class Placement:
     blocks_needed: int  # new blocks the decode worker must allocate
     ttft_s: float
     tpot_s: float
+    # Local prefill only: how much the prompt's compute, spread over the running sequences' remaining
+    # tokens, raises the TPOT of the batch already on the decode worker (see `local_interference_s`).
+    added_tpot_s: float = 0.0
+
+    @property
+    def is_local(self) -> bool:
+        return self.prefill is None
 
     @property
     def fits(self) -> bool:
@@ -71,7 +78,7 @@ class Placement:
         """Smallest relative headroom over the two targets; >= 0 means both are met."""
         ttft_ms = (request.waited_s + self.ttft_s) * 1e3
         ttft_slack = 1.0 - ttft_ms / request.slo.ttft_ms
-        tpot_slack = 1.0 - self.tpot_s * 1e3 / self.tpot_limit_ms(request)
+        tpot_slack = 1.0 - (self.tpot_s + self.added_tpot_s) * 1e3 / self.tpot_limit_ms(request)
         return min(ttft_slack, tpot_slack)
 
     def meets(self, request: RequestSummary) -> bool:
@@ -108,6 +115,7 @@ def evaluate(
     running = running_batch(decode)
     running_context = batch_context(decode, running)
     slot_wait = slot_wait_s(decode, decode_cost, request.max_tokens)
+    added_tpot = 0.0
     if prefill is None:
         shared_step = decode_cost.decode_step_s(running, running_context) if running else 0.0
         compute_tokens = prompt - decode_cached
@@ -121,6 +129,8 @@ def evaluate(
             cached_tokens=decode_cached,
             shared_step_s=shared_step,
         )
+        if running:
+            added_tpot = local_interference_s(decode_cost, compute_tokens, decode_cached, request.max_tokens)
     else:
         prefill_blocks = view.cached_blocks(prefill.worker_id, request.prefix_hashes)
         prefill_cached = cached_tokens(prompt, prefill_blocks, prefill.block_size)
@@ -135,6 +145,10 @@ def evaluate(
             cached_tokens=prefill_cached,
             transfer_tokens=prompt - decode_cached,
         )
+        # The hand-off lands between two of the decode worker's steps: reserving the blocks and
+        # committing the KV each wait for a step boundary, about half a step each (measured: the
+        # hand-off overhead grows from ~13 to ~30 ms p50 as the decode batch grows, docs/benchmarks.md).
+        ttft += decode_cost.decode_step_s(running, running_context) if running else 0.0
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
     tpot = decode_cost.predict_tpot_s(
         batch=others,
@@ -143,7 +157,19 @@ def evaluate(
         max_tokens=request.max_tokens,
     )
     blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - cached_blocks
-    return Placement(decode, prefill, cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot)
+    return Placement(
+        decode, prefill, cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot
+    )
+
+
+def local_interference_s(cost: CostModel, new_tokens: int, cached: int, max_tokens: int) -> float:
+    """TPOT added to each running sequence when `new_tokens` are prefilled on their decode worker.
+
+    Chunked prefill folds the prompt into the batch's steps, so the running sequences wait for its
+    marginal compute (the step's fixed cost is paid anyway) once; spread over the tokens they still
+    have to generate (taken as half of `max_tokens`, the only length known) that is their TPOT rise.
+    """
+    return cost.prefill_marginal_s(new_tokens, cached) / max(max_tokens // 2, 1)
 
 
 def running_batch(decode: WorkerLoad) -> int:

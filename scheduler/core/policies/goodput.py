@@ -3,8 +3,8 @@
 Goodput counts requests that meet both targets, so a placement that serves one request late is
 worth nothing and one that pushes a worker's step time past the TPOT target of requests already
 there costs several. The policy therefore:
-1. predicts TTFT/TPOT for every (decode worker, prefill worker | local) candidate, with the
-   conditional-disaggregation rule deciding when only local prefill is considered;
+1. predicts TTFT/TPOT on every decode worker, its prompt prefilled where `PrefillSiting` says
+   is cheapest (a prefill worker, or the decode worker itself: core/prefill_site.py);
 2. keeps candidates that fit in KV memory, meet the request's targets and keep the tightest TPOT
    target already on the decode worker, and, for a lighter tier, leave room somewhere for a
    heavier-tier request of the same size (trunk reservation, see `_leaves_room`: under overload
@@ -24,14 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
-from scheduler.core.placement import (
-    DisaggregationRule,
-    Placement,
-    candidate_placements,
-    evaluate,
-    prefill_options,
-)
+from scheduler.core.placement import Placement, evaluate
 from scheduler.core.policies.base import Policy, reject, reject_no_workers
+from scheduler.core.prefill_site import PrefillSiting, SiteChoice
 from scheduler.types import SLO, DecisionKind, Reason, RequestSummary, RouteDecision, Tier
 
 
@@ -54,20 +49,40 @@ class GoodputConfig:
 class GoodputPolicy(Policy):
     name = "goodput"
 
-    def __init__(self, config: GoodputConfig | None = None, rule: DisaggregationRule | None = None) -> None:
+    def __init__(self, config: GoodputConfig | None = None, siting: PrefillSiting | None = None) -> None:
         self.config = config or GoodputConfig()
-        self._rule = rule or DisaggregationRule()
+        self._siting = siting or PrefillSiting()
         self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
+        self._sites: dict[int, SiteChoice] = {}  # id(placement) -> its site choice, for one route call
 
     def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
         self._remember(request)
-        placements = candidate_placements(request, view, self._rule)
+        self._sites = {}
+        placements = self._candidates(request, view)
         if not placements:
             return reject_no_workers(request)
         best = self._best(request, view, placements)
         if best is not None:
-            return best.decision(request, DecisionKind.ROUTE, self._reason(request, view, best))
+            return self._decide(request, best, DecisionKind.ROUTE, self._reason(request, view, best))
         return self._overloaded(request, view, placements)
+
+    def _candidates(self, request: RequestSummary, view: ClusterView) -> list[Placement]:
+        """One placement per decode worker, its prefill sited by cost (core/prefill_site.py)."""
+        pool = self._siting.remote_pool(request, view)
+        placements = []
+        for decode in view.decode_workers(request.model):
+            choice = self._siting.choose(request, view, decode, pool)
+            self._sites[id(choice.placement)] = choice
+            placements.append(choice.placement)
+        return placements
+
+    def _decide(
+        self, request: RequestSummary, placement: Placement, kind: DecisionKind, reason: str,
+        max_tokens: int | None = None,
+    ) -> RouteDecision:
+        decision = placement.decision(request, kind, reason, max_tokens)
+        choice = self._sites.get(id(placement))
+        return decision if choice is None else replace(decision, prefill_reason=choice.reason.value)
 
     def _best(
         self, request: RequestSummary, view: ClusterView, placements: Sequence[Placement]
@@ -76,8 +91,9 @@ class GoodputPolicy(Policy):
         probe = self._heavier_probe(request)
         if probe is not None and qualifying:
             workers = view.decode_workers(request.model)
-            open_now = {d.worker_id for d in workers if _serves(probe, view, d, self._rule)}
-            qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, self._rule)]
+            sites = _ProbeSites(self._siting, self._siting.remote_pool(probe, view))
+            open_now = {d.worker_id for d in workers if sites.serves(probe, view, d)}
+            qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, sites)]
         if not qualifying:
             return None
         return max(qualifying, key=lambda p: (self._affinity(request, view, p), p.slack(request)))
@@ -117,10 +133,10 @@ class GoodputPolicy(Policy):
         if max_tokens >= request.max_tokens:
             return None
         shorter = replace(request, max_tokens=max_tokens)
-        best = self._best(shorter, view, candidate_placements(shorter, view, self._rule))
+        best = self._best(shorter, view, self._candidates(shorter, view))
         if best is None:
             return None
-        return best.decision(request, DecisionKind.DEGRADE, Reason.DEGRADED, max_tokens=max_tokens)
+        return self._decide(request, best, DecisionKind.DEGRADE, Reason.DEGRADED, max_tokens)
 
     def _best_effort(
         self, request: RequestSummary, view: ClusterView, placements: list[Placement]
@@ -135,10 +151,10 @@ class GoodputPolicy(Policy):
             if not keeps_tpot:
                 return None
             best = min(keeps_tpot, key=lambda p: p.ttft_s)
-            return best.decision(request, DecisionKind.ROUTE, Reason.BEST_EFFORT)
+            return self._decide(request, best, DecisionKind.ROUTE, Reason.BEST_EFFORT)
         if fitting and not self._attainable(request, view, placements):
             least_bad = max(fitting, key=lambda p: p.slack(request))
-            return least_bad.decision(request, DecisionKind.ROUTE, Reason.BEST_EFFORT)
+            return self._decide(request, least_bad, DecisionKind.ROUTE, Reason.BEST_EFFORT)
         return None
 
     @staticmethod
@@ -178,12 +194,16 @@ class GoodputPolicy(Policy):
 _TIER_ORDER = (Tier.FREE, Tier.PLUS, Tier.ENTERPRISE)  # lightest first
 
 
-def _serves(probe: RequestSummary, view: ClusterView, decode: WorkerLoad, rule: DisaggregationRule) -> bool:
-    """Whether the heavier-tier probe would meet its latency targets on `decode`. KV room is not
-    reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
-    yet, and heavier requests already waiting get freed blocks first through the admission queue."""
-    options = prefill_options(probe, view, decode, rule)
-    return any(evaluate(probe, view, decode, prefill).slack(probe) >= 0.0 for prefill in options)
+@dataclass(frozen=True)
+class _ProbeSites:
+    siting: PrefillSiting
+    pool: list[WorkerLoad]  # the probe's prefill workers, ranked once
+
+    def serves(self, probe: RequestSummary, view: ClusterView, decode: WorkerLoad) -> bool:
+        """Whether the heavier-tier probe would meet its latency targets on `decode`. KV room is not
+        reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
+        yet, and heavier requests already waiting get freed blocks first through the admission queue."""
+        return self.siting.choose(probe, view, decode, self.pool).placement.slack(probe) >= 0.0
 
 
 def _leaves_room(
@@ -192,7 +212,7 @@ def _leaves_room(
     view: ClusterView,
     placement: Placement,
     open_now: set[str],
-    rule: DisaggregationRule,
+    sites: _ProbeSites,
 ) -> bool:
     """Trunk reservation for heavier tiers: a lighter request takes a placement only if a heavier
     request of the same size arriving next could still meet its targets somewhere (another worker
@@ -214,4 +234,4 @@ def _leaves_room(
         free_blocks=max(decode.free_blocks - placement.blocks_needed, 0),
         tightest_tpot_ms=min(decode.tightest_tpot_ms or request.slo.tpot_ms, request.slo.tpot_ms),
     )
-    return _serves(probe, view, loaded, rule)
+    return sites.serves(probe, view, loaded)

@@ -168,18 +168,22 @@ def test_goodput_leaves_the_conversation_worker_when_it_would_miss_the_slo(
 
 
 @pytest.mark.parametrize(
-    ("prompt", "cached_blocks", "local"),
-    [(100, 0, True), (4096, 0, False), (4096, 200, True), (4096, 100, False)],
+    ("prompt", "cached_blocks", "site", "reason"),
+    [
+        (20, 0, None, "short_prompt"),
+        (4096, 0, "p0", "remote_cheaper"),
+        (4096, 250, None, "decode_cache_hit"),
+        (4096, 100, "p0", "remote_cheaper"),
+    ],
 )
-def test_conditional_disaggregation_prefills_short_or_mostly_cached_prompts_locally(
-    make_request, make_load, make_view, prompt, cached_blocks, local
+def test_goodput_sites_the_prefill_by_cost_next_to_a_running_batch(
+    make_request, make_load, make_view, prompt, cached_blocks, site, reason
 ) -> None:
     req = make_request(prompt=prompt)
-    loads = [make_load("d0"), make_load("p0", PREFILL)]
+    loads = [make_load("d0", batch=8), make_load("p0", PREFILL)]
     view = make_view(loads, cached={"d0": req.prefix_hashes[:cached_blocks]})
     decision = GoodputPolicy().route(req, view, 0.0)
-    assert decision.decode_worker_id == "d0"
-    assert (decision.prefill_worker_id is None) is local
+    assert (decision.decode_worker_id, decision.prefill_worker_id, decision.prefill_reason) == ("d0", site, reason)
 
 
 def test_disaggregation_thresholds_are_configurable() -> None:

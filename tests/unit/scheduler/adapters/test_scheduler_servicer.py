@@ -54,12 +54,24 @@ async def test_prefix_aware_routes_to_the_worker_holding_the_prefix(start_cluste
     assert (answer.decode_worker_id, answer.cached_blocks, answer.reason) == ("b", 32, "prefix_affinity")
 
 
-async def test_goodput_sends_a_long_prompt_to_the_prefill_worker(start_cluster: StartCluster) -> None:
+async def test_goodput_sends_a_long_prompt_next_to_a_running_batch_to_the_prefill_worker(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster("goodput")
+    await cluster.register("d", running_seqs=8)
+    await cluster.register("p", role="prefill")
+    answer = await cluster.route(route_request("r", prompt=2048, ttft_ms=5000))
+    assert (answer.kind, answer.decode_worker, answer.prefill_worker) == (ROUTE, address("d"), address("p"))
+    assert answer.prefill_reason == "remote_cheaper"
+
+
+async def test_goodput_prefills_on_an_idle_decode_worker_and_says_why(start_cluster: StartCluster) -> None:
     cluster = await start_cluster("goodput")
     await cluster.register("d")
     await cluster.register("p", role="prefill")
     answer = await cluster.route(route_request("r", prompt=2048, ttft_ms=5000))
-    assert (answer.kind, answer.decode_worker, answer.prefill_worker) == (ROUTE, address("d"), address("p"))
+    # Nothing runs on "d" to be slowed down, and the hop only adds the hand-off: local is cheaper.
+    assert (answer.decode_worker, answer.prefill_worker, answer.prefill_reason) == (address("d"), "", "local_cheaper")
 
 
 async def test_a_silent_worker_is_dropped_after_the_deadline_and_never_routed_to(

@@ -75,10 +75,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., running_context_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "switch_to_role")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_TO_ROLE_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    switch_to_role: str
+    def __init__(self, known: _Optional[bool] = ..., switch_to_role: _Optional[str] = ...) -> None: ...
 
 class SLO(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms")
@@ -109,7 +111,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks")
+    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks", "prefill_reason")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RouteResponse.Kind]
@@ -133,6 +135,7 @@ class RouteResponse(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     kind: RouteResponse.Kind
     decode_worker: str
     prefill_worker: str
@@ -144,7 +147,8 @@ class RouteResponse(_message.Message):
     decode_worker_id: str
     prefill_worker_id: str
     cached_blocks: int
-    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    prefill_reason: str
+    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -161,12 +165,50 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LiveWorker(_message.Message):
-    __slots__ = ("address", "status")
+    __slots__ = ("address", "status", "role_switch")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_SWITCH_FIELD_NUMBER: _ClassVar[int]
     address: str
     status: _worker_pb2.WorkerStatus
-    def __init__(self, address: _Optional[str] = ..., status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+    role_switch: RoleSwitch
+    def __init__(self, address: _Optional[str] = ..., status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., role_switch: _Optional[_Union[RoleSwitch, _Mapping]] = ...) -> None: ...
+
+class RoleSwitch(_message.Message):
+    __slots__ = ("worker_id", "from_role", "to_role", "state")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[RoleSwitch.State]
+        STATE_DRAINING: _ClassVar[RoleSwitch.State]
+        STATE_SWITCHING: _ClassVar[RoleSwitch.State]
+        STATE_DONE: _ClassVar[RoleSwitch.State]
+    STATE_UNSPECIFIED: RoleSwitch.State
+    STATE_DRAINING: RoleSwitch.State
+    STATE_SWITCHING: RoleSwitch.State
+    STATE_DONE: RoleSwitch.State
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    from_role: str
+    to_role: str
+    state: RoleSwitch.State
+    def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., state: _Optional[_Union[RoleSwitch.State, str]] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("worker_id", "role")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role_switch",)
+    ROLE_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    role_switch: RoleSwitch
+    def __init__(self, role_switch: _Optional[_Union[RoleSwitch, _Mapping]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/baton.v1.Scheduler/SetRole',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -98,6 +103,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Turn a worker prefill <-> decode <-> both: it is drained first (no new placements; the work in
+        flight finishes), then told its new role in its next heartbeat answer. Poll ListWorkers (or call
+        again) for progress. NOT_FOUND: unknown worker; INVALID_ARGUMENT: unknown role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +139,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +281,33 @@ class Scheduler:
             '/baton.v1.Scheduler/ListWorkers',
             baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/SetRole',
+            baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
