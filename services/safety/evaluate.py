@@ -32,6 +32,7 @@ from services.safety.classifier import DATA_DIR, EmbeddingClassifier
 from services.safety.normalize import normalize
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
+from services.safety.server import limit_blas_threads
 from services.safety.stream_filter import OutputStreamFilter
 
 EVAL_PATH = DATA_DIR / "eval_gate.jsonl"
@@ -130,6 +131,8 @@ def evaluate(checker: SafetyChecker, examples: Sequence[EvalExample], repeat: in
 
 
 def default_checker() -> SafetyChecker:
+    """The service's checker, with the service's one BLAS thread (so latencies are the service's)."""
+    limit_blas_threads()
     return SafetyChecker(PolicyBook(), PatternTier(), EmbeddingClassifier.load())
 
 

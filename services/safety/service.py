@@ -5,9 +5,10 @@ bidirectional stream per generation: the gateway sends each detokenized delta an
 per delta, in order; the server ends the stream after a halting verdict. A stream holds only its
 sliding window (a few hundred characters), so thousands can be open at once.
 
-The classifier tier (a sentence-encoder forward pass, milliseconds) runs in a small thread pool, never
-on the event loop: numpy releases the GIL in its matmuls, and the loop keeps answering pattern-tier
-verdicts of other streams meanwhile. Two threads: more would only contend for the same cores.
+The classifier tier (a sentence-encoder forward pass, milliseconds) runs in worker threads, never on
+the event loop: numpy releases the GIL in its matmuls, and the loop keeps answering pattern-tier
+verdicts of other streams meanwhile. Input checks and output windows have a thread each, so a prompt's
+check never queues behind the output windows of every running stream.
 
 Texts are never logged, only request ids, categories and tiers.
 """
@@ -36,17 +37,17 @@ _CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
 
 
 class SafetyService(safety_pb2_grpc.SafetyServicer):
-    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None,
-                 classifier_threads: int = 2) -> None:
+    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None) -> None:
         self._checker = checker
         self._stream_config = stream_config or StreamFilterConfig()
-        self._pool = ThreadPoolExecutor(classifier_threads, thread_name_prefix="safety-classifier")
+        self._input_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-input")
+        self._output_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-output")
 
     async def CheckInput(self, request: safety_pb2.CheckInputRequest,
                          context: grpc.aio.ServicerContext) -> safety_pb2.Verdict:
         start = time.perf_counter()
         verdict = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
+            self._input_pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
         _CHECK_LATENCY.observe(time.perf_counter() - start)
         record_verdict(Direction.INPUT, verdict.allowed, verdict.category, verdict.tier)
         if verdict.category is not None or verdict.watch:
@@ -70,7 +71,7 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
                                                 self._stream_config, watch=chunk.watch)
                 if stream.needs_classifier(chunk.delta, chunk.final):
                     last = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, stream.feed, chunk.delta, chunk.final)
+                        self._output_pool, stream.feed, chunk.delta, chunk.final)
                 else:
                     last = stream.feed(chunk.delta, chunk.final)
                 _CHUNK_LATENCY.observe(time.perf_counter() - start)
