@@ -149,6 +149,20 @@ class RouteDecision:
             raise ValueError(f"decision {self.kind} for {self.request_id} needs a decode worker")
 
 
+class SwitchState(StrEnum):
+    DRAINING = "draining"  # no new placements; waiting for the work in flight to finish
+    SWITCHING = "switching"  # drained: the worker is told its new role in its heartbeat answers
+    DONE = "done"  # the worker reported the new role
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    worker_id: str
+    from_role: WorkerRole
+    to_role: WorkerRole
+    state: SwitchState
+
+
 @dataclass(frozen=True)
 class PrefillSample:
     """One prefill step's measured duration, for the cost-model fit."""

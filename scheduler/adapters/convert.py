@@ -20,8 +20,10 @@ from scheduler.types import (
     KVEventKind,
     PrefillSample,
     RequestSummary,
+    RoleSwitch,
     RouteDecision,
     StepSample,
+    SwitchState,
     Tier,
     WorkerRole,
     WorkerSnapshot,
@@ -174,3 +176,23 @@ def response_from_decision(
         response.max_tokens = decision.max_tokens or asked_max_tokens
         response.prefill_reason = decision.prefill_reason
     return response
+
+
+_SWITCH_STATES = {
+    SwitchState.DRAINING: pb.RoleSwitch.STATE_DRAINING,
+    SwitchState.SWITCHING: pb.RoleSwitch.STATE_SWITCHING,
+    SwitchState.DONE: pb.RoleSwitch.STATE_DONE,
+}
+
+
+def role_from_proto(role: str) -> WorkerRole:
+    return _enum_value(WorkerRole, role, "role")
+
+
+def role_switch_to_proto(switch: RoleSwitch) -> pb.RoleSwitch:
+    return pb.RoleSwitch(
+        worker_id=switch.worker_id,
+        from_role=switch.from_role.value,
+        to_role=switch.to_role.value,
+        state=_SWITCH_STATES[switch.state],
+    )

@@ -10,17 +10,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
 from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
+from scheduler.types import Tier
 from services.common.errors import ConfigError
 from services.common.tracing import EXPORTERS, setup_tracing
 
 log = logging.getLogger("scheduler.adapters")
+
+
+DEGRADE_FRACTION_ENV = "BATON_SCHEDULER_DEGRADE_FRACTION"
+DEGRADE_TIERS_ENV = "BATON_SCHEDULER_DEGRADE_TIERS"
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +45,15 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tick-interval-s", type=float, default=ServicerConfig.tick_interval_s)
     parser.add_argument("--drain-grace-s", type=float, default=SchedulerServiceConfig.drain_grace_s)
+    parser.add_argument(
+        "--degrade-fraction", type=float, default=None,
+        help="goodput policy under overload: serve the degradable tiers with max_tokens x this (0-1) "
+             f"instead of queueing them (default ${DEGRADE_FRACTION_ENV}, else off)",
+    )
+    parser.add_argument(
+        "--degrade-tiers", default=None,
+        help=f"comma-separated tiers that may be degraded (default ${DEGRADE_TIERS_ENV}, else free)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--otel-exporter", default="none", choices=EXPORTERS,
                         help="where spans go (otlp: OTEL_EXPORTER_OTLP_ENDPOINT, default localhost:4317)")
@@ -52,7 +67,14 @@ def register_scheduler_command(subparsers: argparse._SubParsersAction) -> argpar
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> SchedulerServiceConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> SchedulerServiceConfig:
+    env = os.environ if environ is None else environ
+    fraction = args.degrade_fraction
+    if fraction is None and env.get(DEGRADE_FRACTION_ENV):
+        fraction = _parse_fraction(env[DEGRADE_FRACTION_ENV])
+    tiers = args.degrade_tiers or env.get(DEGRADE_TIERS_ENV) or Tier.FREE.value
     return SchedulerServiceConfig(
         host=args.host,
         port=args.port,
@@ -61,8 +83,26 @@ def config_from_args(args: argparse.Namespace) -> SchedulerServiceConfig:
         metrics_port=args.metrics_port,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         drain_grace_s=args.drain_grace_s,
+        degrade_fraction=fraction,
+        degrade_tiers=_parse_tiers(tiers),
         servicer=ServicerConfig(heartbeat_interval_s=args.heartbeat_interval_s, tick_interval_s=args.tick_interval_s),
     )
+
+
+def _parse_fraction(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{DEGRADE_FRACTION_ENV}={text!r} is not a number in (0, 1)") from None
+
+
+def _parse_tiers(text: str) -> frozenset[Tier]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    valid = ", ".join(t.value for t in Tier)
+    unknown = [n for n in names if n not in {t.value for t in Tier}]
+    if unknown or not names:
+        raise ValueError(f"degrade tiers {unknown or text!r}: valid tiers are {valid}")
+    return frozenset(Tier(n) for n in names)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

@@ -22,8 +22,9 @@ from scheduler.adapters.clock import Clock, MonotonicClock
 from scheduler.adapters.metrics import SchedulerMetrics
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.adapters.servicer import SchedulerServicer, ServicerConfig
-from scheduler.core.policies import POLICY_NAMES, make_policy
+from scheduler.core.policies import POLICY_NAMES, GoodputConfig, GoodputPolicy, Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.types import Tier
 from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -45,6 +46,10 @@ class SchedulerServiceConfig:
     # death resets its cost model and prefix index (docs/benchmarks.md, scheduler policies).
     heartbeat_timeout_s: float = 10.0
     drain_grace_s: float = 5.0
+    # Goodput policy under overload: serve these tiers with max_tokens x this fraction before
+    # queueing them (None: never degrade).
+    degrade_fraction: float | None = None
+    degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,15 @@ class SchedulerServiceConfig:
             )
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.degrade_fraction is not None and self.policy != GoodputPolicy.name:
+            raise ValueError(f"degrade_fraction needs the goodput policy, not {self.policy!r}")
+        GoodputConfig(degrade_fraction=self.degrade_fraction)  # validates the fraction
+
+    def make_policy(self) -> Policy:
+        if self.policy == GoodputPolicy.name:
+            config = GoodputConfig(degrade_fraction=self.degrade_fraction, degrade_tiers=self.degrade_tiers)
+            return GoodputPolicy(config)
+        return make_policy(self.policy)
 
 
 class SchedulerService:
@@ -72,7 +86,7 @@ class SchedulerService:
         self.config = config or SchedulerServiceConfig()
         profiles = ProfileBook.load(self.config.profile_path) if self.config.profile_path else ProfileBook()
         self.scheduler = scheduler or Scheduler(
-            make_policy(self.config.policy), SchedulerConfig(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+            self.config.make_policy(), SchedulerConfig(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
         )
         self.metrics = SchedulerMetrics()
         self.servicer = SchedulerServicer(

@@ -33,6 +33,8 @@ from scheduler.adapters.convert import (
     InvalidMessageError,
     kv_event_from_proto,
     response_from_decision,
+    role_from_proto,
+    role_switch_to_proto,
     sample_from_proto,
     snapshot_from_status,
     status_from_snapshot,
@@ -133,16 +135,32 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._workers[worker_id] = snapshot
         self._metrics.heartbeats.labels("applied").inc()
         self._capacity_changed()
-        return pb.HeartbeatResponse(known=True)
+        role = self._core.pending_role(worker_id)
+        return pb.HeartbeatResponse(known=True, switch_to_role=role.value if role is not None else "")
 
     async def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkersResponse:
         live = self._core.live_worker_ids(self._clock.now())
         workers = [self._workers[w] for w in live if w in self._workers]
+        switches = {s.worker_id: role_switch_to_proto(s) for s in self._core.role_switches()}
         return pb.ListWorkersResponse(
-            workers=[pb.LiveWorker(address=s.address, status=status_from_snapshot(s)) for s in workers]
+            workers=[
+                pb.LiveWorker(address=s.address, status=status_from_snapshot(s), role_switch=switches.get(s.worker_id))
+                for s in workers
+            ]
         )
+
+    async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext) -> pb.SetRoleResponse:
+        role = await _converted(context, lambda: role_from_proto(request.role))
+        try:
+            switch = self._core.set_role(request.worker_id, role, self._clock.now())
+        except KeyError:
+            await _abort(context, f"no live worker {request.worker_id!r}", grpc.StatusCode.NOT_FOUND)
+        log.warning("role switch of %s: %s -> %s (%s)", switch.worker_id, switch.from_role.value,
+                    switch.to_role.value, switch.state.value)
+        self._metrics.role_switches.labels(switch.to_role.value).inc()
+        return pb.SetRoleResponse(role_switch=role_switch_to_proto(switch))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -162,6 +180,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 decision = await self._wait_queued(summary, decision, context)
             except _WaitEnded as e:
                 await context.abort(e.code, str(e))
+        if decision.is_placed:
+            self._metrics.observe_slack(decision, summary.slo.ttft_ms, self._fleet_of(decision))
         try:
             await context.write(response_from_decision(decision, self._workers, summary.max_tokens))
         except BaseException:
@@ -220,6 +240,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             del self._workers[worker_id]
         self._metrics.workers_expired.inc(len(dead))
         self._metrics.set_workers(list(self._workers.values()))
+        self._metrics.set_fleets(self._core.fleet_signals(now), len(self._core.role_switches()))
         self._metrics.queue_depth.set(self._core.queued)
 
     async def run_ticks(self) -> None:
@@ -239,6 +260,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if not waiter.done():
                 waiter.set_exception(_WaitEnded(grpc.StatusCode.UNAVAILABLE, details))
         self._waiters.clear()
+
+    def _fleet_of(self, decision: RouteDecision) -> str:
+        """The fleet whose queue sets the decision's TTFT: the prefill worker's, else the decode worker's."""
+        worker_id = decision.prefill_worker_id or decision.decode_worker_id
+        snapshot = self._workers.get(worker_id or "")
+        return snapshot.role.value if snapshot is not None else "unknown"
 
     def _capacity_changed(self) -> None:
         # Only queued requests care; waking for nothing would just spin the loop.

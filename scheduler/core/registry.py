@@ -119,5 +119,10 @@ class WorkerRegistry:
                 del record.tpot_targets[tpot_ms]
         return worker_id
 
+    def holds_work(self, worker_id: str) -> bool:
+        """Whether placements on the worker are unfinished or not yet visible in its heartbeats."""
+        record = self._workers[worker_id]
+        return bool(record.reservations) or bool(record.tpot_targets)
+
     def loads(self) -> list[WorkerLoad]:
         return [record.load() for record in self._workers.values()]

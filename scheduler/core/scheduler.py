@@ -19,18 +19,22 @@ from dataclasses import dataclass, field, replace
 from scheduler.core.admission import AdmissionConfig, AdmissionQueue
 from scheduler.core.cluster_view import ClusterView
 from scheduler.core.cost_model import CostModel, WorkerProfile
+from scheduler.core.fleet_signals import FleetSignal, fleet_signals
 from scheduler.core.placement import cached_tokens
 from scheduler.core.policies.base import Policy, reject
 from scheduler.core.prefix_index import PrefixIndex
 from scheduler.core.registry import Reservation, WorkerRegistry
+from scheduler.core.role_switch import RoleSwitches
 from scheduler.types import (
     DecisionKind,
     KVEvent,
     Reason,
     RequestSummary,
+    RoleSwitch,
     RouteDecision,
     StepSample,
     Tier,
+    WorkerRole,
     WorkerSnapshot,
 )
 
@@ -56,6 +60,7 @@ class Scheduler:
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, WorkerProfile] = {}
         self._conversations: OrderedDict[str, str] = OrderedDict()
+        self._switches = RoleSwitches()  # workers being drained for a role change: not routable
         # Bumped whenever the cluster could have gained capacity or the queue changed. A queued
         # request that could not be placed can only fare worse later with nothing new (its TTFT
         # budget shrinks), so `tick` retries placements only when this moved.
@@ -72,6 +77,7 @@ class Scheduler:
         self._prefix.drop_worker(worker_id)  # a (re)registering worker starts with an empty cache
         self._costs[worker_id] = self._new_cost_model(worker_id)
         self._registry.update(snapshot, now)
+        self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
 
     def on_heartbeat(
@@ -90,6 +96,7 @@ class Scheduler:
         for sample in samples:
             cost.observe(sample)
         self._prefix.apply(worker_id, kv_events)
+        self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
 
     def live_worker_ids(self, now: float) -> list[str]:
@@ -98,6 +105,30 @@ class Scheduler:
 
     def cost_model(self, worker_id: str) -> CostModel:
         return self._costs[worker_id]
+
+    # ---- role switching (core/role_switch.py) ----------------------------------------------------
+
+    def set_role(self, worker_id: str, role: WorkerRole, now: float) -> RoleSwitch:
+        """Drain a live worker and switch it to `role`; KeyError when it is not live."""
+        self._expire(now)
+        if worker_id not in self._registry:
+            raise KeyError(worker_id)
+        switch = self._switches.start(self._registry.snapshot(worker_id), role)
+        self._switches.observe(self._registry.snapshot(worker_id), self._registry.holds_work(worker_id))
+        self._version += 1
+        return self._switches.get(worker_id) or switch
+
+    def pending_role(self, worker_id: str) -> WorkerRole | None:
+        """The role a drained worker must take now (told in its heartbeat answer), if any."""
+        return self._switches.pending(worker_id)
+
+    def role_switches(self) -> list[RoleSwitch]:
+        return self._switches.all()
+
+    def fleet_signals(self, now: float) -> list[FleetSignal]:
+        """Per-role load signals for autoscaling (core/fleet_signals.py)."""
+        self._expire(now)
+        return fleet_signals(self._registry.loads(), self._costs)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -163,10 +194,12 @@ class Scheduler:
         for worker_id in self._registry.expire(now):
             self._prefix.drop_worker(worker_id)
             self._costs.pop(worker_id, None)
+            self._switches.forget(worker_id)
             self._version += 1
 
     def _view(self) -> ClusterView:
-        return ClusterView(self._registry.loads(), self._costs, self._prefix, self._conversations)
+        loads = [w for w in self._registry.loads() if w.worker_id not in self._switches]
+        return ClusterView(loads, self._costs, self._prefix, self._conversations)
 
     def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:
         if not self._queue.push(request, now):

@@ -34,6 +34,7 @@ from scheduler.types import SLO, DecisionKind, Reason, RequestSummary, RouteDeci
 class GoodputConfig:
     queue_when_overloaded: bool = True  # False: reject at once with retry_after
     degrade_fraction: float | None = None  # e.g. 0.5: try half the max_tokens before queueing; None: off
+    degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})  # only these tiers are ever degraded
     min_degraded_tokens: int = 16  # never degrade below this many output tokens
     serve_unattainable: bool = True  # route best-effort what waiting can't help (see module doc)
     default_retry_after_s: float = 1.0
@@ -127,7 +128,7 @@ class GoodputPolicy(Policy):
 
     def _degrade(self, request: RequestSummary, view: ClusterView) -> RouteDecision | None:
         fraction = self.config.degrade_fraction
-        if fraction is None:
+        if fraction is None or request.tier not in self.config.degrade_tiers:
             return None
         max_tokens = max(self.config.min_degraded_tokens, int(request.max_tokens * fraction))
         if max_tokens >= request.max_tokens:

@@ -138,6 +138,15 @@ def test_goodput_degrades_max_tokens_when_configured_and_that_fits(
     assert GoodputPolicy().route(req, view, 0.0).kind is DecisionKind.QUEUE  # degrading is opt-in
 
 
+def test_goodput_degrades_only_the_configured_tiers(make_request, make_load, make_view) -> None:
+    view = make_view([make_load("d0", free_blocks=70)])
+    policy = GoodputPolicy(GoodputConfig(degrade_fraction=0.5))
+    plus = make_request(prompt=512, max_tokens=1024, hashes=(), tier=Tier.PLUS)
+    assert policy.route(plus, view, 0.0).kind is DecisionKind.QUEUE
+    both = GoodputPolicy(GoodputConfig(degrade_fraction=0.5, degrade_tiers=frozenset({Tier.FREE, Tier.PLUS})))
+    assert both.route(plus, view, 0.0).kind is DecisionKind.DEGRADE
+
+
 def test_goodput_serves_best_effort_what_no_idle_worker_could_serve_in_slo(
     make_request, make_load, make_view
 ) -> None:

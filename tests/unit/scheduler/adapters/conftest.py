@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
@@ -15,10 +17,10 @@ from scheduler.adapters.servicer import ServicerConfig
 
 @pytest.fixture
 async def start_cluster() -> AsyncIterator[StartCluster]:
-    """`await start_cluster(policy="round_robin", metrics=False)`; stopped at teardown."""
+    """`await start_cluster(policy="round_robin", metrics=False, **config_overrides)`; stopped at teardown."""
     started: list[Cluster] = []
 
-    async def start(policy: str = "round_robin", metrics: bool = False) -> Cluster:
+    async def start(policy: str = "round_robin", metrics: bool = False, **overrides: Any) -> Cluster:
         clock = ManualClock(start=100.0)
         config = SchedulerServiceConfig(
             host="127.0.0.1",
@@ -29,6 +31,7 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
             drain_grace_s=0.0,
             servicer=ServicerConfig(tick_interval_s=0.01),
         )
+        config = replace(config, **overrides)
         service = SchedulerService(config, clock=clock)
         await service.start()
         cluster = Cluster(service, clock, grpc.aio.insecure_channel(f"127.0.0.1:{service.port}"))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.adapters.main import config_from_args, register_scheduler_command, run_scheduler
+from scheduler.types import Tier
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -40,3 +41,28 @@ def test_a_heartbeat_timeout_shorter_than_two_intervals_is_refused(capsys: pytes
 def test_an_unreadable_profile_fails_before_listening(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_scheduler(_parse("--port", "0", "--profile", str(tmp_path / "missing.json"))) == 2
     assert "cannot read profile file" in capsys.readouterr().err
+
+
+def test_degrading_is_off_unless_a_flag_or_the_environment_turns_it_on() -> None:
+    assert config_from_args(_parse(), environ={}).degrade_fraction is None
+    flag = config_from_args(_parse("--degrade-fraction", "0.25", "--degrade-tiers", "free,plus"), environ={})
+    assert (flag.degrade_fraction, flag.degrade_tiers) == (0.25, frozenset({Tier.FREE, Tier.PLUS}))
+    env = config_from_args(_parse(), environ={"BATON_SCHEDULER_DEGRADE_FRACTION": "0.5"})
+    assert (env.degrade_fraction, env.degrade_tiers) == (0.5, frozenset({Tier.FREE}))
+    both = config_from_args(_parse("--degrade-fraction", "0.3"), environ={"BATON_SCHEDULER_DEGRADE_FRACTION": "0.5"})
+    assert both.degrade_fraction == 0.3  # the flag wins
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--degrade-fraction", "1.5"), "degrade_fraction must be in (0, 1)"),
+        (("--degrade-fraction", "0.5", "--degrade-tiers", "gold"), "valid tiers are free, plus, enterprise"),
+        (("--degrade-fraction", "0.5", "--policy", "least_loaded"), "needs the goodput policy"),
+    ],
+)
+def test_a_bad_degrade_setting_is_refused_before_listening(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
+    assert run_scheduler(_parse("--port", "0", *argv)) == 2
+    assert message in capsys.readouterr().err

@@ -9,7 +9,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from scheduler_harness import HEARTBEAT_TIMEOUT_S, StartCluster, address, route_request
+from scheduler_harness import HEARTBEAT_TIMEOUT_S, StartCluster, address, route_request, status
 
 from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
 
@@ -195,3 +195,67 @@ async def test_metrics_endpoint_exposes_decisions_workers_and_queue(start_cluste
     assert "baton_scheduler_queue_depth 0.0" in text
     assert "baton_scheduler_predicted_ttft_seconds_count 3.0" in text
     assert "baton_scheduler_registrations_total 2.0" in text
+
+
+async def test_an_overloaded_free_request_is_degraded_when_the_service_is_configured_to(
+    start_cluster: StartCluster,
+) -> None:
+    # 512 + 1024 tokens need 96 blocks of 16; 70 are free: only the halved request fits.
+    cluster = await start_cluster("goodput", degrade_fraction=0.5)
+    await cluster.register("d", free_blocks=70)
+    answer = await cluster.route(route_request("free", prompt=512, max_tokens=1024, hashes=[]))
+    degraded = (pb.RouteResponse.KIND_DEGRADE, 512, "degraded_to_meet_slo")
+    assert (answer.kind, answer.max_tokens, answer.reason) == degraded
+    queued = await cluster.queued_route(route_request("ent", prompt=512, max_tokens=1024, tier="enterprise", hashes=[]))
+    queued.cancel()  # enterprise is never degraded: it waits
+
+
+async def test_metrics_endpoint_exposes_the_per_fleet_autoscaling_gauges(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster("goodput", metrics=True)
+    await cluster.register("d", running_seqs=8, free_blocks=250)
+    await cluster.register("p", role="prefill", inflight_prefill_tokens=4096, queue_depth=2)
+    await cluster.route(route_request("r", prompt=2048, ttft_ms=5000))
+    metrics = cluster.service.metrics
+    await cluster.until(lambda: metrics.fleet_prefill_backlog.labels("prefill")._value.get() > 0)
+    url = f"http://127.0.0.1:{cluster.service.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in ("fleet_queue_seconds", "fleet_ttft_slack_ratio", "fleet_kv_usage_ratio",
+                 "fleet_prefill_backlog_tokens", "fleet_decode_sequences"):
+        assert f"baton_scheduler_{name}{{fleet=" in text, name
+    assert metrics.fleet_queue.labels("prefill")._value.get() > 0
+    assert metrics.fleet_kv_usage.labels("decode")._value.get() >= 0.75  # 750 of 1000 blocks in use, + reserved
+    assert 'baton_scheduler_prefill_sites_total{reason="' in text
+
+
+async def test_set_role_drains_the_worker_then_tells_it_in_the_heartbeat_answer(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster("round_robin")
+    await cluster.register("a")
+    await cluster.register("b")
+    await cluster.heartbeat("a", running_seqs=2)
+    answer = await cluster.stub.SetRole(pb.SetRoleRequest(worker_id="a", role="prefill"), timeout=5)
+    assert (answer.role_switch.state, answer.role_switch.from_role) == (pb.RoleSwitch.STATE_DRAINING, "decode")
+    routed = [await cluster.route(route_request(f"r{i}")) for i in range(3)]
+    assert {r.decode_worker_id for r in routed} == {"b"}  # draining: nothing new for "a"
+    request = pb.HeartbeatRequest(status=status("a"))  # idle now
+    assert (await cluster.stub.Heartbeat(request, timeout=5)).switch_to_role == "prefill"
+    listed = await cluster.stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    states = {w.status.worker_id: w.role_switch.state for w in listed.workers}
+    assert states == {"a": pb.RoleSwitch.STATE_SWITCHING, "b": pb.RoleSwitch.STATE_UNSPECIFIED}
+    reply = await cluster.stub.Heartbeat(pb.HeartbeatRequest(status=status("a", "prefill")), timeout=5)
+    assert reply.switch_to_role == ""  # done
+    listed = await cluster.stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    assert {w.status.worker_id: w.status.role for w in listed.workers} == {"a": "prefill", "b": "decode"}
+
+
+@pytest.mark.parametrize(
+    ("worker_id", "role", "code"),
+    [("nobody", "prefill", grpc.StatusCode.NOT_FOUND), ("a", "leader", grpc.StatusCode.INVALID_ARGUMENT)],
+)
+async def test_set_role_refuses_unknown_workers_and_roles(
+    start_cluster: StartCluster, worker_id: str, role: str, code: grpc.StatusCode
+) -> None:
+    cluster = await start_cluster("round_robin")
+    await cluster.register("a")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await cluster.stub.SetRole(pb.SetRoleRequest(worker_id=worker_id, role=role), timeout=5)
+    assert raised.value.code() == code
