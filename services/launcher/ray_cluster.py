@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,7 @@ class RayClusterConfig:
     device: str = "cpu"  # "cuda": each worker actor reserves tensor_parallel_size GPUs
     model: str | None = None  # None: the default model (prepared on each node on first use)
     worker_args: tuple[str, ...] = ()  # more `baton worker` flags, for both roles
+    scheduler_args: tuple[str, ...] = ()  # more `baton scheduler` flags, e.g. ("--policy", "round_robin")
     worker_cpus: float = 1.0
     service_cpus: float = 0.5
     safety: bool = False
@@ -151,6 +153,7 @@ class RayCluster:
         self.config = config
         self.endpoints = RayEndpoints()
         self._actors: list[tuple[str, Any]] = []
+        self._run = uuid.uuid4().hex[:6]  # actor names are unique per cluster: `ray list actors` shows them
 
     def up(self) -> RayEndpoints:
         import ray
@@ -159,7 +162,7 @@ class RayCluster:
             ray.init(address=self.config.address, namespace=self.config.namespace, log_to_driver=False)
         e, c = self.endpoints, self.config
         e.scheduler = self._start("scheduler", ["-m", "scheduler.adapters", "--host", "0.0.0.0", "--port", "{port}",
-                                                "--metrics-port", "{metrics_port}"],
+                                                "--metrics-port", "{metrics_port}", *c.scheduler_args],
                                   Readiness(log_marker="listening on", timeout_s=60))
         e.prefill = [self._worker(f"prefill-{i}", "prefill") for i in range(c.prefill_workers)]
         e.decode = [self._worker(f"decode-{i}", "decode") for i in range(c.decode_workers)]
@@ -200,8 +203,8 @@ class RayCluster:
         import ray
 
         actor_class: Any = ray.remote(ServiceProcess)  # Ray's typing does not follow the actor's methods
-        actor = actor_class.options(name=name, num_cpus=self.config.service_cpus if num_cpus is None else num_cpus,
-                                    num_gpus=num_gpus).remote(name)
+        cpus = self.config.service_cpus if num_cpus is None else num_cpus
+        actor = actor_class.options(name=f"baton-{self._run}-{name}", num_cpus=cpus, num_gpus=num_gpus).remote(name)
         self._actors.append((name, actor))
         address, metrics = ray.get(actor.start.remote(argv, env or {}, ready))
         self.endpoints.metrics[name] = f"{address}/metrics" if ready.http_path else metrics

@@ -30,6 +30,8 @@ def register_ray_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="HF model dir, the same path on every node (default: SmolLM2)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="an extra `baton worker` flag, e.g. --worker-arg=--num-blocks=512 (repeatable)")
+    p.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra `baton scheduler` flag, e.g. --scheduler-arg=--policy=round_robin (repeatable)")
     p.add_argument("--safety", action="store_true", help="also run the safety service")
     p.add_argument("--no-gateway", action="store_true", help="do not start a gateway (workers and scheduler only)")
     p.set_defaults(func=run_ray_command)
@@ -39,7 +41,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RayCl
     return RayClusterConfig(
         address=args.address, prefill_workers=args.prefill, decode_workers=args.decode,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, model=args.model,
-        worker_args=tuple(args.worker_arg), safety=args.safety, gateway=not args.no_gateway,
+        worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg), safety=args.safety,
+        gateway=not args.no_gateway,
         gateway_env={k: v for k, v in environ.items() if k.startswith("BATON_")})
 
 

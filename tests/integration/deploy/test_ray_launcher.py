@@ -21,7 +21,7 @@ from services.launcher.ray_cluster import RayCluster, RayClusterConfig
 from tests.support.required import require_module
 
 pytestmark = pytest.mark.timeout(600)
-# Above the scheduler's remote-prefill threshold (256 uncached tokens).
+# Above the remote-prefill threshold (256 uncached tokens).
 LONG_PROMPT = "Summarise this in one word: " + "the sea is calm and blue today. " * 45
 
 
@@ -59,11 +59,13 @@ def ray_head() -> Iterator[str]:
             head.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # torn down before the next test: the head has 4 CPUs, this cluster reserves 3
 def cluster(ray_head: str, default_model_dir: Path) -> Iterator[RayCluster]:
     config = RayClusterConfig(
         address=ray_head, worker_cpus=1, service_cpus=0.5,
         worker_args=("--num-blocks=256", "--torch-threads=1"),
+        # Round robin sends a long prompt to the prefill worker whatever the cost model predicts.
+        scheduler_args=("--policy=round_robin", "--heartbeat-interval-s=0.5"),
         gateway_env={"BATON_AUTH_MODE": "none"})
     ray_cluster = RayCluster(config)
     try:
@@ -73,12 +75,26 @@ def cluster(ray_head: str, default_model_dir: Path) -> Iterator[RayCluster]:
         ray_cluster.down()
 
 
+def _wait_until_registered(scheduler_metrics: str, roles: tuple[str, ...], timeout_s: float = 60) -> None:
+    """Until the scheduler counts a live worker of each role (a worker registers on its first heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://{scheduler_metrics}", timeout=5).text
+        live = {role: any(line.startswith(f'baton_scheduler_live_workers{{role="{role}"}} 1') for line in
+                          text.splitlines()) for role in roles}
+        if all(live.values()):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"workers not registered with the scheduler after {timeout_s} s: {live}")
+
+
 def test_one_request_is_prefilled_remotely_through_ray_placed_services(cluster: RayCluster) -> None:
     e = cluster.endpoints
     assert len(e.prefill) == 1 and len(e.decode) == 1 and e.scheduler and e.gateway
     request = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
                "messages": [{"role": "user", "content": LONG_PROMPT}]}
-    deadline = time.monotonic() + 20  # the workers' first heartbeats may still be on their way
+    _wait_until_registered(e.metrics["scheduler"], roles=("prefill", "decode"))
+    deadline = time.monotonic() + 20
     url = f"http://{e.gateway}/v1/chat/completions"
     while (reply := httpx.post(url, json=request, timeout=120)).status_code != 200:
         assert time.monotonic() < deadline, reply.text
