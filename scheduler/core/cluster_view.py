@@ -88,13 +88,24 @@ class ClusterView:
         # Keyed by the hash sequence's identity (hashing a long tuple costs as much as the match);
         # the entry keeps the sequence itself, so its id can't be reused while the entry exists.
         self._matches: dict[tuple[str, int], tuple[Sequence[int], int]] = {}
+        self._by_model: dict[tuple[bool, str], list[WorkerLoad]] = {}  # (decode?, model) -> workers
 
     def decode_workers(self, model: str = "") -> list[WorkerLoad]:
-        return [w for w in self._loads if w.role.can_decode and _serves(w, model)]
+        workers = self._by_model.get((True, model))
+        if workers is None:
+            workers = self._by_model[True, model] = [
+                w for w in self._loads if w.role.can_decode and _serves(w, model)
+            ]
+        return list(workers)
 
     def prefill_workers(self, model: str = "") -> list[WorkerLoad]:
         """Dedicated prefill workers only; BOTH workers prefill their own requests locally."""
-        return [w for w in self._loads if w.role is WorkerRole.PREFILL and _serves(w, model)]
+        workers = self._by_model.get((False, model))
+        if workers is None:
+            workers = self._by_model[False, model] = [
+                w for w in self._loads if w.role is WorkerRole.PREFILL and _serves(w, model)
+            ]
+        return list(workers)
 
     def cost(self, worker_id: str) -> CostModel:
         return self._costs[worker_id]
@@ -105,6 +116,10 @@ class ClusterView:
         if entry is None or entry[0] is not hashes:
             entry = self._matches[key] = (hashes, self._prefix_index.match(worker_id, hashes))
         return entry[1]
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        """Workers holding this block (a worker missing a prompt's first block holds none of it)."""
+        return self._prefix_index.holders(block_hash)
 
     def conversation_worker(self, conversation_id: str | None) -> str | None:
         """The decode worker that served the conversation's previous turn, if known."""

@@ -20,7 +20,7 @@ SLO come first (the cheapest of them wins), so cost only breaks ties between fea
 Only a `decode` worker can take a remote prefill (a `both` worker has no KV link). Prefill workers
 are ranked once per request by when they would finish it (queue + compute, their own prefix
 cache counted) and only the best `remote_candidates` are priced against each decode worker: that
-keeps a decision O(decode workers), not O(decode x prefill) (the 64-worker benchmark).
+keeps a decision O(decode workers), not O(decode x prefill) (loadtest/micro/bench_scheduler_decisions.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ class SitingConfig:
     # measured card (a 32-token prefill is < 1 ms; the hand-off overhead alone is ~13 ms p50).
     min_remote_tokens: int = 32
     interference_weight: float = 1.0  # how much the running batch's TPOT counts against local
-    remote_candidates: int = 2  # best-ranked prefill workers priced per decode worker
+    # Best-ranked prefill workers priced per decode worker. One is exact when the prefill workers
+    # share a transfer profile: only the hand-off depends on the decode worker, and it is the same
+    # whichever prefill worker sends; raise it for prefill workers on different links.
+    remote_candidates: int = 1
     cache_hit_fraction: float = 0.5  # a local choice with at least this much cached says DECODE_CACHE_HIT
 
     def __post_init__(self) -> None:

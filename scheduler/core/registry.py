@@ -39,8 +39,17 @@ class _WorkerRecord:
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
         self.tpot_targets: Counter[float] = Counter()  # TPOT targets (ms) of unfinished requests here
+        self._load: WorkerLoad | None = None  # built on demand; every change below clears it
+
+    def changed(self) -> None:
+        self._load = None
 
     def load(self) -> WorkerLoad:
+        if self._load is None:
+            self._load = self._build_load()
+        return self._load
+
+    def _build_load(self) -> WorkerLoad:
         s, r = self.snapshot, self.reserved
         return WorkerLoad(
             snapshot=s,
@@ -79,6 +88,7 @@ class WorkerRegistry:
             return True
         record.snapshot = snapshot
         record.last_seen = now
+        record.changed()
         cutoff = now - self._grace_s
         while record.reservations and record.reservations[0][0] <= cutoff:
             record.reservations.popleft()
@@ -100,10 +110,13 @@ class WorkerRegistry:
         record = self._workers[worker_id]
         record.reservations.append((now, reservation))
         record.reserved = record.reserved.plus(reservation)
+        record.changed()
 
     def track(self, request_id: str, decode_worker_id: str, tpot_ms: float) -> None:
         """Remember a placed request's TPOT target on its decode worker until it finishes."""
-        self._workers[decode_worker_id].tpot_targets[tpot_ms] += 1
+        record = self._workers[decode_worker_id]
+        record.tpot_targets[tpot_ms] += 1
+        record.changed()
         self._placed_on[request_id] = (decode_worker_id, tpot_ms)
 
     def untrack(self, request_id: str) -> str | None:
@@ -117,6 +130,7 @@ class WorkerRegistry:
             record.tpot_targets[tpot_ms] -= 1
             if record.tpot_targets[tpot_ms] <= 0:
                 del record.tpot_targets[tpot_ms]
+            record.changed()
         return worker_id
 
     def holds_work(self, worker_id: str) -> bool:

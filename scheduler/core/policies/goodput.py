@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
-from scheduler.core.placement import Placement, evaluate
+from scheduler.core.placement import Placement, cached_tokens, evaluate
 from scheduler.core.policies.base import Policy, reject, reject_no_workers
 from scheduler.core.prefill_site import PrefillSiting, SiteChoice
 from scheduler.types import SLO, DecisionKind, Reason, RequestSummary, RouteDecision, Tier
@@ -37,12 +37,17 @@ class GoodputConfig:
     degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})  # only these tiers are ever degraded
     min_degraded_tokens: int = 16  # never degrade below this many output tokens
     serve_unattainable: bool = True  # route best-effort what waiting can't help (see module doc)
+    # Decode workers fully priced per request, the most promising by a cheap score (`_shortlist`);
+    # the conversation's previous worker is always priced too. 0: every worker.
+    max_candidates: int = 8
     default_retry_after_s: float = 1.0
     max_retry_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.degrade_fraction is not None and not 0.0 < self.degrade_fraction < 1.0:
             raise ValueError(f"degrade_fraction must be in (0, 1) or None, got {self.degrade_fraction}")
+        if self.max_candidates < 0:
+            raise ValueError(f"max_candidates must be >= 0, got {self.max_candidates}")
         if not 0 < self.default_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 < default_retry_after_s <= max_retry_after_s")
 
@@ -55,6 +60,7 @@ class GoodputPolicy(Policy):
         self._siting = siting or PrefillSiting()
         self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
         self._sites: dict[int, SiteChoice] = {}  # id(placement) -> its site choice, for one route call
+        self._pool: list[WorkerLoad] = []  # the request's ranked prefill workers, for one route call
 
     def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
         self._remember(request)
@@ -69,13 +75,31 @@ class GoodputPolicy(Policy):
 
     def _candidates(self, request: RequestSummary, view: ClusterView) -> list[Placement]:
         """One placement per decode worker, its prefill sited by cost (core/prefill_site.py)."""
-        pool = self._siting.remote_pool(request, view)
+        pool = self._pool = self._siting.remote_pool(request, view)
         placements = []
-        for decode in view.decode_workers(request.model):
+        for decode in self._shortlist(request, view):
             choice = self._siting.choose(request, view, decode, pool)
             self._sites[id(choice.placement)] = choice
             placements.append(choice.placement)
         return placements
+
+    def _shortlist(self, request: RequestSummary, view: ClusterView) -> list[WorkerLoad]:
+        """The decode workers worth pricing: all of them up to `max_candidates`, else those a cheap
+        score (prefill queue + decode step, less the prefix it already holds) ranks first. Pricing
+        every worker costs ~two placement evaluations each, too slow for 64 workers at 1,000
+        requests/s (docs/benchmarks.md, scheduler decision latency)."""
+        workers = view.decode_workers(request.model)
+        limit = self.config.max_candidates
+        if not limit or len(workers) <= limit:
+            return workers
+        first = request.prefix_hashes[0] if request.prefix_hashes else None
+        holding = view.holders(first) if first is not None else frozenset()
+        scores = {w.worker_id: _score(request, view, w, w.worker_id in holding) for w in workers}
+        shortlist = sorted(workers, key=lambda w: scores[w.worker_id])[:limit]
+        previous = view.conversation_worker(request.conversation_id)
+        if previous is not None and previous not in {w.worker_id for w in shortlist}:
+            shortlist += [w for w in workers if w.worker_id == previous]
+        return shortlist
 
     def _decide(
         self, request: RequestSummary, placement: Placement, kind: DecisionKind, reason: str,
@@ -92,8 +116,8 @@ class GoodputPolicy(Policy):
         probe = self._heavier_probe(request)
         if probe is not None and qualifying:
             workers = view.decode_workers(request.model)
-            sites = _ProbeSites(self._siting, self._siting.remote_pool(probe, view))
-            open_now = {d.worker_id for d in workers if sites.serves(probe, view, d)}
+            sites = _ProbeSites(self._siting, self._pool)  # same prompt: same ranking
+            open_now = _open_now(probe, view, workers, sites)
             qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, sites)]
         if not qualifying:
             return None
@@ -205,6 +229,33 @@ class _ProbeSites:
         reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
         yet, and heavier requests already waiting get freed blocks first through the admission queue."""
         return self.siting.choose(probe, view, decode, self.pool).placement.slack(probe) >= 0.0
+
+
+def _score(request: RequestSummary, view: ClusterView, decode: WorkerLoad, holds_prefix: bool) -> float:
+    """Seconds, lower is better: a rough TTFT + TPOT without the per-site detail of `evaluate`."""
+    cost = view.cost(decode.worker_id)
+    cached = 0
+    if holds_prefix:
+        blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
+        cached = cached_tokens(request.num_prompt_tokens, blocks, decode.block_size)
+    step = cost.decode_step_s(decode.decode_batch + 1, decode.context_tokens)
+    backlog = cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
+    return backlog + step * (1.0 + decode.slot_queue) - cost.prefill_marginal_s(cached)
+
+
+def _open_now(
+    probe: RequestSummary, view: ClusterView, workers: Sequence[WorkerLoad], sites: _ProbeSites
+) -> set[str]:
+    """Decode workers that could serve the heavier probe now, scanned only until two are found:
+    `_leaves_room` only asks whether one other than the candidate's exists, and two always answer
+    that (this keeps a decision O(1) probes on an unloaded cluster instead of one per worker)."""
+    found: set[str] = set()
+    for decode in workers:
+        if sites.serves(probe, view, decode):
+            found.add(decode.worker_id)
+            if len(found) == 2:
+                break
+    return found
 
 
 def _leaves_room(
