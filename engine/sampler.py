@@ -19,6 +19,10 @@ Logprobs are reported under the model's *raw* distribution, log_softmax of the l
 in (before penalties, temperature and filtering). This is vLLM's default ("raw logprobs"): the number
 describes the model, not the sampling settings, and stays comparable across requests.
 
+Constrained rows (structured outputs, tool calls): `begin(chunks)` starts the step's grammar masks on
+a host thread before the forward pass; `sample(..., masks)` waits for them once the logits exist and
+sets disallowed tokens to -inf before any other stage (engine/structured/masks.py). Logprobs stay raw.
+
 Host syncs: the decisions of which stages to run read only the host-side SamplingParams, never a
 tensor, so the only device->host reads are the sampled ids (and logprobs) at the very end.
 """
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import SampledToken, ScheduledChunk, TokenLogprobs
+from engine.structured.masks import GrammarCompiler, MaskJob, apply_token_bitmask
 
 # Noise is clamped away from 0 so that probs / noise stays finite: 1 / tiny is < float32 max.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
@@ -53,16 +58,31 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        # Set by the engine once it has a tokenizer; without one, constrained requests are refused.
+        self.grammar: GrammarCompiler | None = None
 
-    def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
+    def begin(self, chunks: Sequence[ScheduledChunk]) -> MaskJob | None:
+        """Start this step's grammar masks (call before the forward pass); None when no row is constrained."""
+        if self.grammar is None or not chunks:
+            return None
+        return self.grammar.start(chunks)
+
+    def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+               masks: MaskJob | None = None) -> list[SampledToken]:
         """logits: [N, V] float32, row i belonging to chunks[i] (every chunk has `needs_sample`).
 
+        `masks`: what `begin(chunks)` returned; computed here if None and some row is constrained.
         Does not modify `logits`. Stop tokens are not handled here: the engine checks them.
         """
         _check_inputs(logits, chunks, self.device)
         if not chunks:
             return []
         params = [c.sampling for c in chunks]
+        raw = logits
+        if any(p.guided is not None for p in params):
+            if self.grammar is None:
+                raise ValueError("constrained sampling needs the model's tokenizer (Sampler.grammar is unset)")
+            logits = apply_token_bitmask(logits, masks.result() if masks else self.grammar.compute(chunks))
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
             return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
         processed = _apply_penalties(logits, chunks) if any(p.has_penalties for p in params) else logits
@@ -70,7 +90,7 @@ class Sampler:
         if not all(p.greedy for p in params):
             rows = _RowParams.from_chunks(chunks, processed.shape[1], processed.device)
             ids = torch.where(rows.greedy, ids, self._sample_random(processed, chunks, rows))
-        return _to_host(logits, ids, chunks)
+        return _to_host(raw, ids, chunks)
 
     def _sample_random(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
                        rows: _RowParams) -> torch.Tensor:

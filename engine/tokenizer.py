@@ -119,6 +119,10 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer serialized as tokenizer.json (what grammar engines build their tables from)."""
+        return self._backend.to_str()
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],

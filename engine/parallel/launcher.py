@@ -55,6 +55,7 @@ from engine.parallel.group import (
     init_tensor_parallel,
     shutdown_tensor_parallel,
 )
+from engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,11 @@ class TensorParallelRunner:
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
+
+    @property
+    def sampler(self) -> Sampler:
+        """Rank 0's sampler (the driver samples for every rank)."""
+        return self.runner.sampler
 
     @property
     def kv_spec(self) -> KVCacheSpec:

@@ -15,6 +15,7 @@ from engine.batch import TokenLogprobs
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.constraint import GrammarKind, GuidedDecoding
 from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 
@@ -26,6 +27,12 @@ _FINISH_TO_PROTO = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_GUIDED_TO_PROTO = {
+    GrammarKind.JSON_OBJECT: pb.GUIDED_KIND_JSON_OBJECT,
+    GrammarKind.JSON_SCHEMA: pb.GUIDED_KIND_JSON_SCHEMA,
+    GrammarKind.LARK: pb.GUIDED_KIND_LARK,
+}
+_GUIDED_FROM_PROTO = {v: k for k, v in _GUIDED_TO_PROTO.items()}
 _OUTCOME_TO_PROTO = {
     TransferState.DONE: pb.TRANSFER_OUTCOME_DONE,
     TransferState.FAILED: pb.TRANSFER_OUTCOME_FAILED,
@@ -53,7 +60,20 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        guided=guided_from_proto(msg.guided) if msg.HasField("guided") else None,
+        num_draft_tokens=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
     )
+
+
+def guided_from_proto(msg: pb.GuidedDecoding) -> GuidedDecoding:
+    """A fresh constraint (and so fresh parser state) per request; raises InvalidRequestError."""
+    if msg.kind not in _GUIDED_FROM_PROTO:
+        raise InvalidRequestError(f"sampling.guided.kind {msg.kind} is not a known grammar kind")
+    return GuidedDecoding(_GUIDED_FROM_PROTO[msg.kind], msg.spec)
+
+
+def guided_to_proto(guided: GuidedDecoding) -> pb.GuidedDecoding:
+    return pb.GuidedDecoding(kind=_GUIDED_TO_PROTO[guided.kind], spec=guided.spec)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -74,6 +94,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.num_draft_tokens is not None:
+        msg.num_draft_tokens = params.num_draft_tokens
+    if params.guided is not None:
+        msg.guided.CopyFrom(guided_to_proto(params.guided))
     return msg
 
 

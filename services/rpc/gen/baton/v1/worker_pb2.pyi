@@ -16,6 +16,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_CONTENT_FILTER: _ClassVar[FinishReason]
 
+class GuidedKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GUIDED_KIND_UNSPECIFIED: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_OBJECT: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_SCHEMA: _ClassVar[GuidedKind]
+    GUIDED_KIND_LARK: _ClassVar[GuidedKind]
+
 class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PREFILL_MODE_AUTO: _ClassVar[PrefillMode]
@@ -42,6 +49,10 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_CONTENT_FILTER: FinishReason
+GUIDED_KIND_UNSPECIFIED: GuidedKind
+GUIDED_KIND_JSON_OBJECT: GuidedKind
+GUIDED_KIND_JSON_SCHEMA: GuidedKind
+GUIDED_KIND_LARK: GuidedKind
 PREFILL_MODE_AUTO: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
@@ -56,7 +67,7 @@ TRANSFER_OUTCOME_TIMED_OUT: TransferOutcome
 TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos", "logprobs", "guided", "num_draft_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +81,8 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -83,7 +96,17 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    guided: GuidedDecoding
+    num_draft_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class GuidedDecoding(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: GuidedKind
+    spec: str
+    def __init__(self, kind: _Optional[_Union[GuidedKind, str]] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
