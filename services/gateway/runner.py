@@ -102,19 +102,23 @@ class CompletionRunner:
             raise
         return decisions
 
-    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False) -> Generation:
-        return Generation(self, plan, decisions, watch)
+    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False,
+              screening: asyncio.Future[InputDecision] | None = None) -> Generation:
+        return Generation(self, plan, decisions, watch, screening)
 
 
 class Generation:
     """The running choices of one plan. `run` once, then `finish` once (also after errors)."""
 
     def __init__(self, runner: CompletionRunner, plan: GenerationPlan, decisions: list[RoutingDecision],
-                 watch: bool = False) -> None:
+                 watch: bool = False, screening: asyncio.Future[InputDecision] | None = None) -> None:
+        """`screening`: an input check still running (see `CompletionService._serve`): the workers
+        prefill meanwhile, and no choice emits anything, or is billed, until it has answered."""
         self.runner = runner
         self.plan = plan
         self.decisions = decisions
         self.watch = watch  # the prompt scored in the safety classifier's uncertain band
+        self.screening = screening
         self.states = [ChoiceState(spec) for spec in plan.choices]
 
     @property
@@ -164,10 +168,15 @@ class Generation:
                                                   plan.principal.tier)
             gate = OutputGate(None)
             try:
-                if self.runner.safety is not None:
-                    gate = OutputGate(await self.runner.safety.open_output_filter(
-                        plan.principal.org_id, spec.request_id, self.watch))
+                screened = False
                 async for delta in stream:
+                    if not screened:  # the first response: prefill is done; nothing goes out unchecked
+                        screened = True
+                        if await self._refused_late(state, emit):
+                            return
+                        if self.runner.safety is not None:
+                            gate = OutputGate(await self.runner.safety.open_output_filter(
+                                plan.principal.org_id, spec.request_id, self.watch))
                     if await self._on_delta(state, delta, gate, emit):
                         return
                 state.error = UpstreamError(f"worker {target.decode_address} ended the stream without finishing")
@@ -204,6 +213,24 @@ class Generation:
             state.finish(delta.finish_reason)
             return True
         return False
+
+    async def _refused_late(self, state: ChoiceState, emit: Emit | None) -> bool:
+        """Wait for a still-running input check; True when it refused (the choice then ends with
+        `content_filter` before any text and is not billed; the caller aborts the worker stream).
+        An outage raises SafetyUnavailableError (the choice fails with a 503-coded error)."""
+        if self.screening is None:
+            return False
+        decision = await asyncio.shield(self.screening)  # shared by the choices: one must not cancel it
+        self.watch = self.watch or decision.watch
+        if decision.refusal is None:
+            return False
+        if state.spec.index == 0:
+            self.runner.metrics.refusals.labels("input_filter").inc()
+        state.refusal = f"the request was refused by the content policy ({decision.refusal.category or 'unsafe'})"
+        state.finish("content_filter")
+        if emit is not None:
+            emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))
+        return True
 
     def _halt(self, state: ChoiceState, verdict: SafetyVerdict, emit: Emit | None) -> None:
         self.runner.metrics.refusals.labels("output_filter").inc()

@@ -37,9 +37,12 @@ from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, Complet
 from services.gateway.streams import EventLog, StreamHub
 
 if TYPE_CHECKING:
+    from services.gateway.routing import RoutingDecision
+    from services.gateway.safety_gate import InputDecision
     from services.gateway.tenancy import TenantServices
 
 log = logging.getLogger(__name__)
+SCREEN_HEAD_START_S = 0.005
 ClientGone = Callable[[], Awaitable[None]]
 
 
@@ -178,13 +181,12 @@ class CompletionService:
         headers = plan.lease.headers()
         formatter = self._formatter(request, plan)
         try:
-            screened = await self.runner.precheck(plan, request.safety_history, request.safety_texts)
-            refusal = screened.refusal
-            decisions = [] if refusal is not None else await self.runner.place(plan)
+            screened, screening, decisions = await self._screen_and_place(plan, request)
+            refusal = screened.refusal if screened is not None else None
         except BaseException:
             await self.rate_limiter.reconcile(plan.lease, 0)
             raise
-        generation = self.runner.start(plan, decisions, screened.watch)
+        generation = self.runner.start(plan, decisions, screened.watch if screened is not None else False, screening)
         if refusal is not None:
             await self.rate_limiter.reconcile(plan.lease, 0)
             for state in generation.states:
@@ -197,6 +199,33 @@ class CompletionService:
         if request.stream:
             return self._stream(plan, generation, formatter, request.include_usage, headers)
         return await self._collect(generation, formatter, request.want_logprobs, client_gone, headers)
+
+    async def _screen_and_place(self, plan: GenerationPlan, request: _Request
+                                ) -> tuple[InputDecision | None, asyncio.Future[InputDecision] | None,
+                                           list[RoutingDecision]]:
+        """The input check and placement, overlapped so that the check costs no TTFT.
+
+        The check gets `SCREEN_HEAD_START_S` to itself: pattern-tier refusals and cached verdicts answer
+        within it, and such a refusal calls no worker at all. A check still running then (a classifier
+        pass, ~10-30 ms on a CPU) runs alongside placement and prefill; the generation holds every
+        choice's first output until it answers (`Generation._refused_late`), so nothing unchecked is
+        sent. The price of a late refusal is an aborted prefill (its KV freed, nothing billed).
+        Returns (decision if already known, the pending check otherwise, placements).
+        """
+        screening = asyncio.ensure_future(
+            self.runner.precheck(plan, request.safety_history, request.safety_texts))
+        try:
+            await asyncio.wait({screening}, timeout=SCREEN_HEAD_START_S)
+            if screening.done() and screening.result().refusal is not None:
+                return screening.result(), None, []
+            decisions = await self.runner.place(plan)
+        except BaseException:
+            screening.cancel()
+            raise
+        if screening.done():
+            return screening.result(), None, decisions
+        screening.add_done_callback(lambda f: f.cancelled() or f.exception())  # an unread outage: no warning
+        return None, screening, decisions
 
     def _formatter(self, request: _Request, plan: GenerationPlan) -> Formatter:
         meta = ResponseMeta(plan.completion_id, plan.created, plan.model, request.n, request.include_usage,
