@@ -16,6 +16,7 @@ on the engine thread between steps, so callers never reach into `LLMEngine`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -34,6 +35,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 
 log = logging.getLogger(__name__)
+
+
+ABORTED_BEFORE_COMMIT = "the request was aborted before its KV was committed"
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,32 @@ class AsyncEngine:
         blocks) and, if it finds no problem, put the sequence into the batch with its first token in
         this very pass between steps. Returns the problem ("" when committed); on a problem nothing
         is committed and the caller still owns (and must abort) the reservation."""
-        def commit() -> str:
-            problem = verify()
-            if not problem:
-                self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
-            return problem
+        return await asyncio.wrap_future(self.commit_remote_threadsafe(request_id, first_token_id, first_logprobs,
+                                                                       verify))
 
-        return await self._call(commit)  # type: ignore[no-any-return]
+    def commit_remote_threadsafe(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
+                                 verify: Callable[[], str]) -> concurrent.futures.Future[str]:
+        """`commit_remote` from any thread (the KV link thread, the moment the DONE notice arrives):
+        queued for the next step boundary, never blocking the caller. A request aborted meanwhile
+        is not committed (problem "aborted")."""
+        done: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def commit() -> None:
+            seq = self.engine.batcher.get(request_id)
+            if seq is None or seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
+                done.set_result(ABORTED_BEFORE_COMMIT)
+                return
+            try:
+                problem = verify()
+                if not problem:
+                    self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+            else:
+                done.set_result(problem)
+
+        self._submit(commit)
+        return done
 
     def release_held(self, request_id: str) -> None:
         """Free a held prefill's blocks once its transfer is terminal (between steps; not awaited:

@@ -24,19 +24,22 @@ own id in the engine while the retry runs under the next one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.async_engine import AsyncEngine, Reservation
+from engine.async_engine import ABORTED_BEFORE_COMMIT, AsyncEngine, Reservation
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.base import LandedKV
 from kvtransfer.integrity import LandedVerifier
 from services.worker.config import DisaggPolicy
+from services.worker.kv_link import OnLanded
 from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
 from services.worker.prefill_service import DrainingError
@@ -271,24 +274,42 @@ class DecodeService:
         if flow.aborted.is_set():
             result = AttemptResult(aborted=True)
         else:
-            result = await self._remote.run(ask, peer, flow.aborted)
+            result = await self._remote.run(ask, peer, flow.aborted, on_landed=self._committer(erid))
         if not result.ok:
             await self._drop(erid, result.blocks_safe)
             return result
-        problem = await self._commit(erid, result)
-        if problem:  # the blocks landed (the WRITE is over) but are not what was sent: never use them
+        problem = result.commit_problem
+        if problem is None:  # the landed KV did not pass through the hook: commit it from here
+            problem = await self._commit(erid, result)
+        if problem:  # not committed: the blocks landed (the WRITE is over) but must never be used
             await self._drop(erid, blocks_safe=True)
-            return AttemptResult(fallback=FallbackReason.CHECKSUM_MISMATCH, detail=problem)
+            if problem == ABORTED_BEFORE_COMMIT:
+                return AttemptResult(aborted=True)
+            reason = FallbackReason.INTERNAL_ERROR if result.commit_failed else FallbackReason.CHECKSUM_MISMATCH
+            return AttemptResult(fallback=reason, detail=problem)
         self._observe_handoff(result, reserved)
         return await self._enter_engine(flow, stream), PrefillPath.REMOTE, None
+
+    def _committer(self, erid: str) -> OnLanded:
+        """The KV link's hook for this attempt: verify and commit on the engine thread the moment the
+        DONE notice is seen (no event-loop round trip between the notice and the commit)."""
+        def on_landed(landed: LandedKV) -> concurrent.futures.Future[str]:
+            token = landed.payload.first_token_id
+            if token is None:
+                raise ValueError("the DONE notice carries no first token")
+            return self._engine.commit_remote_threadsafe(erid, token, landed.payload.first_logprobs,
+                                                         verify=self._verify(landed))
+        return on_landed
 
     async def _commit(self, erid: str, result: AttemptResult) -> str:
         """Verify the landed blocks and join the batch, in one pass between engine steps."""
         landed, token = result.landed, result.first_token_id
         assert landed is not None and token is not None
+        return await self._engine.commit_remote(erid, token, result.first_logprobs, verify=self._verify(landed))
+
+    def _verify(self, landed: LandedKV) -> Callable[[], str]:
         verifier = self._verifier
-        return await self._engine.commit_remote(
-            erid, token, result.first_logprobs, verify=lambda: verifier.problem(landed) if verifier else "")
+        return lambda: verifier.problem(landed) if verifier is not None else ""
 
     def _observe_handoff(self, result: AttemptResult, reserved: float) -> None:
         handoff = time.perf_counter() - reserved
@@ -298,7 +319,8 @@ class DecodeService:
             overhead = max(handoff - result.landed.payload.prefill_seconds, 0.0)
             self._metrics.handoff_phase(HandoffPhase.OVERHEAD, overhead)
         self._metrics.handoff_phase(HandoffPhase.NOTICE_WAIT, result.notice_wait_s)
-        self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(time.monotonic() - result.noticed_at, 0.0))
+        committed = result.committed_at or time.monotonic()
+        self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(committed - result.noticed_at, 0.0))
 
     async def _local(self, flow: _Flow) -> AsyncIterator[RequestOutput] | None:
         if flow.aborted.is_set():

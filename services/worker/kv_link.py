@@ -27,6 +27,8 @@ Dangerous windows handled here:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -67,6 +69,16 @@ class Arrival:
     reason: str
     landed: LandedKV | None = None  # DONE only
     at: float = 0.0  # time.monotonic() when the link thread saw it
+    # DONE with an `on_landed` hook (see KVLink.expect): what the hook's commit said ("" = committed),
+    # and when it finished; None when no hook ran.
+    commit_problem: str | None = None
+    commit_failed: bool = False  # the hook or its commit raised (a bug: `commit_problem` says what)
+    committed_at: float = 0.0
+
+
+# A DONE arrival's hook, called on the link thread: it must not block (e.g. it queues a command for
+# the engine thread) and returns a future of the problem ("" when the landed KV was committed).
+OnLanded = Callable[[LandedKV], "concurrent.futures.Future[str]"]
 
 
 @dataclass
@@ -95,6 +107,7 @@ class KVLink:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sends: dict[tuple[str, int], _Send] = {}  # posted, future not yet resolved
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
+        self._on_landed: dict[str, OnLanded] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # a command is queued: poll now
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,14 +132,20 @@ class KVLink:
         return str(await self._call(lambda: self._receiver.accept_peer(info)))
 
     async def expect(self, request_id: str, block_ids: Sequence[int], deadline: float,
-                     attempt: int) -> asyncio.Future[Arrival]:
-        """Receiver: register the blocks a WRITE will land in; the future resolves on arrival/failure."""
+                     attempt: int, on_landed: OnLanded | None = None) -> asyncio.Future[Arrival]:
+        """Receiver: register the blocks a WRITE will land in; the future resolves on arrival/failure.
+
+        `on_landed`: called on this thread the moment the DONE notice is seen, so the decode engine
+        can verify and commit the request at its next step boundary without a round trip through the
+        event loop; the future then resolves once that commit is done, with its outcome."""
         assert self._loop is not None
         fut: asyncio.Future[Arrival] = self._loop.create_future()
 
         def register() -> None:
             self._receiver.expect(request_id, block_ids, deadline, attempt)
             self._expects[request_id] = fut
+            if on_landed is not None:
+                self._on_landed[request_id] = on_landed
 
         await self._call(register)
         return fut
@@ -135,6 +154,7 @@ class KVLink:
         """Receiver: True when the blocks may be reused now; False: quarantined (see module doc)."""
         def release() -> bool:
             self._expects.pop(request_id, None)
+            self._on_landed.pop(request_id, None)
             return self._receiver.release(request_id, sender_idle=sender_idle)
 
         return bool(await self._call(release))
@@ -256,8 +276,28 @@ class KVLink:
 
     def _resolve_expect(self, arrival: Arrival) -> None:
         fut = self._expects.pop(arrival.request_id, None)
-        if fut is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(_settle, fut, arrival, None)
+        hook = self._on_landed.pop(arrival.request_id, None)
+        if fut is None or self._loop is None:
+            return
+        loop = self._loop
+        if hook is None or arrival.landed is None:
+            loop.call_soon_threadsafe(_settle, fut, arrival, None)
+            return
+        try:
+            commit = hook(arrival.landed)
+        except Exception as e:  # noqa: BLE001 - a broken hook must still resolve the arrival
+            failed = dataclasses.replace(arrival, commit_problem=f"commit failed: {e}", commit_failed=True)
+            loop.call_soon_threadsafe(_settle, fut, failed, None)
+            return
+
+        def committed(done: concurrent.futures.Future[str]) -> None:  # on the engine thread
+            error = done.exception()
+            problem = f"commit failed: {error}" if error is not None else done.result()
+            outcome = dataclasses.replace(arrival, commit_problem=problem, commit_failed=error is not None,
+                                          committed_at=time.monotonic())
+            loop.call_soon_threadsafe(_settle, fut, outcome, None)
+
+        commit.add_done_callback(committed)
 
     def _cancel_now(self, request_id: str, attempt: int) -> None:
         send = self._sends.get((request_id, attempt))

@@ -4,10 +4,11 @@
                                   \\-> RPC error / outcome != DONE / ABORTED notice / no notice -> fallback
 
 Success is decided by the DONE notice alone, the moment the KV link sees it: NIXL delivers it only
-once every block is visible here, and it carries the first token, so the caller verifies and commits
-without waiting for the Prefill RPC's answer (which the prefill worker sends only after its WRITE
-turned terminal and which then trails the notice; it is still awaited in the background). The
-checksums are verified by the caller, on its engine thread (kvtransfer.integrity).
+once every block is visible here, and it carries the first token. With an `on_landed` hook the KV
+link thread hands the landed KV straight to the engine thread, which verifies the checksums
+(kvtransfer.integrity) and commits at its next step boundary; the attempt then reports the commit's
+outcome. Nobody waits for the Prefill RPC's answer (the prefill worker sends it only after its WRITE
+turned terminal, so it trails the notice; it is still awaited in the background).
 
 Dangerous window: from `expect` until the WRITE is known to be over, the prefill worker may write
 into the blocks at any moment. It is known to be over when the Prefill RPC ended with the
@@ -36,7 +37,7 @@ from kvtransfer.base import LandedKV, TransferState
 from services.rpc.convert import logprob_from_proto, outcome_from_proto, sampling_to_proto
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import TransferConfig
-from services.worker.kv_link import Arrival, KVLink
+from services.worker.kv_link import Arrival, KVLink, OnLanded
 from services.worker.prefill_peers import PrefillPeer, PrefillPeers
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ class AttemptResult:
     first_logprobs: TokenLogprobs | None = None
     noticed_at: float = 0.0  # time.monotonic() when the KV link saw the DONE notice
     notice_wait_s: float = 0.0  # Prefill RPC sent -> DONE notice seen
+    # With an `on_landed` hook: None if it did not run, "" once the KV is committed, else why not
+    # (the caller still owns the blocks then); `commit_failed`: it raised (a bug, not a mismatch).
+    commit_problem: str | None = None
+    commit_failed: bool = False
+    committed_at: float = 0.0
     fallback: FallbackReason | None = None  # set unless it succeeded or was aborted
     detail: str = ""
     blocks_safe: bool = True  # False: quarantined until the KV link reports them reclaimable
@@ -123,7 +129,8 @@ class RemotePrefill:
         self._block_size = block_size
         self._trailing: set[asyncio.Future[_CallEnd]] = set()  # answered after their KV landed
 
-    async def run(self, ask: PrefillAsk, peer: PrefillPeer, aborted: asyncio.Event) -> AttemptResult:
+    async def run(self, ask: PrefillAsk, peer: PrefillPeer, aborted: asyncio.Event,
+                  on_landed: OnLanded | None = None) -> AttemptResult:
         """One attempt, to a definite end (see the module docstring for when blocks are safe).
 
         Never raises: a bug inside reads as fallback INTERNAL_ERROR with the blocks' real safety."""
@@ -131,7 +138,7 @@ class RemotePrefill:
         remote_ids = ask.block_ids[ask.num_cached_tokens // bs:-(-n // bs)]
         deadline = time.monotonic() + self._config.prefill_timeout_s + self._config.notice_grace_s
         try:
-            arrival = await self._link.expect(ask.engine_request_id, remote_ids, deadline, ask.attempt)
+            arrival = await self._link.expect(ask.engine_request_id, remote_ids, deadline, ask.attempt, on_landed)
         except Exception as e:  # nothing registered, nothing asked: the blocks are ours
             log.exception("%s: cannot expect a transfer", ask.engine_request_id)
             return AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
@@ -256,7 +263,8 @@ def _landed(arrival: Arrival, asked: float) -> AttemptResult:
     payload = arrival.landed.payload
     return AttemptResult(landed=arrival.landed, first_token_id=payload.first_token_id,
                          first_logprobs=payload.first_logprobs, noticed_at=arrival.at,
-                         notice_wait_s=max(arrival.at - asked, 0.0))
+                         notice_wait_s=max(arrival.at - asked, 0.0), commit_problem=arrival.commit_problem,
+                         commit_failed=arrival.commit_failed, committed_at=arrival.committed_at)
 
 
 def _leave(peer: PrefillPeer) -> None:

@@ -1,0 +1,59 @@
+"""The decode engine commits landed KV from any thread (the KV link's, on the DONE notice), and
+never commits a request that was aborted meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from handoff_harness import build_engine
+
+from engine.async_engine import ABORTED_BEFORE_COMMIT, AsyncEngine
+from engine.sampling_params import SamplingParams
+
+PROMPT = list(range(3, 40))
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+async def _reserved(tiny_model_dir: Path) -> tuple[AsyncEngine, int]:
+    engine = AsyncEngine(build_engine(tiny_model_dir))
+    reservation = await engine.reserve_remote("r", PROMPT, PARAMS, wants_remote=lambda cached: True)
+    assert reservation.remote
+    return engine, (await engine.status()).free_blocks
+
+
+async def test_a_commit_queued_from_another_thread_streams_the_first_token(tiny_model_dir: Path) -> None:
+    engine, _ = await _reserved(tiny_model_dir)
+    try:
+        stream = engine.open_stream("r")
+        done = await asyncio.to_thread(engine.commit_remote_threadsafe, "r", 7, None, lambda: "")
+        assert await asyncio.wrap_future(done) == ""
+        first = await anext(stream)
+        assert first.new_token_ids == (7,)
+    finally:
+        engine.shutdown()
+
+
+async def test_a_failed_verification_commits_nothing(tiny_model_dir: Path) -> None:
+    engine, free = await _reserved(tiny_model_dir)
+    try:
+        problem = await asyncio.wrap_future(engine.commit_remote_threadsafe("r", 7, None, lambda: "bad block 3"))
+        status = await engine.status()
+        assert (problem, status.num_waiting_for_remote_kv, status.num_running) == ("bad block 3", 1, 0)
+        assert await engine.abort("r") and (await engine.status()).free_blocks > free
+    finally:
+        engine.shutdown()
+
+
+async def test_a_request_aborted_before_its_notice_is_not_committed(tiny_model_dir: Path) -> None:
+    engine, _ = await _reserved(tiny_model_dir)
+    try:
+        await engine.abort("r")
+        verified: list[bool] = []
+        problem = await asyncio.wrap_future(
+            engine.commit_remote_threadsafe("r", 7, None, lambda: verified.append(True) or ""))
+        status = await engine.status()
+        assert (problem, verified, status.num_running, status.num_waiting_for_remote_kv) == (
+            ABORTED_BEFORE_COMMIT, [], 0, 0)
+    finally:
+        engine.shutdown()
