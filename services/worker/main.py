@@ -165,7 +165,7 @@ def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
     """With tensor parallelism and NIXL, every follower rank gets a NIXL agent over its KV shard."""
     if not config.uses_nixl or config.tensor_parallel_size == 1:
         return None
-    from services.worker.kv_shards import ShardAgentFactory
+    from kvtransfer.nixl.shards import ShardAgentFactory
 
     return ShardAgentFactory(config.worker_id or config.role.value, config.model_id,
                              poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s,

@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine, StepStats
 from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
+from kvtransfer.nixl.shards import FollowerShards
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
@@ -31,7 +32,6 @@ from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 from services.worker.kv_link import KVLink
-from services.worker.kv_shards import FollowerShards
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_peers import PrefillPeers
 from services.worker.prefill_service import PrefillService
