@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-chunk", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="n-gram speculative decoding: verify up to K prompt-lookup draft tokens per decode step "
+                        "for requests that do not set their own (0: off unless a request asks)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of the engine, one process (and GPU: rank r takes cuda:r) each; "
                         "prefill and decode peers must use the same size")
@@ -116,7 +119,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine import is heavy, keep it lazy
-    from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig
+    from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -126,6 +129,7 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_chunk=args.max_prefill_chunk),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
     )
 
 
