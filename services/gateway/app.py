@@ -24,7 +24,7 @@ from services.gateway.errors import install_error_handlers
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.retention import run_purge_loop
-from services.gateway.routes import completions, conversations, health, models, moderations, page, usage
+from services.gateway.routes import completions, conversations, health, models, moderations, page, responses, usage
 from services.gateway.routes.page import STATIC_DIR
 from services.gateway.tracing import instrument_app
 
@@ -82,7 +82,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                   description="OpenAI-compatible gateway of a disaggregated prefill/decode cluster")
     app.state.deps = deps
     install_error_handlers(app)
-    for module in (completions, models, conversations, moderations, usage, health, page):
+    for module in (completions, responses, models, conversations, moderations, usage, health, page):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, max_bytes=deps.config.max_request_bytes)

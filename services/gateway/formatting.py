@@ -20,6 +20,7 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from services.gateway.generation import TokenLogprob
 from services.gateway.run_state import ChoiceEvent, ChoiceState
+from services.gateway.tools import ToolCallParser, ToolPlan
 
 Body = dict[str, Any]
 
@@ -82,12 +83,18 @@ def usage_body(states: Sequence[ChoiceState], n: int) -> Body:
 
 
 class ChatFormatter:
+    """`tools`: the request's tool plan; each choice's text then goes through a `ToolCallParser`, and
+    calls come out as `tool_calls` (streamed: one delta per call as it completes) with finish reason
+    `tool_calls`."""
+
     object_name = "chat.completion"
 
-    def __init__(self, meta: ResponseMeta, tokens: TokenTexts) -> None:
+    def __init__(self, meta: ResponseMeta, tokens: TokenTexts, tools: ToolPlan | None = None) -> None:
         self.meta = meta
         self.tokens = tokens
+        self.tools = tools
         self._started: set[int] = set()
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _head(self, obj: str) -> Body:
         m = self.meta
@@ -105,15 +112,26 @@ class ChatFormatter:
                             for lp in items], "refusal": None}
 
     def chunk(self, event: ChoiceEvent) -> Body:
-        delta: Body = {"content": event.text}
+        text, finish, calls_delta = event.text, event.finish_reason, None
+        if self.tools is not None:
+            parser = self._parsers.setdefault(event.index, self.tools.parser())
+            before = len(parser.calls)
+            text, calls = parser.feed(event.text, final=finish is not None)
+            if calls:
+                calls_delta = [c.body(before + i) for i, c in enumerate(calls)]
+            if finish == "stop" and parser.calls:
+                finish = "tool_calls"
+        delta: Body = {"content": text if text or not calls_delta else None}
         if event.index not in self._started:
             self._started.add(event.index)
-            delta = {"role": "assistant", "content": event.text}
+            delta = {"role": "assistant"} | delta
+        if calls_delta:
+            delta["tool_calls"] = calls_delta
         if event.refusal:
             delta["refusal"] = event.refusal
         choice = {"index": event.index, "delta": delta,
                   "logprobs": self._logprobs(event.logprobs) if event.logprobs else None,
-                  "finish_reason": event.finish_reason}
+                  "finish_reason": finish}
         body = self._head("chat.completion.chunk") | {"choices": [choice]}
         if self.meta.include_usage:
             body["usage"] = None
@@ -123,11 +141,23 @@ class ChatFormatter:
         return self._head("chat.completion.chunk") | {"choices": [], "usage": usage_body(states, self.meta.n)}
 
     def response(self, states: Sequence[ChoiceState], want_logprobs: bool) -> Body:
-        choices = [{"index": s.spec.index,
-                    "message": {"role": "assistant", "content": s.text, "refusal": s.refusal},
-                    "logprobs": self._logprobs(s.logprobs) if want_logprobs else None,
-                    "finish_reason": s.finish_reason} for s in states]
+        choices = []
+        for s in states:
+            message = self._message(s)
+            finish = "tool_calls" if message.get("tool_calls") and s.finish_reason == "stop" else s.finish_reason
+            choices.append({"index": s.spec.index, "message": message,
+                            "logprobs": self._logprobs(s.logprobs) if want_logprobs else None,
+                            "finish_reason": finish})
         return self._head(self.object_name) | {"choices": choices, "usage": usage_body(states, self.meta.n)}
+
+    def _message(self, state: ChoiceState) -> Body:
+        message: Body = {"role": "assistant", "content": state.text, "refusal": state.refusal}
+        if self.tools is not None and state.refusal is None:
+            content, calls = self.tools.parser().parse(state.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.body() for c in calls]
+        return message
 
 
 class TextFormatter:

@@ -50,6 +50,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
+    guided: tuple[int, str] | None = None  # (worker_pb2.GuidedKind, spec): grammar-constrained output
 
     def to_proto(self) -> wpb.SamplingParams:
         params = wpb.SamplingParams(
@@ -61,6 +62,8 @@ class SamplingSpec:
             params.seed = self.seed % _SEED_MOD
         if self.logprobs is not None:
             params.logprobs = self.logprobs
+        if self.guided is not None:
+            params.guided.kind, params.guided.spec = self.guided  # type: ignore[assignment]
         return params
 
 

@@ -2,7 +2,7 @@
 
 Responses are plain dicts built in `formatting.py`: they are produced per token and must be cheap.
 Unknown fields are ignored (OpenAI clients send many optional ones); fields we cannot honour
-(`tools`, `suffix`, non-text content parts) are refused with a 400 rather than silently dropped.
+(`suffix`, non-text content parts) are refused with a 400 rather than silently dropped.
 Text that is not valid Unicode (a lone UTF-16 surrogate such as `"\ud800"`, which JSON can spell but
 UTF-8 cannot) is a 400 anywhere in a body, before any field is looked at.
 """
@@ -67,10 +67,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool turns: the call answered
 
     def text(self) -> str:
         if self.content is None:
@@ -83,6 +96,54 @@ class ChatMessage(_Strict):
         """The message as the chat template sees it ("developer" is OpenAI's newer name for "system")."""
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": self.text()}
+
+
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str = Field(default="", max_length=4096)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: Annotated[dict[str, str], Field()]
+
+    @field_validator("function")
+    @classmethod
+    def _has_name(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v.get("name"):
+            raise ValueError("tool_choice.function.name is required")
+        return v
+
+
+ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(default="response", pattern=_FUNCTION_NAME)
+    description: str = ""
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is json_schema")
+        return self
 
 
 class StreamOptions(_Strict):
@@ -127,7 +188,10 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     # Baton extension: continue a stored conversation (history assembled server-side).
     conversation_id: uuid.UUID | None = None
 
@@ -197,3 +261,38 @@ class ConversationCreate(_Body):
     def _no_nul(self) -> ConversationCreate:
         _storable(self.messages)
         return self
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(_Body):
+    """`POST /v1/responses` (text only): tools, files and images are not accepted here."""
+
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=100)
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+    def input_messages(self) -> list[dict[str, str]]:
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]

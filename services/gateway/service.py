@@ -26,6 +26,7 @@ from opentelemetry import trace
 from services.common.errors import UsageBacklogFullError
 from services.gateway.auth import Principal
 from services.gateway.config import GatewayConfig
+from services.gateway.constraints import guided_for_format, guided_for_tools
 from services.gateway.errors import BadRequestError, ModelNotFoundError, error_body
 from services.gateway.formatting import ChatFormatter, Formatter, ResponseMeta, TextFormatter, TokenTexts, json_data
 from services.gateway.generation import SamplingSpec, derive_seed
@@ -35,6 +36,7 @@ from services.gateway.run_state import ChoiceEvent, ChoiceSpec, GenerationPlan
 from services.gateway.runner import CompletionRunner, Generation
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from services.gateway.streams import EventLog, StreamHub
+from services.gateway.tools import ToolPlan, family_for_template, history_messages
 
 if TYPE_CHECKING:
     from services.gateway.routing import RoutingDecision
@@ -79,6 +81,7 @@ class _Request:
     conversation_id: uuid.UUID | None = None
     conversation_messages: tuple[TemplateMessage, ...] = ()
     safety_history: tuple[str, ...] = ()  # a continued conversation's stored turns (checked too, cached)
+    tools: ToolPlan | None = None  # chat with callable tools: output parsed into tool_calls
 
 
 class CompletionService:
@@ -99,17 +102,26 @@ class CompletionService:
 
     async def chat(self, body: ChatCompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
         self._check_model(body.model)
-        if body.tools:
-            raise BadRequestError("tools / function calling is not supported by this server", "tools")
-        new = [m.for_template() for m in body.messages]
+        template = self.prompts.tokenizer.chat_template
+        tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+        guided = guided_for_format(body.response_format)
+        if tools is not None and guided is not None:
+            raise BadRequestError("response_format cannot be combined with tools (unless tool_choice is none)",
+                                  "response_format")
+        if tools is not None:
+            guided = await asyncio.to_thread(guided_for_tools, tools.grammar())
+        new = history_messages(body.messages, tools.family if tools else family_for_template(template))
         history = await self._history(principal, body.conversation_id)
+        shown_history, shown_new = (history, new) if tools is None else \
+            ((tools.with_tools(history), new) if history else (history, tools.with_tools(new)))
         # Templating and tokenizing are CPU work: off the event loop, so one long prompt stalls no stream.
-        prompt = await asyncio.to_thread(self.prompts.chat, new, body.requested_max_tokens(), history)
+        prompt = await asyncio.to_thread(self.prompts.chat, shown_new, body.requested_max_tokens(), shown_history)
+        sampling = replace(self._sampling(body, body.logprobs_count()), guided=guided)
         request = _Request(
-            "chat", [prompt], body.n, self._sampling(body, body.logprobs_count()), body.stream,
+            "chat", [prompt], body.n, sampling, body.stream,
             body.include_usage, body.logprobs, tuple(m["content"] for m in new),
             user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new),
-            safety_history=tuple(m["content"] for m in history))
+            safety_history=tuple(m["content"] for m in history), tools=tools)
         return await self._serve(request, principal, client_gone)
 
     async def text(self, body: CompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
@@ -231,7 +243,8 @@ class CompletionService:
         meta = ResponseMeta(plan.completion_id, plan.created, plan.model, request.n, request.include_usage,
                             tuple(p.text for p in request.prompts) if request.echo else (),
                             str(request.conversation_id) if request.conversation_id else None)
-        return ChatFormatter(meta, self.tokens) if request.kind == "chat" else TextFormatter(meta, self.tokens)
+        return ChatFormatter(meta, self.tokens, request.tools) if request.kind == "chat" \
+            else TextFormatter(meta, self.tokens)
 
     # ---- responding --------------------------------------------------------------------------
 

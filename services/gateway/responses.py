@@ -1,0 +1,185 @@
+"""`/v1/responses` (OpenAI's Responses API, text in and out) on top of the chat completion service.
+
+A response runs as a chat completion (same admission, safety, routing, billing): `instructions`
+becomes a leading system message, `input` (a string or a list of messages) the user turn(s), and with
+`previous_response_id` the stored turns of that response come first. `instructions` are not carried
+over to the next response, as OpenAI documents.
+
+Storage (`store`, default true) uses the conversation store: a response *is* a conversation whose id
+gives the response id (`resp_<uuid hex>`); it holds the whole history (copied from the previous
+response, then this input and the output), so any stored response can be continued, and deleting it
+never breaks another. In open mode (`BATON_AUTH_MODE=none`) there is no database: responses are
+served but not stored (`store: false` in the body), and `previous_response_id` is a 501.
+
+Streaming follows the documented event sequence: `response.created`, `response.in_progress`,
+`response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
+`response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
+`response.completed` (or `response.incomplete` when max_output_tokens cut it), each with a
+`sequence_number`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.auth import Principal
+from services.gateway.errors import BadRequestError, FeatureDisabledError
+from services.gateway.schemas import ChatCompletionRequest, ResponsesRequest
+from services.gateway.service import ClientGone, CompletionService, JsonOutcome
+from services.gateway.streams import EventLog
+
+Body = dict[str, Any]
+_PREFIX = "resp_"
+
+
+def response_id_to_uuid(response_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(hex=response_id.removeprefix(_PREFIX))
+    except ValueError as e:
+        raise BadRequestError(f"{response_id!r} is not a response id", "previous_response_id") from e
+
+
+@dataclass
+class ResponseDraft:
+    """One response as it is built; `body()` is the `response` object at any point."""
+
+    request: ResponsesRequest
+    response_id: str
+    stored: bool
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    status: str = "in_progress"
+    usage: Body | None = None
+    incomplete: str | None = None
+
+    @property
+    def item_id(self) -> str:
+        return "msg_" + self.response_id.removeprefix(_PREFIX)
+
+    def part(self) -> Body:
+        return {"type": "output_text", "text": self.text, "annotations": []}
+
+    def item(self, status: str) -> Body:
+        content = [self.part()] if status == "completed" or self.text else []
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def body(self) -> Body:
+        r = self.request
+        done = self.status != "in_progress"
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": self.status,
+            "model": r.model, "instructions": r.instructions, "previous_response_id": r.previous_response_id,
+            "store": self.stored, "output": [self.item("completed")] if done else [],
+            "usage": self.usage, "error": None, "metadata": r.metadata or {},
+            "incomplete_details": {"reason": self.incomplete} if self.incomplete else None,
+            "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
+        }
+
+    def finish(self, finish_reason: str | None, usage: Body | None) -> None:
+        self.status = "incomplete" if finish_reason == "length" else "completed"
+        self.incomplete = "max_output_tokens" if finish_reason == "length" else None
+        if finish_reason == "content_filter":
+            self.status, self.incomplete = "incomplete", "content_filter"
+        if usage is not None:
+            self.usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                          "total_tokens": usage["total_tokens"],
+                          "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                          "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+class ResponsesService:
+    def __init__(self, completions: CompletionService) -> None:
+        self.completions = completions
+
+    async def create(self, body: ResponsesRequest, principal: Principal, client_gone: ClientGone
+                     ) -> Body | AsyncIterator[str]:
+        store_available = self.completions.tenancy.conversations is not None
+        history = await self._history(body, principal, store_available)
+        new = body.input_messages()
+        stored = body.store and store_available
+        rid = _PREFIX + uuid.uuid4().hex
+        if stored:
+            conversation = await self.completions.tenancy.conversation_store().create(
+                principal.org_id, principal.user_id, title=f"response {rid}"[:200])
+            rid = _PREFIX + conversation.id.hex
+        draft = ResponseDraft(body, rid, stored)
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        chat = ChatCompletionRequest.model_validate({
+            "model": body.model, "messages": system + history + new, "max_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
+            "stream_options": {"include_usage": True} if body.stream else None, "user": body.user})
+        outcome = await self.completions.chat(chat, principal, client_gone)
+        if isinstance(outcome, JsonOutcome):
+            choice = outcome.body["choices"][0]  # type: ignore[index]
+            draft.text = choice["message"]["content"] or ""
+            draft.finish(choice["finish_reason"], outcome.body["usage"])  # type: ignore[arg-type]
+            await self._store(draft, principal, history + new)
+            return draft.body()
+        return self._events(draft, outcome.event_log, principal, history + new)
+
+    async def _history(self, body: ResponsesRequest, principal: Principal, store_available: bool) -> list[Body]:
+        if body.previous_response_id is None:
+            return []
+        if not store_available:
+            raise FeatureDisabledError("previous_response_id (stored responses)", self.completions.tenancy.mode)
+        messages = await self.completions.tenancy.conversation_store().messages(
+            principal.org_id, response_id_to_uuid(body.previous_response_id), user=principal.user_id)
+        return [{"role": m.role, "content": m.content} for m in messages]
+
+    async def _store(self, draft: ResponseDraft, principal: Principal, turns: list[Body]) -> None:
+        if not draft.stored:
+            return
+        store = self.completions.tenancy.conversation_store()
+        conversation_id = response_id_to_uuid(draft.response_id)
+        for message in [*turns, {"role": "assistant", "content": draft.text}]:
+            await store.append(principal.org_id, conversation_id, message["role"], message["content"])
+
+    async def _events(self, draft: ResponseDraft, event_log: EventLog, principal: Principal,
+                      turns: list[Body]) -> AsyncIterator[str]:
+        seq = iter(range(1 << 62))
+
+        def event(kind: str, **fields: Any) -> str:
+            data = {"type": kind, "sequence_number": next(seq)} | fields
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        where = {"item_id": draft.item_id, "output_index": 0}
+        yield event("response.created", response=draft.body())
+        yield event("response.in_progress", response=draft.body())
+        yield event("response.output_item.added", output_index=0, item=draft.item("in_progress"))
+        yield event("response.content_part.added", **where, content_index=0, part=draft.part())
+        finish, usage = None, None
+        event_log.attach()
+        completed = False
+        try:
+            async for item in event_log.follow(-1, self.completions.config.stream.keepalive_s):
+                if item is None or item.data == "[DONE]":
+                    continue
+                chunk = json.loads(item.data)
+                if "error" in chunk:
+                    yield event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"),
+                                param=None)
+                    draft.status = "failed"
+                    continue
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    delta = choice["delta"].get("content") or ""
+                    if delta:
+                        draft.text += delta
+                        yield event("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
+                    finish = choice.get("finish_reason") or finish
+            completed = True
+        finally:
+            event_log.detach(disconnected=not completed)
+        draft.finish(finish, usage)
+        yield event("response.output_text.done", **where, content_index=0, text=draft.text, logprobs=[])
+        yield event("response.content_part.done", **where, content_index=0, part=draft.part())
+        yield event("response.output_item.done", output_index=0, item=draft.item("completed"))
+        await self._store(draft, principal, turns)
+        kind = "response.completed" if draft.status == "completed" else "response.incomplete"
+        yield event(kind, response=draft.body())

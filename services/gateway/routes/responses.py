@@ -1,0 +1,25 @@
+"""`POST /v1/responses`: OpenAI's Responses API, text in and out (see services/gateway/responses.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+
+from services.gateway.deps import Completions, CurrentPrincipal
+from services.gateway.responses import ResponsesService
+from services.gateway.routes.completions import _client_gone
+from services.gateway.schemas import ResponsesRequest
+
+router = APIRouter(tags=["responses"])
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, principal: CurrentPrincipal, service: Completions,
+                          request: Request) -> Response:
+    """A model response to `input` (+ `instructions`, + the turns of `previous_response_id`)."""
+    result = await ResponsesService(service).create(body, principal, _client_gone(request))
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
