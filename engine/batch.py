@@ -7,14 +7,15 @@ The batcher never touches tensors and the model runner never decides anything: o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """One sequence's share of a step: a prefill chunk, or a single decode token."""
+    """One sequence's share of a step: a prefill chunk, a single decode token, or a decode token followed
+    by a speculative draft to verify (`num_draft_tokens` > 0: every position of the chunk is sampled)."""
 
     request_id: str
     token_ids: tuple[int, ...]  # the tokens run this step (K/V computed and stored for each)
@@ -25,10 +26,22 @@ class ScheduledChunk:
     # Live views (not copies) of the sequence's tokens, for penalties; valid during this step only.
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # The last `num_draft_tokens` of token_ids are a draft, not known tokens: their KV is written this
+    # step but counts as computed only as far as the draft is accepted (the rest is overwritten later).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions whose logits are sampled: the last one, plus one per draft token."""
+        return self.num_draft_tokens + 1 if self.needs_sample else 0
 
     @property
     def context_len(self) -> int:
@@ -69,6 +82,12 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepResult:
-    """The model runner's answer: one sampled token per chunk with `needs_sample`, keyed by request."""
+    """The model runner's answer: one sampled token per chunk with `needs_sample`, keyed by request.
+
+    For a chunk with a draft, `accepted` holds the accepted prefix of the draft (possibly empty) and
+    `sampled` the token that follows it: the correction at the first rejection, or the bonus token
+    after a fully accepted draft. So a verify step yields `len(accepted) + 1` tokens.
+    """
 
     sampled: dict[str, SampledToken]
+    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)

@@ -13,6 +13,16 @@ A step's plan, under a token budget of `max_num_batched_tokens` and at most `max
    preempted sequence never bounces straight back in.
 Admission allocates blocks for every known token, so prefill chunks never allocate: only decodes do.
 
+Speculative decoding: with a `DraftProposer`, a decode of a sequence that asks for drafts
+(`sampling.num_draft_tokens`) becomes its pending token plus a draft of up to k tokens, verified in one
+pass. The draft is capped so that even a fully accepted one (k + 1 new tokens) stays within max_tokens
+and `max_num_tokens`, and so that every later decode of the pass still gets its one token of budget;
+its KV slots are allocated with the decode's (a draft that would need a preemption is dropped
+instead). In `postprocess` only the accepted drafts count as computed and are appended: the rejected
+positions' KV slots stay allocated, are never hashed into the prefix cache (a block is hashed only
+once all its tokens are computed), and the next step's chunk starts at the first of them, so it
+overwrites them.
+
 The batcher never finishes a sequence on its own: stop tokens, stop strings, max_tokens and the
 length limit are the engine's call, through `finish`. The length limit is `max_num_tokens`, the smaller
 of the context window and the KV pool: the engine must finish a sequence once `num_tokens >=
@@ -25,12 +35,13 @@ import bisect
 import logging
 from collections import deque
 
-from engine.batch import BatchPlan, ScheduledChunk, StepResult
+from engine.batch import BatchPlan, SampledToken, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
 from engine.config import BatcherConfig
 from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative.base import DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +54,9 @@ def _arrival(seq: Sequence) -> int:
 class Batcher:
     """Owns the waiting / running / remote queues and every block table. Not thread-safe."""
 
-    def __init__(self, config: BatcherConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: BatcherConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: DraftProposer | None = None) -> None:
+        """`proposer`: drafts for sequences that ask for speculative decoding; None never drafts."""
         pool_tokens = block_manager.num_total_blocks * block_manager.block_size
         if pool_tokens < max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: sequences stop there",
@@ -60,6 +73,7 @@ class Batcher:
         self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
         self._next_arrival = 0  # arrival_order of the next added sequence
         self._num_preemptions = 0  # since start, for metrics
+        self._proposer = proposer
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, request_id: str) -> Sequence | None:
@@ -155,6 +169,8 @@ class Batcher:
         else:
             self._waiting.remove(seq)
         self._free_blocks(seq)
+        if self._proposer is not None:
+            self._proposer.forget(request_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         return True
 
@@ -183,9 +199,10 @@ class Batcher:
         return BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted))
 
     def postprocess(self, plan: BatchPlan, result: StepResult) -> list[Sequence]:
-        """Record a step: advance computed tokens, register full blocks, append sampled tokens.
+        """Record a step: advance computed tokens, append sampled (and accepted draft) tokens, register
+        full blocks.
 
-        Returns the sequences that got a token, in plan order; the engine then decides which finished.
+        Returns the sequences that got tokens, in plan order; the engine then decides which finished.
         Sequences aborted or finished since `schedule()` are skipped.
         """
         got_token: list[Sequence] = []
@@ -194,30 +211,59 @@ class Batcher:
             seq = scheduled.get(chunk.request_id)
             if seq is None or self._seqs.get(chunk.request_id) is not seq:
                 continue
-            seq.num_computed_tokens += chunk.num_tokens
+            accepted = self._accepted_draft(chunk, result)
+            seq.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens + len(accepted)
+            if chunk.needs_sample:
+                sampled = result.sampled.get(chunk.request_id)
+                if sampled is None:
+                    raise EngineError(f"the model runner returned no token for {chunk.request_id!r}")
+                for token in (*accepted, sampled):
+                    seq.append_token(token.token_id, token.logprobs)
+                got_token.append(seq)
             self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
-            if not chunk.needs_sample:
-                continue
-            sampled = result.sampled.get(chunk.request_id)
-            if sampled is None:
-                raise EngineError(f"the model runner returned no token for {chunk.request_id!r}")
-            seq.append_token(sampled.token_id, sampled.logprobs)
-            got_token.append(seq)
         return got_token
 
+    @staticmethod
+    def _accepted_draft(chunk: ScheduledChunk, result: StepResult) -> tuple[SampledToken, ...]:
+        """The accepted prefix of a chunk's draft; the runner must return a prefix of what was sent."""
+        if not chunk.num_draft_tokens:
+            return ()
+        accepted = result.accepted.get(chunk.request_id, ())
+        if tuple(t.token_id for t in accepted) != chunk.draft_token_ids[:len(accepted)]:
+            raise EngineError(f"the model runner accepted tokens outside the draft of {chunk.request_id!r}")
+        return accepted
+
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
-        """Schedule every running decode that fits; returns the budget left."""
+        """Schedule every running decode that fits, with its draft if any; returns the budget left."""
         i = 0
         while i < len(self._running) and budget > 0 and len(chunks) < self.config.max_num_seqs:
             seq = self._running[i]
             i += 1
             if seq.num_pending_tokens != 1:
                 continue  # still prefilling: the next pass
+            # Budget and free blocks beyond one token for every later running sequence may go to drafts.
+            later = len(self._running) - i
+            draft = self._draft(seq, budget - later - 1, self.block_manager.num_free_blocks - later)
             if not self._grow_for_decode(seq, preempted):
                 break  # seq preempted itself: it was the newest, nothing runs after it
-            chunks.append(self._chunk(seq, 1))
-            budget -= 1
+            chunks.append(self._chunk(seq, 1, draft))
+            budget -= 1 + len(draft)
         return budget
+
+    def _draft(self, seq: Sequence, spare_budget: int, spare_blocks: int) -> tuple[int, ...]:
+        """A draft for seq's decode, its KV slots allocated from `spare_blocks`; () for none. A draft
+        never costs a preemption, not even of a later sequence that would then find no free block."""
+        k = min(seq.sampling.num_draft_tokens or 0, spare_budget,
+                seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_num_tokens - seq.num_tokens - 1)
+        if k <= 0 or self._proposer is None:
+            return ()
+        draft = self._proposer.propose(seq.request_id, seq.all_token_ids, k)[:k]
+        if not draft:
+            return ()
+        if self.block_manager.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_ids) > spare_blocks:
+            return ()
+        self.block_manager.append_slots(seq.block_ids, seq.num_tokens + len(draft))
+        return draft
 
     def _grow_for_decode(self, seq: Sequence, preempted: list[str]) -> bool:
         """Make room for seq's next token, preempting newest-first; False when seq itself went."""
@@ -265,18 +311,19 @@ class Batcher:
             budget -= n
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
-        """The next `n` uncomputed tokens of `seq` as one chunk."""
+    def _chunk(self, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
+        """The next `n` uncomputed tokens of `seq` (then its draft, if any) as one chunk."""
         start = seq.num_computed_tokens
         return ScheduledChunk(
             request_id=seq.request_id,
-            token_ids=tuple(seq.all_token_ids[start:start + n]),
+            token_ids=tuple(seq.all_token_ids[start:start + n]) + draft,
             start_pos=start,
             block_ids=tuple(seq.block_ids),
             needs_sample=start + n == seq.num_tokens,
             sampling=seq.sampling,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
+            num_draft_tokens=len(draft),
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.sampling_params import MAX_DRAFT_TOKENS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -168,6 +169,27 @@ class BatcherConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram (prompt-lookup) speculative decoding (engine/speculative).
+
+    A decoding sequence drafts up to `num_draft_tokens` tokens by finding the latest earlier
+    occurrence of its last n tokens (n from `ngram_max` down to `ngram_min`) in its prompt + output
+    and copying what followed; one forward pass verifies them. `num_draft_tokens` is the default of
+    requests that do not set their own (0: speculation off unless a request asks for it).
+    """
+
+    num_draft_tokens: int = 0
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism inside one worker: one process per GPU of the node, rank 0 drives.
 
@@ -210,6 +232,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # CUDA graphs replay decode-only steps (triton backend on CUDA only: the torch reference syncs
     # and allocates per step, so it cannot be captured). True runs every step eagerly.
     enforce_eager: bool = False

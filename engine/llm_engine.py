@@ -5,6 +5,11 @@ records the sampled tokens; then this class decides which requests finished (EOS
 strings, max_tokens, context window) and turns the step into per-request output deltas.
 Not thread-safe: `AsyncEngine` drives it from one thread.
 
+Speculative decoding (engine/speculative): a request's `num_draft_tokens` (None: the config's default)
+lets its decodes verify n-gram drafts, so one step may yield several tokens for it; they are checked
+for stops one by one and cut after the first that finishes the request. Held (prefill-only) requests
+never draft: speculation starts on the decode side, after the first token.
+
 Held requests (prefill side of disaggregation): `add_request(..., hold_for_s=T)` prefills the prompt,
 samples the first token, finishes the request (one output, like max_tokens=1) but keeps its blocks
 under a lease of T seconds so a KV transfer can read them. `release_held` frees them; so does
@@ -16,12 +21,13 @@ the source mid-copy; it is logged as an error).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batch import BatchPlan, SampledToken, TokenLogprobs
+from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -33,6 +39,7 @@ from engine.outputs import FinishReason, HeldBlocks, RequestOutput
 from engine.parallel.launcher import RankServiceFactory, create_model_runner
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.speculative import NgramProposer
 from engine.structured.masks import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
@@ -49,6 +56,24 @@ class _Tracked:
     hold_for_s: float | None = None  # stop after the first token and hold the blocks this long
     checksum_hold: bool = False  # checksum the held blocks in the step that finishes the prefill
     started_at: float | None = None  # engine clock at its first scheduled chunk (queue wait ends)
+
+
+@dataclass
+class SpeculationStats:
+    """Totals since start over verify chunks (decodes that carried a draft), for metrics and benchmarks."""
+
+    verify_chunks: int = 0
+    draft_tokens: int = 0  # proposed and verified
+    accepted_tokens: int = 0  # drafts the target model kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a verify chunk yields on average: accepted drafts plus the model's own token."""
+        return (self.accepted_tokens + self.verify_chunks) / self.verify_chunks if self.verify_chunks else 0.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +117,10 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len)
+        spec = config.speculative
+        self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len,
+                               NgramProposer(spec.ngram_min, spec.ngram_max))
+        self.spec_stats = SpeculationStats()
         self._requests: dict[str, _Tracked] = {}
         self._held: dict[str, HeldBlocks] = {}
         self.last_step: StepStats | None = None  # what the latest step ran; None if it ran nothing
@@ -189,6 +217,10 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
         self._validate(request_id, prompt, params)
+        if params.guided is not None:  # the grammar advances one accepted token at a time: never drafts
+            params = dataclasses.replace(params, num_draft_tokens=0)
+        elif params.num_draft_tokens is None:
+            params = dataclasses.replace(params, num_draft_tokens=self.config.speculative.num_draft_tokens)
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling=params)
         detok = None
         if self.tokenizer is not None:
@@ -229,18 +261,33 @@ class LLMEngine:
         result = self.runner.execute(plan)
         self.last_step = StepStats.of(plan, time.perf_counter() - start)
         self.batcher.postprocess(plan, result)
+        self._count_drafts(plan, result)
         outputs = []
         for request_id, sampled in result.sampled.items():
             tracked = self._requests.get(request_id)
             if tracked is not None:
-                outputs.append(self._emit(tracked, [sampled]))
+                outputs.append(self._emit(tracked, [*result.accepted.get(request_id, ()), sampled]))
         return outputs
 
+    def _count_drafts(self, plan: BatchPlan, result: StepResult) -> None:
+        for chunk in plan.chunks:
+            if chunk.num_draft_tokens:
+                self.spec_stats.verify_chunks += 1
+                self.spec_stats.draft_tokens += chunk.num_draft_tokens
+                self.spec_stats.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
+
     def _emit(self, tracked: _Tracked, sampled: list[SampledToken]) -> RequestOutput:
+        """One output for the tokens a step appended to a request (the batcher already holds them),
+        cut after the first one that finishes it."""
         seq = tracked.seq
-        token = sampled[-1].token_id
-        text = tracked.detok.add(token) if tracked.detok is not None else ""
-        reason = self._finish_reason(tracked, token)
+        text, reason = "", None
+        for i, s in enumerate(sampled):
+            if tracked.detok is not None:
+                text += tracked.detok.add(s.token_id)
+            reason = self._finish_reason(tracked, s.token_id, seq.num_output_tokens - (len(sampled) - 1 - i))
+            if reason is not None:
+                sampled = sampled[:i + 1]
+                break
         held = None
         if tracked.hold_for_s is not None:
             held = self._hold(tracked)
@@ -275,15 +322,16 @@ class LLMEngine:
         self._held[seq.request_id] = held
         return held
 
-    def _finish_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
+    def _finish_reason(self, tracked: _Tracked, token: int, num_output: int) -> FinishReason | None:
+        """Whether the request finishes at `token`, its `num_output`-th output token."""
         seq = tracked.seq
         if token in tracked.stop_ids:
             return FinishReason.STOP
         if tracked.detok is not None and tracked.detok.stopped:
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.sampling.max_tokens:
+        if num_output >= seq.sampling.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.batcher.max_num_tokens:  # context window (or the whole KV pool)
+        if seq.num_prompt_tokens + num_output >= self.batcher.max_num_tokens:  # context window (or KV pool)
             return FinishReason.LENGTH
         return None
 

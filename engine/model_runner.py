@@ -4,7 +4,8 @@
 sequence) no larger than the largest captured batch replays a CUDA graph over persistent input
 buffers (`engine/cuda_graphs.py`); every other step (prefill chunks, mixed batches, CPU, the torch
 backend, `enforce_eager`) builds one flattened varlen batch and runs the model eagerly. Either way
-one token is sampled for every chunk that reaches the end of its known tokens.
+one token is sampled for every chunk that reaches the end of its known tokens. A chunk that carries a
+speculative draft is sampled at each of its positions and verified (`engine/speculative/verify.py`).
 
 Host syncs: inputs go host->device through pinned memory with non-blocking copies; the one wait of
 a step is reading the sampled token ids back.
@@ -36,6 +37,7 @@ from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TensorParallel, local_kv_heads, mark_collectives_captured
 from engine.sampler import Sampler
+from engine.speculative.verify import accept_drafts, verification_rows
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +127,22 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult(sampled={})
         sampling_chunks = [c for c in plan.chunks if c.needs_sample]
-        masks = self.sampler.begin(sampling_chunks) if self.tp.is_driver else None  # overlaps the forward
+        rows = verification_rows(sampling_chunks)  # one per sampled position (several for a draft)
+        masks = self.sampler.begin(rows) if self.tp.is_driver else None  # overlaps the forward
         if self.graphs is not None and self.graphs.can_run(plan.chunks):
             logits = self._sampled_rows(self.graphs.run(plan.chunks), plan.chunks)
         else:
             logits = self._run_eager(plan.chunks)
         if logits is None or not self.tp.is_driver:
             return StepResult(sampled={})
-        tokens = self.sampler.sample(logits, sampling_chunks, masks)
+        tokens = self.sampler.sample(logits, rows, masks)
+        if len(rows) > len(sampling_chunks):
+            return accept_drafts(sampling_chunks, tokens)
         return StepResult(sampled={c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)})
 
     def _run_eager(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
-        """Logits of the sampling chunks' last rows, or None when no chunk samples."""
+        """Logits of the sampling chunks' sampled rows (the last, or every verified position of a
+        draft), or None when no chunk samples."""
         inputs = self.prepare_inputs(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if inputs.sample_rows.numel() == 0:
@@ -167,7 +173,7 @@ class ModelRunner:
             query_start.append(len(input_ids))
             seq_lens.append(c.context_len)
             if c.needs_sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - c.num_sampled_rows, len(input_ids)))
         max_blocks = max(-(-n // bs) for n in seq_lens)
         tables = [list(c.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(c.block_ids), max_blocks))
                   for c in chunks]

@@ -9,6 +9,7 @@ from engine.errors import InvalidRequestError
 from engine.structured.constraint import GuidedDecoding
 
 MAX_LOGPROBS = 20
+MAX_DRAFT_TOKENS = 16  # longest speculative draft one request may ask for per step
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n: the sampled token's logprob plus top-n
     guided: GuidedDecoding | None = None  # grammar constraint (structured outputs, tool calls); holds its state
+    # Speculative decoding (engine/speculative): up to this many n-gram draft tokens verified per step.
+    # None: the engine's default (`SpeculativeConfig.num_draft_tokens`, `--speculative-ngram`); 0: off.
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -44,6 +48,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.num_draft_tokens is None or 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS,
+               f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         _check(self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
 
     @property

@@ -1,7 +1,7 @@
 """The follower ranks of a tensor-parallel worker, as rank 0's KV sender and receiver see them.
 
 A TP worker's KV cache is sharded by KV head over its ranks; each rank registers its own shard with its
-own NIXL agent. The NIXL implementation lives in services/worker/kv_shards.py (it calls the followers
+own NIXL agent. The NIXL implementation lives in kvtransfer/nixl/shards.py (it calls the followers
 over the TP control group); the sender and receiver only know this interface.
 """
 

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+from scheduler.adapters.admin import add_admin_commands
 from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
 from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
@@ -61,9 +62,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register_scheduler_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `scheduler` to a `baton` subparsers object; the handler returns the exit code."""
-    parser = subparsers.add_parser("scheduler", help="run the goodput-aware scheduler service (gRPC)")
+    parser = subparsers.add_parser(
+        "scheduler", help="run the goodput-aware scheduler service (gRPC), or operate a running one"
+    )
     add_scheduler_arguments(parser)
     parser.set_defaults(func=run_scheduler)
+    add_admin_commands(parser)
     return parser
 
 

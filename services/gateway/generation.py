@@ -50,6 +50,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
+    num_draft_tokens: int | None = None  # speculative decoding draft length; None: the worker's default
     guided: tuple[int, str] | None = None  # (worker_pb2.GuidedKind, spec): grammar-constrained output
 
     def to_proto(self) -> wpb.SamplingParams:
@@ -62,6 +63,8 @@ class SamplingSpec:
             params.seed = self.seed % _SEED_MOD
         if self.logprobs is not None:
             params.logprobs = self.logprobs
+        if self.num_draft_tokens is not None:
+            params.num_draft_tokens = self.num_draft_tokens
         if self.guided is not None:
             params.guided.kind, params.guided.spec = self.guided  # type: ignore[assignment]
         return params

@@ -150,6 +150,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class SpeculativeOptions(_Strict):
+    """Baton extension: n-gram (prompt-lookup) speculative decoding for this request; the output is
+    the same as without it (same greedy tokens, same sampling distribution), only faster when the
+    answer copies from the prompt (summaries, edits). Unset: the worker's default."""
+
+    num_draft_tokens: int = Field(ge=0, le=16)  # 0: off
+
+
 class _GenerationFields(_Body):
     """Sampling and streaming fields common to chat and text completions."""
 
@@ -165,6 +173,7 @@ class _GenerationFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
+    speculative: SpeculativeOptions | None = None
 
     @field_validator("stop")
     @classmethod

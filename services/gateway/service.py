@@ -151,7 +151,8 @@ class CompletionService:
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest, logprobs: int | None) -> SamplingSpec:
         return SamplingSpec(max_tokens=1, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                             stop=tuple(body.stop_list()), presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, logprobs=logprobs)
+                            frequency_penalty=body.frequency_penalty, logprobs=logprobs,
+                            num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None)
 
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:

@@ -61,6 +61,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         guided=guided_from_proto(msg.guided) if msg.HasField("guided") else None,
+        num_draft_tokens=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
     )
 
 
@@ -93,6 +94,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.num_draft_tokens is not None:
+        msg.num_draft_tokens = params.num_draft_tokens
     if params.guided is not None:
         msg.guided.CopyFrom(guided_to_proto(params.guided))
     return msg

@@ -96,8 +96,10 @@ class TelemetryBuffer:
 class HeartbeatClient:
     def __init__(self, scheduler_address: str, worker_id: str, advertise_address: str,
                  status: Callable[[], Awaitable[pb.WorkerStatus]], collect: Callable[[], Awaitable[None]],
-                 buffer: TelemetryBuffer, interval_s: float) -> None:
-        """`collect()` moves fresh KV events into `buffer` (it runs on the engine thread)."""
+                 buffer: TelemetryBuffer, interval_s: float,
+                 on_switch_role: Callable[[str], Awaitable[object]] | None = None) -> None:
+        """`collect()` moves fresh KV events into `buffer` (it runs on the engine thread);
+        `on_switch_role(role)` takes a role the scheduler asks for (services/worker/role_switch.py)."""
         self._address = scheduler_address
         self._worker_id = worker_id
         self._advertise = advertise_address
@@ -105,6 +107,7 @@ class HeartbeatClient:
         self._collect = collect
         self._buffer = buffer
         self._interval_s = interval_s
+        self._on_switch_role = on_switch_role
         self._channel = grpc.aio.insecure_channel(scheduler_address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._stop = asyncio.Event()
@@ -156,6 +159,8 @@ class HeartbeatClient:
         if not response.known:
             log.warning("scheduler %s forgot this worker; registering again", self._address)
             self.registered = False
+        elif response.switch_to_role and self._on_switch_role is not None:
+            await self._on_switch_role(response.switch_to_role)
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -94,7 +94,7 @@ class KVLink:
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
                  faults: FaultInjector, on_reclaimable: Callable[[str], None], shards: KVShards | None = None) -> None:
         """`on_reclaimable(rid)` is called on the event loop that called `start()`. `shards`: the
-        follower ranks of a tensor-parallel worker (this link is rank 0's; services/worker/kv_shards.py);
+        follower ranks of a tensor-parallel worker (this link is rank 0's; kvtransfer/nixl/shards.py);
         only this link's thread calls them (each call also holds the engine's next step back)."""
         self._config = config
         self._transport = open_transport(config.transport, name, kv_cache, layout,

@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-chunk", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="n-gram speculative decoding: verify up to K prompt-lookup draft tokens per decode step "
+                        "for requests that do not set their own (0: off unless a request asks)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of the engine, one process (and GPU: rank r takes cuda:r) each; "
                         "prefill and decode peers must use the same size")
@@ -116,7 +119,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine import is heavy, keep it lazy
-    from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig
+    from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -126,6 +129,7 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_chunk=args.max_prefill_chunk),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
     )
 
 
@@ -165,7 +169,7 @@ def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
     """With tensor parallelism and NIXL, every follower rank gets a NIXL agent over its KV shard."""
     if not config.uses_nixl or config.tensor_parallel_size == 1:
         return None
-    from services.worker.kv_shards import ShardAgentFactory
+    from kvtransfer.nixl.shards import ShardAgentFactory
 
     return ShardAgentFactory(config.worker_id or config.role.value, config.model_id,
                              poll_idle_s=config.transfer.poll_idle_s, poll_busy_s=config.transfer.poll_busy_s,

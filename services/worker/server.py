@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,6 +24,7 @@ from engine.llm_engine import LLMEngine, StepStats
 from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
+from kvtransfer.nixl.shards import FollowerShards
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
@@ -30,11 +32,11 @@ from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 from services.worker.kv_link import KVLink
-from services.worker.kv_shards import FollowerShards
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_peers import PrefillPeers
 from services.worker.prefill_service import PrefillService
 from services.worker.remote_prefill import RemotePrefill
+from services.worker.role_switch import RoleSwitcher
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class WorkerServer:
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server()
         self._async_engine: AsyncEngine | None = None
+        self._servicer: WorkerServicer | None = None
+        self.role_switcher = RoleSwitcher(self)
 
     @property
     def advertise_address(self) -> str:
@@ -72,8 +76,9 @@ class WorkerServer:
         """Build the services, start serving; returns the bound port. Health turns SERVING last."""
         self._async_engine = AsyncEngine(self.engine, on_step=self._on_step)
         self._build_role_services(self._async_engine)
-        servicer = WorkerServicer(self.worker_id, self.metrics, self.faults, self.config.allow_fault_injection,
-                                  self.status, self._decode, self._prefill)
+        servicer = self._servicer = WorkerServicer(self.worker_id, self.metrics, self.faults,
+                                                   self.config.allow_fault_injection, self.status, self._decode,
+                                                   self._prefill)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -91,7 +96,7 @@ class WorkerServer:
 
     def _build_role_services(self, engine: AsyncEngine) -> None:
         cfg, block_size = self.config, self.engine.block_manager.block_size
-        if cfg.uses_nixl:
+        if cfg.uses_nixl and self._link is None:  # kept across role switches
             runner = self.engine.runner
             tp = runner.tp.size if isinstance(runner, TensorParallelRunner) else 1
             layout = KVLayoutInfo.from_spec(runner.kv_spec, cfg.model_id, tp_size=tp, tp_rank=0)
@@ -116,10 +121,29 @@ class WorkerServer:
         if self.config.scheduler_address:
             self._heartbeat = HeartbeatClient(self.config.scheduler_address, self.worker_id, self.advertise_address,
                                               self.status, self._collect_kv_events, self.telemetry,
-                                              self.config.heartbeat_interval_s)
+                                              self.config.heartbeat_interval_s, self.role_switcher.apply)
             self._tasks.append(asyncio.create_task(self._heartbeat.run(), name="heartbeat"))
         else:
             self._tasks.append(asyncio.create_task(self._drain_kv_events_forever(), name="kv-events"))
+
+    # ---- role switching (services/worker/role_switch.py) ----------------------------------------
+    def is_idle(self) -> bool:
+        """No Generate flow and no Prefill job here."""
+        return ((self._decode is None or self._decode.num_flows == 0)
+                and (self._prefill is None or self._prefill.num_jobs == 0))
+
+    async def rebuild_role_services(self, role: WorkerRole, prefill_peers: tuple[str, ...]) -> None:
+        """Serve `role` from now on, on the same engine; call only when `is_idle()`."""
+        assert self._async_engine is not None and self._servicer is not None and self.is_idle()
+        if self._peers is not None:
+            await self._peers.close()
+        self._decode = self._prefill = self._peers = None
+        had_link = self._link is not None
+        self.config = replace(self.config, role=role, prefill_peers=prefill_peers)
+        self._build_role_services(self._async_engine)
+        if self._link is not None and not had_link:
+            self._link.start()
+        self._servicer.set_role_services(self._decode, self._prefill)
 
     # ---- status and telemetry -------------------------------------------------------------------
     async def status(self) -> pb.WorkerStatus:

@@ -45,6 +45,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._decode = decode
         self._prefill = prefill
 
+    def set_role_services(self, decode: DecodeService | None, prefill: PrefillService | None) -> None:
+        """After a role switch (services/worker/role_switch.py): answer for the new role's services."""
+        self._decode = decode
+        self._prefill = prefill
+
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC method name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if self._decode is None:

@@ -31,6 +31,12 @@ def test_proto_zero_values_mean_defaults_but_temperature_zero_is_greedy() -> Non
     assert params.greedy and params.seed is None and params.logprobs is None
 
 
+@pytest.mark.parametrize("k", [None, 0, 4])
+def test_num_draft_tokens_round_trips_unset_meaning_the_worker_default(k: int | None) -> None:
+    params = SamplingParams(num_draft_tokens=k)
+    assert convert.sampling_from_proto(convert.sampling_to_proto(params)).num_draft_tokens == k
+
+
 def test_bad_sampling_values_raise_a_typed_error() -> None:
     with pytest.raises(InvalidRequestError, match="temperature must be"):
         convert.sampling_from_proto(pb.SamplingParams(temperature=-1.0))

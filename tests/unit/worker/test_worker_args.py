@@ -1,5 +1,5 @@
 """`baton worker` flags reach the engine config: --load-format dummy and --seed (benchmark workers),
---tensor-parallel-size."""
+--tensor-parallel-size, --speculative-ngram."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def test_tensor_parallel_size_reaches_the_engine_and_the_worker_config() -> None
     args = _parse("--tensor-parallel-size", "3")
     assert build_engine_config(args).parallel.tensor_parallel_size == 3
     assert build_worker_config(args).tensor_parallel_size == 3
+
+
+def test_speculative_ngram_sets_the_engines_default_draft_length() -> None:
+    assert build_engine_config(_parse()).speculative.num_draft_tokens == 0
+    assert build_engine_config(_parse("--speculative-ngram", "4")).speculative.num_draft_tokens == 4
 
 
 def test_nixl_progress_thread_follows_the_device_unless_set_and_reaches_the_transfer_config() -> None:

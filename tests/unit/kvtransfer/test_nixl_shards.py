@@ -19,14 +19,14 @@ from tests.support.required import require_module
 
 require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, never a skip
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "kvtransfer"))
+sys.path.insert(0, str(Path(__file__).parent))
 from nixl_pair_helpers import LAYOUT, SPEC, drive  # noqa: E402
 
 from kvtransfer.base import HandoffPayload, TransferPlan, TransferState  # noqa: E402
 from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte  # noqa: E402
 from kvtransfer.integrity import LandedVerifier, block_checksums  # noqa: E402
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig  # noqa: E402
-from services.worker.kv_shards import FollowerShards, ShardAgent  # noqa: E402
+from kvtransfer.nixl.shards import FollowerShards, ShardAgent  # noqa: E402
 
 NUM_BLOCKS = 32
 RANK0, RANK1 = replace(LAYOUT, tp_size=2, tp_rank=0), replace(LAYOUT, tp_size=2, tp_rank=1)
