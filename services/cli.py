@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_chat(sub)
     from loadtest.cli import register_bench_command
     from scheduler.adapters.main import register_scheduler_command
+    from scheduler.adapters.plan_main import register_plan_command
     from services.gateway.admin import register_admin_commands
     from services.launcher.ray_main import register_ray_command
     from services.launcher.serve import register_serve_command
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     register_safety_command(sub)
     register_worker_command(sub)
     register_profile_command(sub)
+    register_plan_command(sub)
     register_serve_command(sub)
     register_ray_command(sub)
     args = parser.parse_args(argv)

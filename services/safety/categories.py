@@ -45,6 +45,7 @@ class Tier(StrEnum):
     NONE = "none"                # the policy switched this direction off: nothing ran
     PATTERN = "pattern"          # normalising regex/keyword tier
     CLASSIFIER = "classifier"    # sentence-embedding classifier (MiniLM + MLP head)
+    GUARD = "guard"              # optional guard LLM (services.safety.guard), input only
     UNAVAILABLE = "unavailable"  # client side only: the service did not answer; `allowed` is the fail mode
 
 

@@ -16,14 +16,16 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.common.errors import BatonError
+from services.common.errors import BatonError, ConfigError
+from services.safety.guard import GuardConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
 
 log = logging.getLogger("services.safety")
 
 
 class SafetySettings(BaseSettings):
-    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`."""
+    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`, and the optional guard
+    model: `_GUARD_URL`, `_GUARD_MODEL`, `_GUARD_API_KEY`, `_GUARD_BUDGET_MS`."""
 
     model_config = SettingsConfigDict(env_prefix="BATON_SAFETY_", extra="ignore", frozen=True)
 
@@ -32,6 +34,10 @@ class SafetySettings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     policy_file: Path | None = None
     grace_s: float = Field(default=5.0, ge=0)
+    guard_url: str | None = None
+    guard_model: str | None = None
+    guard_api_key: str = ""
+    guard_budget_ms: float = Field(default=300.0, gt=0)
 
 
 def add_safety_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +47,10 @@ def add_safety_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=Path, default=None,
                         help="policy file, JSON or YAML: a default policy + per-organisation overrides")
     parser.add_argument("--grace-s", type=float, default=None, help="drain time on SIGTERM (default 5)")
+    parser.add_argument("--guard-url", default=None,
+                        help="a Baton gateway serving a guard model (Llama Guard format); off by default")
+    parser.add_argument("--guard-model", default=None, help="the guard model's name on that gateway")
+    parser.add_argument("--guard-budget-ms", type=float, default=None, help="wait at most this for the guard (300)")
 
 
 def register_safety_command(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +68,19 @@ def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetySer
         metrics_port=settings.metrics_port if args.metrics_port is None else args.metrics_port,
         policy_path=settings.policy_file if args.policy is None else args.policy,
         grace_s=settings.grace_s if args.grace_s is None else args.grace_s,
+        guard=_guard_config(args, settings),
     )
+
+
+def _guard_config(args: argparse.Namespace, settings: SafetySettings) -> GuardConfig | None:
+    url = settings.guard_url if args.guard_url is None else args.guard_url
+    model = settings.guard_model if args.guard_model is None else args.guard_model
+    if not url:
+        return None
+    if not model:
+        raise ConfigError("a guard URL needs a guard model name (--guard-model or BATON_SAFETY_GUARD_MODEL)")
+    budget_ms = settings.guard_budget_ms if args.guard_budget_ms is None else args.guard_budget_ms
+    return GuardConfig(url, model, settings.guard_api_key, budget_ms / 1000)
 
 
 async def serve(config: SafetyServerConfig) -> None:

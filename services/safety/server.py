@@ -22,6 +22,7 @@ from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import safety_pb2_grpc
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
+from services.safety.guard import GuardConfig, GuardModelTier
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
 from services.safety.service import SafetyService
@@ -41,6 +42,7 @@ class SafetyServerConfig:
     head_path: Path = HEAD_PATH
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
+    guard: GuardConfig | None = None  # None: no guard-model tier
 
 
 def limit_blas_threads() -> None:
@@ -65,13 +67,16 @@ class SafetyServer:
         self.config = config
         self._checker = checker or build_checker(config)
         self._server: grpc.aio.Server | None = None
+        self._guard: GuardModelTier | None = None
         self._health = health.aio.HealthServicer()
         self.port: int | None = None
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port."""
         server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
-        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream), server)
+        self._guard = GuardModelTier(self.config.guard) if self.config.guard is not None else None
+        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard),
+                                                     server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -92,6 +97,8 @@ class SafetyServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self._server = None
+        if self._guard is not None:
+            await self._guard.close()
 
     async def wait(self) -> None:
         if self._server is not None:

@@ -24,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
-from services.safety.categories import Direction, SafetyVerdict
-from services.safety.checker import SafetyChecker
+from services.safety.categories import Category, Direction, SafetyVerdict, Tier
+from services.safety.checker import SafetyChecker, decide
+from services.safety.guard import GuardModelTier
 from services.safety.metrics import ACTIVE_STREAMS, RPC_LATENCY, record_verdict
 from services.safety.stream_filter import OutputStreamFilter, StreamFilterConfig
 from services.safety.wire import verdict_to_pb
@@ -37,8 +38,10 @@ _CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
 
 
 class SafetyService(safety_pb2_grpc.SafetyServicer):
-    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None) -> None:
+    def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None,
+                 guard: GuardModelTier | None = None) -> None:
         self._checker = checker
+        self._guard = guard
         self._stream_config = stream_config or StreamFilterConfig()
         self._input_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-input")
         self._output_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-output")
@@ -48,6 +51,8 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         start = time.perf_counter()
         verdict = await asyncio.get_running_loop().run_in_executor(
             self._input_pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
+        if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Tier.NONE:
+            verdict = await self._ask_guard(request.org_id, request.text) or verdict
         _CHECK_LATENCY.observe(time.perf_counter() - start)
         record_verdict(Direction.INPUT, verdict.allowed, verdict.category, verdict.tier)
         if verdict.category is not None or verdict.watch:
@@ -55,6 +60,17 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
                      "watched" if verdict.category is None else "flagged" if verdict.allowed else "refused",
                      request.org_id, request.request_id, verdict.category, verdict.tier, verdict.score)
         return verdict_to_pb(verdict)
+
+    async def _ask_guard(self, org_id: str, text: str) -> SafetyVerdict | None:
+        """The guard tier's verdict when it answers "unsafe" in a category the policy checks on input."""
+        assert self._guard is not None
+        answer = await self._guard.judge(text)
+        if answer is None or not answer.unsafe:
+            return None
+        policy = self._checker.policies.for_org(org_id)
+        active = policy.active(Direction.INPUT)
+        hit: Category | None = next((c for c in answer.categories if c in active), None)
+        return None if hit is None else decide(policy, hit, 1.0, Tier.GUARD)
 
     async def FilterOutput(self, request_iterator: AsyncIterator[safety_pb2.OutputChunk],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[safety_pb2.Verdict]:

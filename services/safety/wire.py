@@ -9,6 +9,7 @@ _TIER_TO_PB = {
     Tier.NONE: safety_pb2.SAFETY_TIER_NONE,
     Tier.PATTERN: safety_pb2.SAFETY_TIER_PATTERN,
     Tier.CLASSIFIER: safety_pb2.SAFETY_TIER_CLASSIFIER,
+    Tier.GUARD: safety_pb2.SAFETY_TIER_GUARD,
 }
 _PB_TO_TIER = {v: k for k, v in _TIER_TO_PB.items()}
 

@@ -18,7 +18,7 @@ POLICIES = {"orgs": {"org_no_input": {"input": False}, "org_flag": {"action": "f
 
 @pytest.fixture(scope="session")
 def checker() -> SafetyChecker:
-    """Trained once per session (about a second); servers of every test share it."""
+    """Loaded once per session (under a second); servers of every test share it."""
     return SafetyChecker(PolicyBook.from_mapping(POLICIES), PatternTier(), EmbeddingClassifier.load())
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/safety.proto\x12\x08\x62\x61ton.v1\"E\n\x11\x43heckInputRequest\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"^\n\x0bOutputChunk\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\r\n\x05watch\x18\x05 \x01(\x08\"\xe5\x01\n\x07Verdict\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\"\n\x04tier\x18\x04 \x01(\x0e\x32\x14.baton.v1.SafetyTier\x12\r\n\x05watch\x18\x05 \x01(\x08\x12>\n\x0f\x63\x61tegory_scores\x18\x06 \x03(\x0b\x32%.baton.v1.Verdict.CategoryScoresEntry\x1a\x35\n\x13\x43\x61tegoryScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01*t\n\nSafetyTier\x12\x1b\n\x17SAFETY_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10SAFETY_TIER_NONE\x10\x01\x12\x17\n\x13SAFETY_TIER_PATTERN\x10\x02\x12\x1a\n\x16SAFETY_TIER_CLASSIFIER\x10\x03\x32\x84\x01\n\x06Safety\x12<\n\nCheckInput\x12\x1b.baton.v1.CheckInputRequest\x1a\x11.baton.v1.Verdict\x12<\n\x0c\x46ilterOutput\x12\x15.baton.v1.OutputChunk\x1a\x11.baton.v1.Verdict(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/safety.proto\x12\x08\x62\x61ton.v1\"E\n\x11\x43heckInputRequest\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"^\n\x0bOutputChunk\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\r\n\x05watch\x18\x05 \x01(\x08\"\xe5\x01\n\x07Verdict\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\"\n\x04tier\x18\x04 \x01(\x0e\x32\x14.baton.v1.SafetyTier\x12\r\n\x05watch\x18\x05 \x01(\x08\x12>\n\x0f\x63\x61tegory_scores\x18\x06 \x03(\x0b\x32%.baton.v1.Verdict.CategoryScoresEntry\x1a\x35\n\x13\x43\x61tegoryScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01*\x8b\x01\n\nSafetyTier\x12\x1b\n\x17SAFETY_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10SAFETY_TIER_NONE\x10\x01\x12\x17\n\x13SAFETY_TIER_PATTERN\x10\x02\x12\x1a\n\x16SAFETY_TIER_CLASSIFIER\x10\x03\x12\x15\n\x11SAFETY_TIER_GUARD\x10\x04\x32\x84\x01\n\x06Safety\x12<\n\nCheckInput\x12\x1b.baton.v1.CheckInputRequest\x1a\x11.baton.v1.Verdict\x12<\n\x0c\x46ilterOutput\x12\x15.baton.v1.OutputChunk\x1a\x11.baton.v1.Verdict(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERDICT_CATEGORYSCORESENTRY']._loaded_options = None
   _globals['_VERDICT_CATEGORYSCORESENTRY']._serialized_options = b'8\001'
-  _globals['_SAFETYTIER']._serialized_start=434
-  _globals['_SAFETYTIER']._serialized_end=550
+  _globals['_SAFETYTIER']._serialized_start=435
+  _globals['_SAFETYTIER']._serialized_end=574
   _globals['_CHECKINPUTREQUEST']._serialized_start=35
   _globals['_CHECKINPUTREQUEST']._serialized_end=104
   _globals['_OUTPUTCHUNK']._serialized_start=106
@@ -43,6 +43,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERDICT']._serialized_end=432
   _globals['_VERDICT_CATEGORYSCORESENTRY']._serialized_start=379
   _globals['_VERDICT_CATEGORYSCORESENTRY']._serialized_end=432
-  _globals['_SAFETY']._serialized_start=553
-  _globals['_SAFETY']._serialized_end=685
+  _globals['_SAFETY']._serialized_start=577
+  _globals['_SAFETY']._serialized_end=709
 # @@protoc_insertion_point(module_scope)

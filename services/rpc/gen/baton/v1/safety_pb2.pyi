@@ -13,10 +13,12 @@ class SafetyTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAFETY_TIER_NONE: _ClassVar[SafetyTier]
     SAFETY_TIER_PATTERN: _ClassVar[SafetyTier]
     SAFETY_TIER_CLASSIFIER: _ClassVar[SafetyTier]
+    SAFETY_TIER_GUARD: _ClassVar[SafetyTier]
 SAFETY_TIER_UNSPECIFIED: SafetyTier
 SAFETY_TIER_NONE: SafetyTier
 SAFETY_TIER_PATTERN: SafetyTier
 SAFETY_TIER_CLASSIFIER: SafetyTier
+SAFETY_TIER_GUARD: SafetyTier
 
 class CheckInputRequest(_message.Message):
     __slots__ = ("org_id", "text", "request_id")

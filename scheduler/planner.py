@@ -1,0 +1,262 @@
+"""`baton plan`: which prefill:decode layout of N GPUs serves a workload best, by simulation.
+
+DistServe, Splitwise and Dynamo win only with the split chosen for the workload: prefill:decode work
+is often ~1:10, and one prefill GPU per decode GPU is usually the wrong split. The planner replays
+the workload through the real scheduler core (goodput policy, cost-based prefill siting) on
+simulated workers timed by a `baton profile` (scheduler/replay.py), once per candidate layout:
+
+- co-located: N/tp `both` workers, for each tensor-parallel size the profiles cover;
+- xPyD: x prefill + y decode workers using every GPU (x*tp_p + y*tp_d = N), for each pair of TP
+  sizes (prefill and decode may differ: prefill is compute-bound, decode memory-bound);
+
+and ranks them by goodput, DistServe's way: the highest arrival rate at which at least
+`attainment_target` (default 90%) of requests finish within both SLO targets, found by scaling the
+workload's arrival times (doubling, then bisecting); with `search_rate` off, by requests/s within
+SLO at the workload's own rate.
+
+What the simulation leaves out (so close calls deserve a real run): chunked prefill, preemption,
+contention on the KV link; the hand-off is priced at the measured overhead (`handoff_s`, default
+the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token transfer cost.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.core.policies import GoodputPolicy
+from scheduler.replay import ReplayConfig, replay
+from scheduler.sim.results import ReplayResult
+from scheduler.sim.trace import Arrival, extend_chain
+from scheduler.sim.worker import SimWorkerSpec
+from scheduler.types import SLO, Tier, WorkerRole
+
+# Measured hand-off overhead (TTFT added by a remote prefill) at low load, 2xH100, docs/benchmarks.md.
+DEFAULT_HANDOFF_S = 0.013
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefill_workers: int
+    decode_workers: int  # `both` workers when prefill_workers == 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_workers == 0
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_workers * self.prefill_tp + self.decode_workers * self.decode_tp
+
+    @property
+    def name(self) -> str:
+        if self.colocated:
+            return f"co-located x{self.decode_workers}" + (f" (TP{self.decode_tp})" if self.decode_tp > 1 else "")
+        tp = f" (TP{self.prefill_tp}/TP{self.decode_tp})" if (self.prefill_tp, self.decode_tp) != (1, 1) else ""
+        return f"{self.prefill_workers}P{self.decode_workers}D{tp}"
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    gpus: int
+    slo: SLO
+    kv_blocks_per_gpu: int = 8192
+    block_size: int = 16
+    max_batch: int = 256  # per worker (the engine's max_num_seqs)
+    max_prefill_tokens: int = 8192
+    handoff_s: float = DEFAULT_HANDOFF_S
+    seed: int = 0
+    attainment_target: float = 0.9
+    search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
+    search_steps: int = 4  # bisection steps after the doubling phase
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0:
+            raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1 and handoff_s >= 0")
+        if not 0.0 < self.attainment_target <= 1.0:
+            raise ValueError(f"attainment_target must be in (0, 1], got {self.attainment_target}")
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    layout: Layout
+    attainment: float  # fraction of requests within both SLO targets
+    goodput_rps: float  # requests/s within both targets, over the trace's arrival span
+    ttft_p90_ms: float | None
+    tpot_p90_ms: float | None
+    # Highest arrival rate (req/s) with attainment >= the target; None when not searched. 0.0: the
+    # target is missed even at a tenth of the workload's rate.
+    capacity_rps: float | None = None
+
+    @property
+    def score(self) -> float:
+        return self.capacity_rps if self.capacity_rps is not None else self.goodput_rps
+
+
+@dataclass(frozen=True)
+class Plan:
+    results: tuple[LayoutResult, ...]  # best first
+
+    @property
+    def best(self) -> LayoutResult:
+        return self.results[0]
+
+
+def candidate_layouts(gpus: int, tp_sizes: Sequence[int]) -> list[Layout]:
+    """Every co-located and xPyD layout that uses all `gpus` with the given TP sizes."""
+    layouts = [Layout(0, gpus // tp, decode_tp=tp) for tp in sorted(tp_sizes) if gpus % tp == 0]
+    for tp_p in sorted(tp_sizes):
+        for tp_d in sorted(tp_sizes):
+            for x in range(1, gpus // tp_p + 1):
+                rest = gpus - x * tp_p
+                if rest >= tp_d and rest % tp_d == 0:
+                    layouts.append(Layout(x, rest // tp_d, tp_p, tp_d))
+    return layouts
+
+
+def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: PlanConfig) -> list[SimWorkerSpec]:
+    def spec(worker_id: str, role: WorkerRole, tp: int) -> SimWorkerSpec:
+        profile = replace(profiles[tp], transfer_fixed_s=config.handoff_s)
+        return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * tp,
+                             block_size=config.block_size, max_batch=config.max_batch,
+                             max_prefill_tokens=config.max_prefill_tokens, cache_blocks=config.kv_blocks_per_gpu * tp)
+
+    if layout.colocated:
+        return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_tp) for i in range(layout.decode_workers)]
+    prefill = [spec(f"prefill-{i}", WorkerRole.PREFILL, layout.prefill_tp) for i in range(layout.prefill_workers)]
+    return prefill + [spec(f"decode-{i}", WorkerRole.DECODE, layout.decode_tp) for i in range(layout.decode_workers)]
+
+
+def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+             config: PlanConfig) -> LayoutResult:
+    result = _replay(trace, layout, profiles, config)
+    found = LayoutResult(layout, result.goodput, _goodput_rps(trace, result),
+                         result.percentile_ms("ttft_s", 90), result.percentile_ms("tpot_s", 90))
+    if not config.search_rate:
+        return found
+    return replace(found, capacity_rps=_capacity(trace, layout, profiles, config, result.goodput))
+
+
+def _replay(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+            config: PlanConfig) -> ReplayResult:
+    return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
+                  ReplayConfig(seed=config.seed))
+
+
+def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+              config: PlanConfig, attainment_at_1: float) -> float:
+    """Highest rate (req/s) meeting the attainment target: the workload sped up (or slowed down)
+    by a factor, doubled while it holds, then bisected."""
+    def holds(factor: float) -> bool:
+        if factor == 1.0:
+            return attainment_at_1 >= config.attainment_target
+        scaled = [replace(a, time_s=a.time_s / factor) for a in trace]
+        return _replay(scaled, layout, profiles, config).goodput >= config.attainment_target
+
+    lo, hi = (1.0, 2.0) if holds(1.0) else (0.1, 1.0)
+    if lo == 0.1 and not holds(lo):
+        return 0.0
+    for _ in range(5):  # doubling: up to 32x the workload's rate
+        if lo < 1.0 or not holds(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return _rate(trace) * lo
+    for _ in range(config.search_steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return _rate(trace) * lo
+
+
+def _rate(trace: Sequence[Arrival]) -> float:
+    span = max(a.time_s for a in trace) - min(a.time_s for a in trace)
+    return (len(trace) - 1) / span if span > 0 else float(len(trace))
+
+
+def plan(trace: Sequence[Arrival], profiles: Mapping[int, WorkerProfile], config: PlanConfig) -> Plan:
+    """Simulate every candidate layout; best first (goodput, then fewer prefill GPUs: simpler)."""
+    if not trace:
+        raise ValueError("the workload is empty")
+    layouts = candidate_layouts(config.gpus, sorted(profiles))
+    if not layouts:
+        raise ValueError(f"no layout of {config.gpus} GPUs with TP sizes {sorted(profiles)}")
+    results = [simulate(trace, layout, profiles, config) for layout in layouts]
+    results.sort(key=lambda r: (-round(r.score, 6), r.layout.prefill_workers * r.layout.prefill_tp))
+    return Plan(tuple(results))
+
+
+def _goodput_rps(trace: Sequence[Arrival], result: ReplayResult) -> float:
+    span = max(a.time_s for a in trace) - min(a.time_s for a in trace)
+    met = sum(o.met_slo for o in result.outcomes)
+    return met / span if span > 0 else float(met)
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Token counts: `fixed:N` (or `N`), `uniform:A:B`, or `lognormal:MEDIAN:SIGMA` (clipped at 1)."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDistribution:
+        parts = text.split(":")
+        try:
+            if len(parts) == 1:
+                return cls("fixed", float(parts[0]))
+            kind, *numbers = parts
+            values = [float(n) for n in numbers]
+        except ValueError:
+            raise ValueError(f"bad length distribution {text!r}: {cls.__doc__}") from None
+        arity = {"fixed": 1, "uniform": 2, "lognormal": 2}
+        if arity.get(kind) != len(values) or min(values) < 0:
+            raise ValueError(f"bad length distribution {text!r}: {cls.__doc__}")
+        return cls(kind, *values)
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.a
+        elif self.kind == "uniform":
+            value = rng.uniform(self.a, self.b)
+        else:
+            value = self.a * math.exp(rng.gauss(0.0, self.b))
+        return max(1, round(value))
+
+
+def synthetic_trace(prompt: LengthDistribution, output: LengthDistribution, rate: float, requests: int,
+                    seed: int = 0, block_size: int = 16) -> list[Arrival]:
+    """Poisson arrivals of single-turn requests with no shared prefix, one tier (SLOs are global)."""
+    if rate <= 0 or requests <= 0:
+        raise ValueError("need rate > 0 and requests > 0")
+    rng = random.Random(seed)
+    now, trace = 0.0, []
+    for index in range(requests):
+        now += rng.expovariate(rate)
+        tokens = prompt.sample(rng)
+        hashes = extend_chain((), tokens // block_size, label=seed * 1_000_000 + index)
+        trace.append(Arrival(now, f"plan-{index:06d}", tokens, output.sample(rng), hashes, Tier.ENTERPRISE))
+    return trace
+
+
+def trace_from_rows(rows: Sequence[Mapping[str, Any]], block_size: int = 16) -> list[Arrival]:
+    """A recorded trace: rows with `time_s`, `prompt_tokens`, `output_tokens` (a JSONL file's lines)."""
+    trace = []
+    for index, row in enumerate(rows):
+        try:
+            time_s, prompt, output = float(row["time_s"]), int(row["prompt_tokens"]), int(row["output_tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"trace row {index}: need numeric time_s, prompt_tokens, output_tokens ({e})") from e
+        if prompt <= 0 or output <= 0:
+            raise ValueError(f"trace row {index}: prompt_tokens and output_tokens must be positive")
+        hashes = extend_chain((), prompt // block_size, label=index)
+        trace.append(Arrival(time_s, f"trace-{index:06d}", prompt, output, hashes, Tier.ENTERPRISE))
+    return sorted(trace, key=lambda a: a.time_s)

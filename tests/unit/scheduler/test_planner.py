@@ -1,0 +1,103 @@
+"""`baton plan`: candidate layouts, workloads, and a recommendation that follows the workload's shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from scheduler.adapters.plan_main import register_plan_command
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.planner import (
+    LengthDistribution,
+    PlanConfig,
+    candidate_layouts,
+    plan,
+    synthetic_trace,
+    trace_from_rows,
+)
+from scheduler.types import SLO
+
+# An H100-class 8B-model shape: ~31k prefill tokens/s, ~8 ms decode steps.
+CARD = WorkerProfile(prefill_fixed_s=0.005, prefill_per_token_s=3.2e-5, prefill_per_token_sq_s=1e-9,
+                     decode_fixed_s=0.008, decode_per_seq_s=5e-5, decode_per_context_token_s=2e-8,
+                     transfer_per_token_s=1e-6)
+
+
+def main(argv: list[str]) -> int:
+    """`baton` with only its `plan` subcommand (services/cli.py registers the same function)."""
+    parser = argparse.ArgumentParser(prog="baton")
+    register_plan_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_the_candidates_are_every_layout_using_all_gpus() -> None:
+    assert [layout.name for layout in candidate_layouts(4, [1])] == ["co-located x4", "1P3D", "2P2D", "3P1D"]
+    with_tp2 = candidate_layouts(4, [1, 2])
+    assert {layout.gpus for layout in with_tp2} == {4}
+    assert {"co-located x2 (TP2)", "1P1D (TP2/TP2)", "2P1D (TP1/TP2)", "1P2D (TP2/TP1)"} <= {
+        layout.name for layout in with_tp2
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "samples"),
+    [("64", {64}), ("fixed:7", {7}), ("uniform:10:12", {10, 11, 12})],
+)
+def test_length_distributions_parse_and_sample(text: str, samples: set[int]) -> None:
+    import random
+
+    rng = random.Random(0)
+    assert {LengthDistribution.parse(text).sample(rng) for _ in range(50)} <= samples
+
+
+@pytest.mark.parametrize("text", ["", "gauss:1:2", "uniform:5", "lognormal:a:1"])
+def test_a_bad_length_distribution_is_refused_with_the_valid_forms(text: str) -> None:
+    with pytest.raises(ValueError, match="uniform:A:B"):
+        LengthDistribution.parse(text)
+
+
+def test_a_trace_needs_times_and_lengths() -> None:
+    trace = trace_from_rows([{"time_s": 1.0, "prompt_tokens": 64, "output_tokens": 8},
+                             {"time_s": 0.5, "prompt_tokens": 32, "output_tokens": 4}])
+    assert [a.prompt_tokens for a in trace] == [32, 64]  # sorted by time
+    with pytest.raises(ValueError, match="row 0"):
+        trace_from_rows([{"time_s": 1.0, "prompt_tokens": 64}])
+
+
+def _plan(prompt: str, output: str, rate: float, slo: SLO) -> list[str]:
+    trace = synthetic_trace(LengthDistribution.parse(prompt), LengthDistribution.parse(output), rate, 60)
+    config = PlanConfig(gpus=4, slo=slo, search_steps=1)
+    return [r.layout.name for r in plan(trace, {1: CARD}, config).results]
+
+
+def test_long_prompts_with_a_tight_tpot_get_more_prefill_than_decode_gpus() -> None:
+    ranked = _plan("8100", "32", 3.0, SLO(ttft_ms=1000, tpot_ms=20))
+    assert ranked.index("3P1D") < ranked.index("1P3D")
+
+
+def test_a_decode_heavy_workload_does_not_get_one_decode_gpu() -> None:
+    ranked = _plan("64", "512", 40.0, SLO(ttft_ms=500, tpot_ms=50))
+    assert ranked[-1] == "3P1D"
+
+
+def test_baton_plan_prints_a_recommendation_and_writes_every_layout(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "card.json"
+    profile.write_text(CARD.to_json())
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--gpus", "2", "--profile", str(profile), "--prompt-tokens", "512", "--output-tokens",
+                 "64", "--rate", "5", "--requests", "40", "--no-search", "--json", str(out)])
+    assert code == 0
+    written = json.loads(out.read_text())
+    assert {row["layout"] for row in written["layouts"]} == {"co-located x2", "1P1D"}
+    assert f"recommended: {written['recommended']}" in capsys.readouterr().out
+
+
+def test_baton_plan_refuses_a_bad_tp_profile_argument(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "card.json"
+    profile.write_text(CARD.to_json())
+    assert main(["plan", "--gpus", "2", "--profile", str(profile), "--profile-tp", "two=x.json"]) == 2
+    assert "expected N=FILE" in capsys.readouterr().err
