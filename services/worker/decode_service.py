@@ -43,7 +43,7 @@ from services.worker.kv_link import OnLanded
 from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
 from services.worker.prefill_service import DrainingError
-from services.worker.remote_prefill import AttemptResult, FallbackReason, PrefillAsk, RemotePrefill
+from services.worker.remote_prefill import AttemptResult, FallbackReason, RemotePrefill
 
 log = logging.getLogger(__name__)
 _MAX_REMOTE_ATTEMPTS = 2  # the preferred prefill worker, then one other
@@ -269,12 +269,12 @@ class DecodeService:
                            stream: AsyncIterator[RequestOutput], reserved: float) -> _Prefilled | AttemptResult:
         assert self._remote is not None
         job = flow.job
-        ask = PrefillAsk(erid, flow.attempts - 1, job.prompt, job.params, reservation.block_ids,
-                         reservation.num_cached_tokens, job.traceparent)
+        order = self._remote.order(erid, flow.attempts - 1, job.prompt, job.params, reservation.block_ids,
+                                   reservation.num_cached_tokens, job.traceparent)
         if flow.aborted.is_set():
             result = AttemptResult(aborted=True)
         else:
-            result = await self._remote.run(ask, peer, flow.aborted, on_landed=self._committer(erid))
+            result = await self._remote.run(order, peer, flow.aborted, on_landed=self._committer(erid))
         if not result.ok:
             await self._drop(erid, result.blocks_safe)
             return result

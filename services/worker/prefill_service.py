@@ -31,13 +31,13 @@ from engine.async_engine import AsyncEngine
 from engine.batch import TokenLogprobs
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, HeldBlocks, RequestOutput
-from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffPayload, HandshakeInfo, TransferPlan, TransferState
 from kvtransfer.errors import UnknownPeerError
 from services.worker.config import TransferConfig
 from services.worker.faults import WorkerFaults
 from services.worker.kv_link import KVLink, TransferResult
 from services.worker.metrics import HandoffPhase, WorkerMetrics
+from services.worker.prefill_order import PrefillOrder
 
 log = logging.getLogger(__name__)
 _TOMBSTONE_S = 120.0  # an Abort that overtook its Prefill is remembered this long
@@ -45,18 +45,6 @@ _TOMBSTONE_S = 120.0  # an Abort that overtook its Prefill is remembered this lo
 
 class DrainingError(Exception):
     """The worker is draining (SIGTERM): it accepts no new work."""
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    request_id: str  # the decode worker's id of this attempt
-    prompt: list[int]
-    params: SamplingParams
-    decode_agent: str
-    remote_block_ids: tuple[int, ...]  # for prompt tokens [num_cached_tokens, end), block by block
-    num_cached_tokens: int
-    attempt: int
-    transfer_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -73,8 +61,8 @@ class PrefillResult:
 
 
 @dataclass
-class _Job:
-    spec: PrefillJob
+class _RunningOrder:
+    order: PrefillOrder
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     prefilling: bool = True  # counts toward in-flight prefill tokens until the first token
     task: asyncio.Task[PrefillResult] | None = None
@@ -90,7 +78,7 @@ class PrefillService:
         self._metrics = metrics
         self._block_size = block_size
         self._peers: set[str] = set()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _RunningOrder] = {}
         self._tombstones: dict[str, float] = {}
         self.draining = False
 
@@ -100,7 +88,7 @@ class PrefillService:
 
     @property
     def inflight_prefill_tokens(self) -> int:
-        return sum(len(j.spec.prompt) for j in self._jobs.values() if j.prefilling)
+        return sum(len(j.order.prompt) for j in self._jobs.values() if j.prefilling)
 
     async def handshake(self, decode: HandshakeInfo) -> HandshakeInfo:
         """Check the decode worker's layout (IncompatiblePeerError names each field), connect once."""
@@ -108,17 +96,17 @@ class PrefillService:
         self._peers.add(name)
         return self._link.handshake_info
 
-    async def prefill(self, spec: PrefillJob) -> PrefillResult:
+    async def prefill(self, order: PrefillOrder) -> PrefillResult:
         """Run one job to its terminal state. Raises (nothing started) InvalidRequestError,
         UnknownPeerError or DrainingError. If the caller is cancelled, the job is aborted and
         finishes on its own (its blocks are released only once its WRITE is terminal)."""
-        self._check(spec)
-        if self._tombstones.pop(spec.request_id, None) is not None:
-            return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted before it arrived")
-        job = _Job(spec)
-        job.task = asyncio.create_task(self._run(job), name=f"prefill-{spec.request_id}")
-        self._jobs[spec.request_id] = job
-        job.task.add_done_callback(lambda _: self._jobs.pop(spec.request_id, None))
+        self._check(order)
+        if self._tombstones.pop(order.request_id, None) is not None:
+            return PrefillResult(order.request_id, TransferState.CANCELLED, "aborted before it arrived")
+        job = _RunningOrder(order)
+        job.task = asyncio.create_task(self._run(job), name=f"prefill-{order.request_id}")
+        self._jobs[order.request_id] = job
+        job.task.add_done_callback(lambda _: self._jobs.pop(order.request_id, None))
         try:
             return await asyncio.shield(job.task)
         except asyncio.CancelledError:
@@ -148,55 +136,55 @@ class PrefillService:
         return not self._jobs
 
     # ---- one job --------------------------------------------------------------------------------
-    def _check(self, spec: PrefillJob) -> None:
+    def _check(self, order: PrefillOrder) -> None:
         if self.draining:
             raise DrainingError("the prefill worker is draining")
-        if spec.decode_agent not in self._peers:
-            raise UnknownPeerError(f"decode agent {spec.decode_agent!r} has not done the Handshake")
-        if spec.request_id in self._jobs:
-            raise InvalidRequestError(f"duplicate request id {spec.request_id!r}")
-        bs, n = self._block_size, len(spec.prompt)
-        if spec.num_cached_tokens % bs or not 0 <= spec.num_cached_tokens < n:
+        if order.decode_agent not in self._peers:
+            raise UnknownPeerError(f"decode agent {order.decode_agent!r} has not done the Handshake")
+        if order.request_id in self._jobs:
+            raise InvalidRequestError(f"duplicate request id {order.request_id!r}")
+        bs, n = self._block_size, len(order.prompt)
+        if order.num_cached_tokens % bs or not 0 <= order.num_cached_tokens < n:
             raise InvalidRequestError(
-                f"num_cached_tokens={spec.num_cached_tokens} must be a multiple of block_size {bs} below {n}")
-        want = -(-n // bs) - spec.num_cached_tokens // bs
-        if len(spec.remote_block_ids) != want:
-            raise InvalidRequestError(f"remote_block_ids has {len(spec.remote_block_ids)} ids; "
-                                      f"{n} prompt tokens with {spec.num_cached_tokens} cached need {want}")
+                f"num_cached_tokens={order.num_cached_tokens} must be a multiple of block_size {bs} below {n}")
+        want = -(-n // bs) - order.num_cached_tokens // bs
+        if len(order.remote_block_ids) != want:
+            raise InvalidRequestError(f"remote_block_ids has {len(order.remote_block_ids)} ids; "
+                                      f"{n} prompt tokens with {order.num_cached_tokens} cached need {want}")
 
-    async def _run(self, job: _Job) -> PrefillResult:
-        spec, start = job.spec, time.monotonic()
+    async def _run(self, job: _RunningOrder) -> PrefillResult:
+        order, start = job.order, time.monotonic()
         try:
             if not await self._delay(job):
-                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted before prefill")
+                return PrefillResult(order.request_id, TransferState.CANCELLED, "aborted before prefill")
             first = await self._first_token(job)
             job.prefilling = False
             if first is None or first.held is None:
-                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted during prefill")
+                return PrefillResult(order.request_id, TransferState.CANCELLED, "aborted during prefill")
             held = first.held
             self._observe_prefill(start, held)
             prefill_s = time.monotonic() - start
             if job.aborted.is_set():
-                return PrefillResult(spec.request_id, TransferState.CANCELLED, "aborted after prefill")
+                return PrefillResult(order.request_id, TransferState.CANCELLED, "aborted after prefill")
             sent = await self._transfer(job, held, first, max(held.finished_at - start, 0.0))
             self._metrics.transfer_seconds.labels(sent.state.value).observe(sent.seconds)
             if sent.state is TransferState.DONE:
                 self._metrics.transfer_bytes.inc(sent.num_bytes)
                 self._metrics.handoff_phase(HandoffPhase.PREFILL_JOB, time.monotonic() - start)
             logprobs = first.logprobs[0] if first.logprobs else None
-            return PrefillResult(spec.request_id, sent.state, sent.reason, first.new_token_ids[0], logprobs,
+            return PrefillResult(order.request_id, sent.state, sent.reason, first.new_token_ids[0], logprobs,
                                  prefill_s, sent.seconds, sent.num_bytes, held.num_cached_tokens)
         finally:
             # Reached only once no WRITE reads the blocks (see _transfer); idempotent, and not waited
             # for: the answer (and the `baton-kv-idle` trailer) must not wait for an engine step.
-            self._engine.release_held(spec.request_id)
+            self._engine.release_held(order.request_id)
 
     def _observe_prefill(self, start: float, held: HeldBlocks) -> None:
         """Queue wait (RPC in -> first chunk scheduled) and compute (-> first token resolved)."""
         self._metrics.handoff_phase(HandoffPhase.QUEUE_WAIT, max(held.started_at - start, 0.0))
         self._metrics.handoff_phase(HandoffPhase.PREFILL_COMPUTE, max(held.finished_at - held.started_at, 0.0))
 
-    async def _delay(self, job: _Job) -> bool:
+    async def _delay(self, job: _RunningOrder) -> bool:
         """Injected slowness (delay_prefill); False when aborted meanwhile."""
         delay = self._faults.take_prefill_delay()
         if delay:
@@ -204,17 +192,17 @@ class PrefillService:
                 await asyncio.wait_for(job.aborted.wait(), delay)
         return not job.aborted.is_set()
 
-    async def _first_token(self, job: _Job) -> RequestOutput | None:
+    async def _first_token(self, job: _RunningOrder) -> RequestOutput | None:
         """Prefill in the engine with the blocks held afterwards; None when aborted first."""
-        spec = job.spec
-        stream = self._engine.generate(spec.prompt, spec.params, spec.request_id,
+        order = job.order
+        stream = self._engine.generate(order.prompt, order.params, order.request_id,
                                        hold_for_s=self._config.hold_lease_s, checksum_hold=self._config.checksums)
         first = asyncio.ensure_future(_first_output(stream))
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
             await asyncio.wait(_futures(first, aborted), return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
-                await self._engine.abort(spec.request_id)
+                await self._engine.abort(order.request_id)
             out = await first  # the held output if it won the race, else the ABORT output
         finally:
             aborted.cancel()
@@ -222,24 +210,25 @@ class PrefillService:
             return None
         return out
 
-    async def _transfer(self, job: _Job, held: HeldBlocks, first: RequestOutput, prefill_s: float) -> TransferResult:
+    async def _transfer(self, job: _RunningOrder, held: HeldBlocks, first: RequestOutput,
+                        prefill_s: float) -> TransferResult:
         """Post the WRITE and wait until it is terminal, cancelling it if the job is aborted."""
-        spec = job.spec
-        first_block = spec.num_cached_tokens // self._block_size
-        end = first_block + len(spec.remote_block_ids)
+        order = job.order
+        first_block = order.num_cached_tokens // self._block_size
+        end = first_block + len(order.remote_block_ids)
         local = held.block_ids[first_block:end]
         payload = HandoffPayload(checksums=None if held.checksums is None else held.checksums[first_block:end],
                                  first_token_id=first.new_token_ids[0],
                                  first_logprobs=first.logprobs[0] if first.logprobs else None,
                                  prefill_seconds=prefill_s)
-        plan = TransferPlan.create(spec.request_id, local, spec.remote_block_ids, now=time.monotonic(),
-                                   timeout_s=spec.transfer_timeout_s, attempt=spec.attempt, payload=payload)
-        done = await self._link.send(spec.decode_agent, plan)  # raises before posting: nothing to wait for
+        plan = TransferPlan.create(order.request_id, local, order.remote_block_ids, now=time.monotonic(),
+                                   timeout_s=order.transfer_timeout_s, attempt=order.attempt, payload=payload)
+        done = await self._link.send(order.decode_agent, plan)  # raises before posting: nothing to wait for
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
             await asyncio.wait(_futures(done, aborted), return_when=asyncio.FIRST_COMPLETED)
             if not done.done():
-                self._link.cancel(spec.request_id, spec.attempt)
+                self._link.cancel(order.request_id, order.attempt)
             return await done  # terminal: CANCELLED, or DONE if the WRITE won the race
         finally:
             aborted.cancel()

@@ -34,10 +34,11 @@ import grpc
 from engine.batch import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import LandedKV, TransferState
-from services.rpc.convert import logprob_from_proto, outcome_from_proto, sampling_to_proto
+from services.rpc.convert import logprob_from_proto, outcome_from_proto
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import TransferConfig
 from services.worker.kv_link import Arrival, KVLink, OnLanded
+from services.worker.prefill_order import PrefillOrder
 from services.worker.prefill_peers import PrefillPeer, PrefillPeers
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,6 @@ _OUTCOME_REASON = {
     TransferState.TIMED_OUT: FallbackReason.TRANSFER_TIMEOUT,
     TransferState.CANCELLED: FallbackReason.TRANSFER_ABORTED,
 }
-
-
-@dataclass(frozen=True)
-class PrefillAsk:
-    """What one attempt asks of a prefill worker (ids are this decode worker's)."""
-
-    engine_request_id: str  # unique per attempt; the prefill worker's job id and the transfer's id
-    attempt: int
-    prompt: list[int]
-    params: SamplingParams
-    block_ids: tuple[int, ...]  # the whole block table from reserve_remote
-    num_cached_tokens: int  # served by this worker's prefix cache: not transferred
-    traceparent: str = ""  # forwarded as gRPC metadata (W3C trace context)
 
 
 @dataclass(frozen=True)
@@ -129,41 +117,49 @@ class RemotePrefill:
         self._block_size = block_size
         self._trailing: set[asyncio.Future[_CallEnd]] = set()  # answered after their KV landed
 
-    async def run(self, ask: PrefillAsk, peer: PrefillPeer, aborted: asyncio.Event,
+    def order(self, request_id: str, attempt: int, prompt: list[int], params: SamplingParams,
+              block_table: tuple[int, ...], num_cached_tokens: int, traceparent: str = "") -> PrefillOrder:
+        """What this worker asks of a prefill worker for a reservation (`block_table` from
+        `reserve_remote`): its blocks for the uncached prompt tokens, its KV agent, the WRITE's deadline."""
+        bs, n = self._block_size, len(prompt)
+        return PrefillOrder(request_id, attempt, prompt, params, block_table[num_cached_tokens // bs:-(-n // bs)],
+                            num_cached_tokens, self._link.handshake_info.agent_name,
+                            self._config.transfer_timeout_s, traceparent)
+
+    async def run(self, order: PrefillOrder, peer: PrefillPeer, aborted: asyncio.Event,
                   on_landed: OnLanded | None = None) -> AttemptResult:
         """One attempt, to a definite end (see the module docstring for when blocks are safe).
 
         Never raises: a bug inside reads as fallback INTERNAL_ERROR with the blocks' real safety."""
-        bs, n = self._block_size, len(ask.prompt)
-        remote_ids = ask.block_ids[ask.num_cached_tokens // bs:-(-n // bs)]
         deadline = time.monotonic() + self._config.prefill_timeout_s + self._config.notice_grace_s
         try:
-            arrival = await self._link.expect(ask.engine_request_id, remote_ids, deadline, ask.attempt, on_landed)
+            arrival = await self._link.expect(order.request_id, order.remote_block_ids, deadline, order.attempt,
+                                              on_landed)
         except Exception as e:  # nothing registered, nothing asked: the blocks are ours
-            log.exception("%s: cannot expect a transfer", ask.engine_request_id)
+            log.exception("%s: cannot expect a transfer", order.request_id)
             return AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
         asked = time.monotonic()
-        rpc = asyncio.ensure_future(self._call(peer, ask, remote_ids))
+        rpc = asyncio.ensure_future(self._call(peer, order))
         peer.inflight += 1
         rpc.add_done_callback(lambda _: _leave(peer))
         end: _CallEnd | None = None
         try:
             if await _landed_first(arrival, rpc, aborted):
                 result = _landed(arrival.result(), asked)
-                self._trail(rpc, ask.engine_request_id)  # its answer follows; the WRITE is over already
+                self._trail(rpc, order.request_id)  # its answer follows; the WRITE is over already
             else:
-                end = await self._until_rpc_end(peer, ask, rpc, aborted)
+                end = await self._until_rpc_end(peer, order, rpc, aborted)
                 answered = time.monotonic()
                 result = (AttemptResult(aborted=True) if aborted.is_set()
                           else await self._judge(peer, end, arrival, aborted, asked))
-                _log_phases(ask.engine_request_id, end, answered - asked, time.monotonic() - answered)
+                _log_phases(order.request_id, end, answered - asked, time.monotonic() - answered)
         except Exception as e:
-            log.exception("%s: remote prefill attempt failed", ask.engine_request_id)
+            log.exception("%s: remote prefill attempt failed", order.request_id)
             result = AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
         finally:
-            safe = await self._link.release(ask.engine_request_id, sender_idle=end is not None and end.idle)
+            safe = await self._link.release(order.request_id, sender_idle=end is not None and end.idle)
         if not safe:
-            log.warning("%s: blocks quarantined (no definite end of the WRITE)", ask.engine_request_id)
+            log.warning("%s: blocks quarantined (no definite end of the WRITE)", order.request_id)
         return replace(result, blocks_safe=safe)
 
     def _trail(self, rpc: asyncio.Future[_CallEnd], request_id: str) -> None:
@@ -177,7 +173,7 @@ class RemotePrefill:
 
         rpc.add_done_callback(done)
 
-    async def _until_rpc_end(self, peer: PrefillPeer, ask: PrefillAsk, rpc: asyncio.Future[_CallEnd],
+    async def _until_rpc_end(self, peer: PrefillPeer, order: PrefillOrder, rpc: asyncio.Future[_CallEnd],
                              aborted: asyncio.Event) -> _CallEnd:
         waiter = asyncio.ensure_future(aborted.wait())
         try:
@@ -186,7 +182,7 @@ class RemotePrefill:
             waiter.cancel()
         if not rpc.done():  # aborted: ask the prefill worker to stop, then wait for its answer
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await peer.stub.Abort(pb.AbortRequest(request_id=ask.engine_request_id),
+                await peer.stub.Abort(pb.AbortRequest(request_id=order.request_id),
                                       timeout=_ABORT_RPC_TIMEOUT_S)
         return await rpc
 
@@ -226,18 +222,9 @@ class RemotePrefill:
             waiter.cancel()
         return arrival.result() if arrival.done() else None
 
-    async def _call(self, peer: PrefillPeer, ask: PrefillAsk, remote_ids: tuple[int, ...]) -> _CallEnd:
-        request = pb.PrefillRequest(
-            request_id=ask.engine_request_id,
-            prompt_token_ids=ask.prompt,
-            sampling=sampling_to_proto(ask.params),
-            decode_agent=self._link.handshake_info.agent_name,
-            remote_block_ids=list(remote_ids),
-            num_cached_tokens=ask.num_cached_tokens,
-            attempt=ask.attempt,
-            transfer_timeout_s=self._config.transfer_timeout_s,
-        )
-        metadata = (("traceparent", ask.traceparent),) if ask.traceparent else None
+    async def _call(self, peer: PrefillPeer, order: PrefillOrder) -> _CallEnd:
+        request = order.to_proto()
+        metadata = (("traceparent", order.traceparent),) if order.traceparent else None
         call = peer.stub.Prefill(request, timeout=self._config.prefill_timeout_s, metadata=metadata)
         try:
             response = await call

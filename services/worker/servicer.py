@@ -22,7 +22,8 @@ from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.decode_service import DecodeService, GenerateEvent, GenerateJob, PrefillMode, PrefillPath
 from services.worker.faults import WorkerFaults
 from services.worker.metrics import WorkerMetrics
-from services.worker.prefill_service import DrainingError, PrefillJob, PrefillResult, PrefillService
+from services.worker.prefill_order import PrefillOrder
+from services.worker.prefill_service import DrainingError, PrefillResult, PrefillService
 from services.worker.remote_prefill import KV_IDLE_TRAILER
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert self._prefill is not None
         log.debug("Prefill %s traceparent=%s", request.request_id, _traceparent(context))
         try:
-            result = await self._prefill.prefill(_prefill_job(request))
+            result = await self._prefill.prefill(PrefillOrder.from_proto(request, _traceparent(context)))
         except (InvalidRequestError, ValueError) as e:
             await self._abort(context, "Prefill", grpc.StatusCode.INVALID_ARGUMENT, str(e), _IDLE)
         except UnknownPeerError as e:
@@ -159,21 +160,6 @@ def _response(event: GenerateEvent, request_id: str) -> pb.GenerateResponse:
     msg.prefill_path = _PATHS[event.prefill_path]
     msg.fallback_reason = event.fallback_reason.value if event.fallback_reason is not None else ""
     return msg
-
-
-def _prefill_job(request: pb.PrefillRequest) -> PrefillJob:
-    if not request.request_id:
-        raise InvalidRequestError("request_id is empty")
-    return PrefillJob(
-        request_id=request.request_id,
-        prompt=convert.prompt_from_proto(request.prompt_token_ids),
-        params=convert.sampling_from_proto(request.sampling),
-        decode_agent=request.decode_agent,
-        remote_block_ids=tuple(request.remote_block_ids),
-        num_cached_tokens=request.num_cached_tokens,
-        attempt=request.attempt,
-        transfer_timeout_s=request.transfer_timeout_s or 10.0,
-    )
 
 
 def _prefill_response(result: PrefillResult) -> pb.PrefillResponse:

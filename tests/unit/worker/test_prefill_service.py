@@ -24,7 +24,8 @@ from kvtransfer.faults import Fault
 from kvtransfer.integrity import LandedVerifier
 from services.worker.faults import DELAY_PREFILL
 from services.worker.kv_link import Arrival
-from services.worker.prefill_service import PrefillJob, PrefillResult, PrefillService
+from services.worker.prefill_order import PrefillOrder
+from services.worker.prefill_service import PrefillResult, PrefillService
 
 SHORT = PROMPT[:8]  # one prefill chunk: the step that computes it also finishes it
 TIMEOUT_S = 5.0
@@ -46,7 +47,7 @@ async def _submit(service: PrefillService, decode: Worker, rid: str, prompt: lis
     """Expect the KV on the decode side (blocks 40.. of its pool), then start the job."""
     remote = tuple(range(40, 40 + -(-len(prompt) // BLOCK_SIZE)))
     arrival = await decode.link.expect(rid, remote, asyncio.get_running_loop().time() + 60, 0)
-    job = PrefillJob(rid, prompt, GREEDY, decode.link.handshake_info.agent_name, remote, 0, 0, 0.5)
+    job = PrefillOrder(rid, 0, prompt, GREEDY, remote, 0, decode.link.handshake_info.agent_name, 0.5)
     return asyncio.create_task(service.prefill(job)), arrival
 
 

@@ -27,7 +27,7 @@ from handoff_harness import (
 from kvtransfer.faults import Fault
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.faults import DELAY_PREFILL
-from services.worker.remote_prefill import KV_IDLE_TRAILER, AttemptResult, FallbackReason, PrefillAsk, RemotePrefill
+from services.worker.remote_prefill import KV_IDLE_TRAILER, AttemptResult, FallbackReason, RemotePrefill
 from services.worker.servicer import WorkerServicer
 
 IDLE = ((KV_IDLE_TRAILER, "1"),)
@@ -100,8 +100,8 @@ class Attempt:
         peer = peers.candidates()[0]
         await peers.connect(peer)
         remote = RemotePrefill(self.decode.link, peers, transfer_config(), 4)
-        ask = PrefillAsk(rid, 0, PROMPT, GREEDY, BLOCKS, 0)
-        result = await asyncio.wait_for(remote.run(ask, peer, aborted or asyncio.Event()), TIMEOUT_S)
+        order = remote.order(rid, 0, PROMPT, GREEDY, BLOCKS, 0)
+        result = await asyncio.wait_for(remote.run(order, peer, aborted or asyncio.Event()), TIMEOUT_S)
         return result, stub, peers
 
 
