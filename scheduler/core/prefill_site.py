@@ -82,6 +82,8 @@ class PrefillSiting:
         workers = view.prefill_workers(request.model)
         if len(workers) <= self.config.remote_candidates:
             return workers
+        if self.config.remote_candidates == 1:
+            return [min(workers, key=lambda w: _finish_s(request, view, w))]
         return sorted(workers, key=lambda w: _finish_s(request, view, w))[: self.config.remote_candidates]
 
     def choose(

@@ -61,6 +61,9 @@ class GoodputPolicy(Policy):
         self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
         self._sites: dict[int, SiteChoice] = {}  # id(placement) -> its site choice, for one route call
         self._pool: list[WorkerLoad] = []  # the request's ranked prefill workers, for one route call
+        # id(load) -> (load, its request-independent score): a worker's load object is rebuilt by the
+        # registry whenever it changes (heartbeat = new cost samples, or a placement), so it is the key.
+        self._base_scores: dict[int, tuple[WorkerLoad, float]] = {}
 
     def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
         self._remember(request)
@@ -94,12 +97,28 @@ class GoodputPolicy(Policy):
             return workers
         first = request.prefix_hashes[0] if request.prefix_hashes else None
         holding = view.holders(first) if first is not None else frozenset()
-        scores = {w.worker_id: _score(request, view, w, w.worker_id in holding) for w in workers}
+        if len(self._base_scores) > _MAX_CACHED_SCORES:
+            self._base_scores.clear()
+        scores = {w.worker_id: self._score(request, view, w, w.worker_id in holding) for w in workers}
         shortlist = sorted(workers, key=lambda w: scores[w.worker_id])[:limit]
         previous = view.conversation_worker(request.conversation_id)
         if previous is not None and previous not in {w.worker_id for w in shortlist}:
             shortlist += [w for w in workers if w.worker_id == previous]
         return shortlist
+
+    def _score(self, request: RequestSummary, view: ClusterView, decode: WorkerLoad, holds_prefix: bool) -> float:
+        """Seconds, lower is better: a rough TTFT + TPOT without the per-site detail of `evaluate`."""
+        cached = self._base_scores.get(id(decode))
+        if cached is None or cached[0] is not decode:
+            cost = view.cost(decode.worker_id)
+            step = cost.decode_step_s(decode.decode_batch + 1, decode.context_tokens)
+            backlog = cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
+            cached = self._base_scores[id(decode)] = (decode, backlog + step * (1.0 + decode.slot_queue))
+        if not holds_prefix:
+            return cached[1]
+        blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
+        hit = cached_tokens(request.num_prompt_tokens, blocks, decode.block_size)
+        return cached[1] - view.cost(decode.worker_id).prefill_marginal_s(hit)
 
     def _decide(
         self, request: RequestSummary, placement: Placement, kind: DecisionKind, reason: str,
@@ -217,6 +236,7 @@ class GoodputPolicy(Policy):
 
 
 _TIER_ORDER = (Tier.FREE, Tier.PLUS, Tier.ENTERPRISE)  # lightest first
+_MAX_CACHED_SCORES = 4096
 
 
 @dataclass(frozen=True)
@@ -229,18 +249,6 @@ class _ProbeSites:
         reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
         yet, and heavier requests already waiting get freed blocks first through the admission queue."""
         return self.siting.choose(probe, view, decode, self.pool).placement.slack(probe) >= 0.0
-
-
-def _score(request: RequestSummary, view: ClusterView, decode: WorkerLoad, holds_prefix: bool) -> float:
-    """Seconds, lower is better: a rough TTFT + TPOT without the per-site detail of `evaluate`."""
-    cost = view.cost(decode.worker_id)
-    cached = 0
-    if holds_prefix:
-        blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
-        cached = cached_tokens(request.num_prompt_tokens, blocks, decode.block_size)
-    step = cost.decode_step_s(decode.decode_batch + 1, decode.context_tokens)
-    backlog = cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
-    return backlog + step * (1.0 + decode.slot_queue) - cost.prefill_marginal_s(cached)
 
 
 def _open_now(
