@@ -14,8 +14,10 @@ served but not stored (`store: false` in the body), and `previous_response_id` i
 Streaming follows the documented event sequence: `response.created`, `response.in_progress`,
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
-`response.completed` (or `response.incomplete` when max_output_tokens cut it), each with a
-`sequence_number`.
+`response.completed` (or `response.incomplete` when max_output_tokens cut it, `error` then
+`response.failed` when the worker failed mid-stream), each with a `sequence_number` counting from 0.
+A failed response keeps no turns (continuing it starts afresh). Its conversation row is created only
+once the request is admitted, so a refused request (429, 400) leaves no empty response behind.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class ResponseDraft:
     status: str = "in_progress"
     usage: Body | None = None
     incomplete: str | None = None
+    error: Body | None = None  # {"code", "message"} once the worker failed mid-stream
 
     @property
     def item_id(self) -> str:
@@ -75,13 +78,15 @@ class ResponseDraft:
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": self.status,
             "model": r.model, "instructions": r.instructions, "previous_response_id": r.previous_response_id,
             "store": self.stored, "output": [self.item("completed")] if done else [],
-            "usage": self.usage, "error": None, "metadata": r.metadata or {},
+            "usage": self.usage, "error": self.error, "metadata": r.metadata or {},
             "incomplete_details": {"reason": self.incomplete} if self.incomplete else None,
             "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
         }
 
     def finish(self, finish_reason: str | None, usage: Body | None) -> None:
+        if self.status == "failed":
+            return
         self.status = "incomplete" if finish_reason == "length" else "completed"
         self.incomplete = "max_output_tokens" if finish_reason == "length" else None
         if finish_reason == "content_filter":
@@ -102,19 +107,13 @@ class ResponsesService:
         store_available = self.completions.tenancy.conversations is not None
         history = await self._history(body, principal, store_available)
         new = body.input_messages()
-        stored = body.store and store_available
-        rid = _PREFIX + uuid.uuid4().hex
-        if stored:
-            conversation = await self.completions.tenancy.conversation_store().create(
-                principal.org_id, principal.user_id, title=f"response {rid}"[:200])
-            rid = _PREFIX + conversation.id.hex
-        draft = ResponseDraft(body, rid, stored)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         chat = ChatCompletionRequest.model_validate({
             "model": body.model, "messages": system + history + new, "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
             "stream_options": {"include_usage": True} if body.stream else None, "user": body.user})
         outcome = await self.completions.chat(chat, principal, client_gone)
+        draft = await self._draft(body, principal, stored=body.store and store_available)
         if isinstance(outcome, JsonOutcome):
             choice = outcome.body["choices"][0]  # type: ignore[index]
             draft.text = choice["message"]["content"] or ""
@@ -122,6 +121,14 @@ class ResponsesService:
             await self._store(draft, principal, history + new)
             return draft.body()
         return self._events(draft, outcome.event_log, principal, history + new)
+
+    async def _draft(self, body: ResponsesRequest, principal: Principal, *, stored: bool) -> ResponseDraft:
+        """A new response; when stored, its id is that of a new conversation holding its turns."""
+        if not stored:
+            return ResponseDraft(body, _PREFIX + uuid.uuid4().hex, stored=False)
+        conversation = await self.completions.tenancy.conversation_store().create(
+            principal.org_id, principal.user_id, title="response")
+        return ResponseDraft(body, _PREFIX + conversation.id.hex, stored=True)
 
     async def _history(self, body: ResponsesRequest, principal: Principal, store_available: bool) -> list[Body]:
         if body.previous_response_id is None:
@@ -133,7 +140,7 @@ class ResponsesService:
         return [{"role": m.role, "content": m.content} for m in messages]
 
     async def _store(self, draft: ResponseDraft, principal: Principal, turns: list[Body]) -> None:
-        if not draft.stored:
+        if not draft.stored or draft.status == "failed":
             return
         store = self.completions.tenancy.conversation_store()
         conversation_id = response_id_to_uuid(draft.response_id)
@@ -162,9 +169,10 @@ class ResponsesService:
                     continue
                 chunk = json.loads(item.data)
                 if "error" in chunk:
-                    yield event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"),
-                                param=None)
                     draft.status = "failed"
+                    draft.error = {"code": chunk["error"].get("code") or "server_error",
+                                   "message": chunk["error"].get("message") or ""}
+                    yield event("error", **draft.error, param=None)
                     continue
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
@@ -181,5 +189,6 @@ class ResponsesService:
         yield event("response.content_part.done", **where, content_index=0, part=draft.part())
         yield event("response.output_item.done", output_index=0, item=draft.item("completed"))
         await self._store(draft, principal, turns)
-        kind = "response.completed" if draft.status == "completed" else "response.incomplete"
+        kind = {"completed": "response.completed", "failed": "response.failed"}.get(draft.status,
+                                                                                 "response.incomplete")
         yield event(kind, response=draft.body())

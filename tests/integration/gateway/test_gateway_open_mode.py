@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -99,3 +100,20 @@ def test_readiness_checks_only_the_worker(open_gateway: str) -> None:
     reply = httpx.get(f"{open_gateway}/readyz", timeout=10)
     assert reply.status_code == 200
     assert reply.json()["checks"] == {"worker": "ok"}
+
+
+def test_responses_are_served_but_not_stored(client: OpenAI) -> None:
+    reply = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=4, temperature=0)
+    assert reply.output_text and reply.store is False
+    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=4, temperature=0,
+                                          stream=True))
+    assert events[-1].response.output_text == reply.output_text  # type: ignore[union-attr]
+    assert events[-1].response.store is False  # type: ignore[union-attr]
+
+
+def test_previous_response_id_is_feature_disabled(client: OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.responses.create(model=MODEL, input="Again", previous_response_id=first.id, max_output_tokens=3)
+    assert refused.value.status_code == 501
+    assert refused.value.code == "feature_disabled"
