@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtransfer.faults import FaultConfig
+from services.common.tracing import EXPORTERS, setup_tracing
 from services.worker.config import DisaggPolicy, TransferConfig, WorkerConfig, WorkerRole
 
 log = logging.getLogger("services.worker")
@@ -91,6 +92,8 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=t.progress_thread,
                    help="NIXL's progress thread per agent (default: on when the KV cache is on a GPU; about "
                         "half a core each; see TransferConfig)")
+    p.add_argument("--otel-exporter", choices=EXPORTERS, default="none",
+                   help="OpenTelemetry spans of every RPC, continuing the caller's trace (otlp: OTEL_EXPORTER_OTLP_*)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=1.0,
                    help="sys.setswitchinterval: how long a thread may hold the GIL while another waits "
                         "(Python's default 5 ms delays every hand-off hop behind the engine thread)")
@@ -152,6 +155,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
     # hop waits for the GIL while the engine thread runs Python, up to the switch interval (5 ms by
     # default: a polling thread measured 17.5 ms per 1 ms poll beside a busy engine, 1.9 ms at 0.5 ms).
     sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
+    if args.otel_exporter != "none":
+        setup_tracing(args.otel_exporter, f"baton-worker-{config.role.value}")
     if args.device.startswith("cuda"):
         from engine.kernels.compile_log import log_triton_compiles
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvtransfer.errors import IncompatiblePeerError
+from services.common.tracing import client_interceptors
 from services.rpc.convert import handshake_from_proto, handshake_to_proto
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
@@ -57,7 +58,7 @@ class PrefillPeers:
             self._add(address)
 
     def _add(self, address: str) -> PrefillPeer:
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors())  # the trace goes on
         peer = PrefillPeer(address, channel, worker_pb2_grpc.WorkerStub(channel))
         self._peers[address] = peer
         return peer

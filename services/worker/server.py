@@ -25,6 +25,7 @@ from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
 from kvtransfer.nixl.shards import FollowerShards
+from services.common.tracing import TraceContextServerInterceptor
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
@@ -63,7 +64,7 @@ class WorkerServer:
         self._draining = False
         self._stopped = asyncio.Event()
         self._health = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])  # callers' traces go on
         self._async_engine: AsyncEngine | None = None
         self._servicer: WorkerServicer | None = None
         self.role_switcher = RoleSwitcher(self)
