@@ -9,6 +9,7 @@ hand and leave the consumer group cleanly.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from services.billing.ledger import UsageLedger
 from services.billing.pricing import PriceTable
 from services.common.errors import BatonError
 from services.common.settings import BatonSettings
+from services.common.tracing import setup_tracing
 from services.gateway.db.migrations import apply_migrations
 
 log = logging.getLogger("services.billing")
@@ -31,6 +33,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = BatonSettings()
+        # OpenTelemetry's own variable (none | console | otlp): each written batch is a span.
+        setup_tracing(os.environ.get("OTEL_TRACES_EXPORTER", "none"), "baton-billing")
         config = ConsumerConfig.from_settings(settings)
         apply_migrations(config.database_url)
         consumer = UsageConsumer(config, UsageLedger(PriceTable.from_settings(settings)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import BatonError, ConfigError
+from services.common.tracing import setup_tracing
 from services.safety.guard import GuardConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
 
@@ -100,6 +102,8 @@ def run_safety_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from(args, SafetySettings())
+        # OpenTelemetry's own variable (none | console | otlp): the server continues callers' traces.
+        setup_tracing(os.environ.get("OTEL_TRACES_EXPORTER", "none"), "baton-safety")
         asyncio.run(serve(config))
     except (BatonError, ValidationError, OSError) as e:
         log.error("cannot run the safety service: %s", e)
