@@ -1,13 +1,14 @@
 """N-gram speculative decoding on this CPU machine: acceptance, tokens per step, speed-up vs off.
 
     python -m loadtest.micro.bench_speculative_cpu [--draft-tokens 4] [--max-tokens 96] [--repeats 2]
-                                                   [--out results/speculative_cpu.json]
+                                                   [--threads N] [--out results/speculative_cpu.json]
 
 Workload: summarise / edit-this-text chat prompts on the default model (SmolLM2-135M-Instruct, float32),
 greedy, EOS honoured (greedy output is identical with and without speculation, which the run checks,
 so both sides generate the same tokens). Each run submits every prompt at once and steps the engine
 until all finish. Runs alternate (off, on, off, on) and medians are reported, because this machine is
-shared and noisy. Reported per setting: generated tokens / wall time, engine steps, and with
+shared and noisy (CPU time of the process is reported too: other jobs disturb it less than wall time).
+Reported per setting: generated tokens / wall time, engine steps, and with
 speculation the acceptance rate (accepted / proposed drafts) and tokens per verify chunk.
 """
 
@@ -51,17 +52,17 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int, k: int) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     out: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
-    steps, start = 0, time.perf_counter()
+    steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
         steps += 1
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     s = engine.spec_stats
     verify, drafted, accepted = (s.verify_chunks - before[0], s.draft_tokens - before[1],
                                  s.accepted_tokens - before[2])
     tokens = sum(len(v) for v in out.values())
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steps": steps,
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "cpu_seconds": cpu, "steps": steps,
             "verify_chunks": verify, "draft_tokens": drafted, "accepted_tokens": accepted,
             "outputs": [out[f"b{i}"] for i in range(len(prompts))]}
 
@@ -72,8 +73,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=len(PASSAGES) * len(TASKS), help="how many of the 9 tasks")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 suffers far less from other jobs' threads")
     ap.add_argument("--out", type=Path, default=Path("results/speculative_cpu.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
@@ -87,8 +92,8 @@ def main() -> None:
         for k in runs:
             runs[k].append(run_once(engine, prompts, args.max_tokens, k))
             r = runs[k][-1]
-            print(f"k={k}: {r['tokens']} tokens in {r['seconds']:.1f}s ({r['tok_s']:.1f} tok/s), {r['steps']} steps",
-                  flush=True)
+            print(f"k={k}: {r['tokens']} tokens in {r['seconds']:.1f}s ({r['tok_s']:.1f} tok/s, "
+                  f"{r['cpu_seconds']:.1f} CPU-s), {r['steps']} steps", flush=True)
     off, on = runs[0], runs[args.draft_tokens]
     identical = all(a["outputs"] == b["outputs"] for a in off for b in on)
     drafted = sum(r["draft_tokens"] for r in on)
@@ -105,6 +110,12 @@ def main() -> None:
         "tokens_per_verify_chunk": (accepted + verify) / verify if verify else 0.0,
     }
     summary["speedup"] = summary["on_tok_s"] / summary["off_tok_s"]
+    # Each on-run against the off-run just before it: the two share the machine's load of the moment.
+    summary["pair_speedups"] = [b["tok_s"] / a["tok_s"] for a, b in zip(off, on, strict=True)]
+    summary["median_pair_speedup"] = statistics.median(summary["pair_speedups"])
+    # CPU time of this process: less sensitive than wall time to other jobs on a shared machine.
+    summary["cpu_time_speedup"] = (statistics.median(r["cpu_seconds"] for r in off)
+                                   / statistics.median(r["cpu_seconds"] for r in on))
     print(json.dumps(summary, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for r in off + on:
