@@ -35,8 +35,12 @@ class Disaggregated:
 def disaggregated(gateway_stack: GatewayStack) -> Iterator[Disaggregated]:
     supervisor = gateway_stack.supervisor
     port = free_port()
+    # least_loaded keeps the fixed remote-prefill threshold: this test is about the path, and the goodput
+    # policy prices an idle CPU decode worker's own prefill cheaper than a hand-off (tested on its own in
+    # tests/integration/scheduler/test_prefill_siting_process.py).
     supervisor.start(ChildSpec("scheduler", [sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1",
-                                             "--port", str(port), "--heartbeat-interval-s", "0.5"],
+                                             "--port", str(port), "--heartbeat-interval-s", "0.5",
+                                             "--policy", "least_loaded"],
                                listening(port), ready_timeout_s=60))
     scheduler = f"127.0.0.1:{port}"
     prefill = start_worker(supervisor, "worker-prefill", "prefill", gateway_stack.model_dir, "--scheduler", scheduler)
