@@ -5,7 +5,7 @@ transfer then selects rows by block id (`make_prepped_xfer` index arrays), so pe
 only two int32 arrays. Coalescing contiguous runs needs nothing from us: NIXL merges descriptors
 that are adjacent in both the local and the remote list when it builds a transfer (measured here:
 64 consecutive block ids -> 1 descriptor in the transfer's telemetry). The allocator giving
-contiguous runs is what makes a hand-off fast (DESIGN.md: ~8 us per descriptor).
+contiguous runs is what makes a hand-off fast (~8 us per descriptor, measured on CPU and NVLink).
 """
 
 from __future__ import annotations

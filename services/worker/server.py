@@ -1,6 +1,6 @@
 """`WorkerServer`: wires one engine, the KV link and the role's services into a grpc.aio server.
 
-The only place engine + kvtransfer + rpc meet (DESIGN.md). Also serves the gRPC health service, the
+The only place engine + kvtransfer + rpc meet (docs/architecture.md). Also serves the gRPC health service, the
 Prometheus endpoint, registration/heartbeats and the SIGTERM drain:
 
     drain: health NOT_SERVING -> refuse new Generate/Prefill (UNAVAILABLE) -> let in-flight work

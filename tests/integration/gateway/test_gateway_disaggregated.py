@@ -1,4 +1,5 @@
-"""The full path of DESIGN.md: gateway -> scheduler Route -> decode worker -> remote prefill over NIXL.
+"""A request's full path (docs/architecture.md): gateway -> scheduler Route -> decode worker -> remote
+prefill over NIXL.
 
 A scheduler, a prefill and a decode worker (registered with the scheduler) and a gateway that routes
 through the scheduler, on the session's stack. The decode worker's metrics say where the prompt was

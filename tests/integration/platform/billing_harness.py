@@ -17,7 +17,7 @@ from services.billing.topic import UsageTopic
 
 REPO = Path(__file__).resolve().parents[3]
 
-# Kafka client settings for tests (DESIGN.md): fast group membership, so a killed consumer's
+# Kafka client settings for tests: fast group membership, so a killed consumer's
 # partitions move to its successor in about two seconds.
 KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 300,
                               "max.poll.interval.ms": 10000}

@@ -20,7 +20,7 @@ from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.redis_server import EmbeddedRedis
 
-# Kafka client settings for tests (DESIGN.md): fast group membership so a killed consumer's
+# Kafka client settings for tests: fast group membership so a killed consumer's
 # partitions move to its successor in about two seconds.
 KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 300,
                               "max.poll.interval.ms": 10000}
