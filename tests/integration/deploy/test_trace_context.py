@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -17,21 +16,15 @@ from scheduler.adapters.server import SchedulerService, SchedulerServiceConfig
 from scheduler.types import SLO, RequestSummary, Tier
 from services.common.tracing import traced
 from services.gateway.routing import RouterClient
+from tests.support.spans import recorded_spans
 
 ROUTE = "baton.v1.Scheduler/Route"
 
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    # The global provider can be set once per process: reuse an SDK one another test installed.
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter
-    exporter.shutdown()
+    with recorded_spans() as exporter:
+        yield exporter
 
 
 @pytest.fixture

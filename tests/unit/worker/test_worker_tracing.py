@@ -10,8 +10,6 @@ import grpc
 import pytest
 from handoff_harness import build_engine
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -20,18 +18,13 @@ from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.server import WorkerServer
+from tests.support.spans import recorded_spans
 
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    provider = trace.get_tracer_provider()  # set once per process: reuse an SDK one another test installed
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter
-    exporter.shutdown()
+    with recorded_spans() as exporter:
+        yield exporter
 
 
 async def test_generate_continues_the_callers_trace(spans: InMemorySpanExporter, tiny_model_dir: Path) -> None:
