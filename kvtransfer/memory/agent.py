@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtransfer.base import HandshakeInfo, KVLayoutInfo
-from kvtransfer.errors import KVTransferError, TransferSetupError, UnknownPeerError
+from kvtransfer.errors import TransferSetupError, UnknownPeerError
 from kvtransfer.memory.fabric import MemoryFabric
 from kvtransfer.nixl.agent import NixlAgent, NixlAgentConfig, NixlPeer
 from kvtransfer.nixl.handshake import describe_local
@@ -82,11 +82,9 @@ class MemoryAgent(NixlAgent):
 
     # ---- peers ------------------------------------------------------------------------------------
     def add_peer(self, info: HandshakeInfo) -> NixlPeer:
-        known = self._peers.get(info.agent_name)
+        known = self._known_peer(info)
         if known is not None:
-            if known.info == info:
-                return known
-            raise KVTransferError(f"peer {info.agent_name!r} re-announced with new metadata; remove it first")
+            return known
         try:
             target = self._fabric.lookup(info.agent_name)
         except UnknownPeerError as e:

@@ -125,11 +125,9 @@ class NixlAgent:
         return self._agent
 
     def add_peer(self, info: HandshakeInfo) -> NixlPeer:
-        known = self._peers.get(info.agent_name)
+        known = self._known_peer(info)
         if known is not None:
-            if known.info == info:
-                return known
-            raise KVTransferError(f"peer {info.agent_name!r} re-announced with new metadata; remove it first")
+            return known
         try:
             loaded = self._agent.add_remote_agent(info.agent_metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -149,6 +147,14 @@ class NixlAgent:
         self._peers[info.agent_name] = peer
         log.info("kv peer added: %s (%d blocks, %s)", info.agent_name, info.num_blocks, info.mem_type)
         return peer
+
+    def _known_peer(self, info: HandshakeInfo) -> NixlPeer | None:
+        """The peer already added under this name (re-adding it is a no-op), None if new; a name that
+        comes back with other metadata must be removed first."""
+        known = self._peers.get(info.agent_name)
+        if known is not None and known.info != info:
+            raise KVTransferError(f"peer {info.agent_name!r} re-announced with new metadata; remove it first")
+        return known
 
     def peer(self, name: str) -> NixlPeer:
         try:
