@@ -1,8 +1,9 @@
 """Moving KV blocks between workers.
 
-base        the contract: TransferState, TransferPlan, KVLayoutInfo/HandshakeInfo, KVSender/KVReceiver
+base        the data: TransferState, TransferPlan, HandoffPayload, KVLayoutInfo/HandshakeInfo, LandedKV
+roles       the interfaces: KVSender, KVReceiver, KVTransfer (one request's WRITE)
 errors      typed errors (IncompatiblePeerError names the mismatching fields)
-integrity   per-block checksums computed where the KV cache lives
+integrity   landed blocks verified against the sender's checksums (on the engine thread)
 faults      fault injection (fail, stall, corrupt, drop notice) for the failure tests
 transport   open_transport(kind) -> Transport: the one way to open a sender + receiver by name
 nixl/       the NIXL implementation (imports `nixl` only when an agent is created)

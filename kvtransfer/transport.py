@@ -20,8 +20,9 @@ from enum import StrEnum
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVReceiver, KVSender
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo
 from kvtransfer.faults import FaultInjector
+from kvtransfer.roles import KVReceiver, KVSender
 from kvtransfer.shards import KVShards
 
 

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVReceiver, LandedKV, TransferFailure, TransferState
+from kvtransfer.base import HandshakeInfo, LandedKV, TransferFailure, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, MalformedNotificationError
 from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
+from kvtransfer.roles import KVReceiver
 from kvtransfer.shards import KVShards
 
 log = logging.getLogger(__name__)

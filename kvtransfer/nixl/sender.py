@@ -18,13 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.base import HandshakeInfo, KVSender, KVTransfer, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, TransferPlan, TransferState
 from kvtransfer.errors import InvalidTransferPlanError, PeerBusyError
 from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
 from kvtransfer.nixl.transfer import NixlTransfer
+from kvtransfer.roles import KVSender, KVTransfer
 from kvtransfer.shards import KVShards
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvtransfer.base import KVTransfer, TransferPlan, TransferState
+from kvtransfer.base import TransferPlan, TransferState
 from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.nixl.agent import NixlAgent
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
+from kvtransfer.roles import KVTransfer
 
 log = logging.getLogger(__name__)
 

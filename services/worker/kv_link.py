@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, KVTransfer, LandedKV, TransferPlan, TransferState
+from kvtransfer.base import HandshakeInfo, KVLayoutInfo, LandedKV, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
+from kvtransfer.roles import KVTransfer
 from kvtransfer.shards import KVShards
 from kvtransfer.transport import open_transport
 from services.worker.config import TransferConfig

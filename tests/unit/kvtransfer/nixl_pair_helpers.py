@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import KVLayoutInfo, KVTransfer, LandedKV, TransferFailure
+from kvtransfer.base import KVLayoutInfo, LandedKV, TransferFailure
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender
+from kvtransfer.roles import KVTransfer
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 32 KiB blocks
 LAYOUT = KVLayoutInfo.from_spec(SPEC, model_id="test-model")

@@ -15,10 +15,11 @@ import torch
 from nixl_pair_helpers import LAYOUT, SPEC, ManualClock
 
 from engine.batch import TokenLogprobs
-from kvtransfer.base import HandoffPayload, KVTransfer, LandedKV, TransferFailure, TransferPlan, TransferState
+from kvtransfer.base import HandoffPayload, LandedKV, TransferFailure, TransferPlan, TransferState
 from kvtransfer.errors import IncompatiblePeerError, InvalidTransferPlanError, PeerBusyError, UnknownPeerError
 from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.integrity import LandedVerifier, block_checksums
+from kvtransfer.roles import KVTransfer
 from kvtransfer.transport import Transport, TransportKind, open_transport
 from tests.support.required import require_module
 
