@@ -26,8 +26,8 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 require_module("nixl._api")
 
-from loadtest.micro.bench_disagg_gpu import (  # noqa: E402
-    GPU_MODEL,
+from loadtest.micro.bench_disagg_gpu import GPU_MODEL  # noqa: E402
+from loadtest.micro.disagg_workers import (  # noqa: E402
     Worker,
     generate,
     physical_gpu,
