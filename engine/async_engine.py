@@ -126,20 +126,14 @@ class AsyncEngine:
 
         return await self._call(reserve, rid_on_error=request_id)  # type: ignore[no-any-return]
 
-    async def commit_remote(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
-                            verify: Callable[[], str]) -> str:
-        """The remote prefill's KV landed: run `verify` (engine thread, e.g. checksums of the landed
-        blocks) and, if it finds no problem, put the sequence into the batch with its first token in
-        this very pass between steps. Returns the problem ("" when committed); on a problem nothing
-        is committed and the caller still owns (and must abort) the reservation."""
-        return await asyncio.wrap_future(self.commit_remote_threadsafe(request_id, first_token_id, first_logprobs,
-                                                                       verify))
-
     def commit_remote_threadsafe(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
                                  verify: Callable[[], str]) -> concurrent.futures.Future[str]:
-        """`commit_remote` from any thread (the KV link thread, the moment the DONE notice arrives):
-        queued for the next step boundary, never blocking the caller. A request aborted meanwhile
-        is not committed (problem "aborted")."""
+        """The remote prefill's KV landed: run `verify` (e.g. checksums of the landed blocks) and, if it
+        finds no problem, put the sequence into the batch with its first token, in one pass between
+        steps. Callable from any thread (the KV link's, the moment the DONE notice arrives): queued for
+        the next step boundary, never blocking the caller. The future holds the problem ("" when
+        committed); on a problem nothing is committed and the caller still owns (and must abort) the
+        reservation. A request aborted meanwhile is never committed (ABORTED_BEFORE_COMMIT)."""
         done: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def commit() -> None:

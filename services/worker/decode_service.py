@@ -279,8 +279,7 @@ class DecodeService:
             await self._drop(erid, result.blocks_safe)
             return result
         problem = result.commit_problem
-        if problem is None:  # the landed KV did not pass through the hook: commit it from here
-            problem = await self._commit(erid, result)
+        assert problem is not None, "the KV link runs the commit hook for every landed attempt"
         if problem:  # not committed: the blocks landed (the WRITE is over) but must never be used
             await self._drop(erid, blocks_safe=True)
             if problem == ABORTED_BEFORE_COMMIT:
@@ -300,12 +299,6 @@ class DecodeService:
             return self._engine.commit_remote_threadsafe(erid, token, landed.payload.first_logprobs,
                                                          verify=self._verify(landed))
         return on_landed
-
-    async def _commit(self, erid: str, result: AttemptResult) -> str:
-        """Verify the landed blocks and join the batch, in one pass between engine steps."""
-        landed, token = result.landed, result.first_token_id
-        assert landed is not None and token is not None
-        return await self._engine.commit_remote(erid, token, result.first_logprobs, verify=self._verify(landed))
 
     def _verify(self, landed: LandedKV) -> Callable[[], str]:
         verifier = self._verifier

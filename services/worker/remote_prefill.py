@@ -34,7 +34,7 @@ import grpc
 from engine.batch import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import LandedKV, TransferState
-from services.rpc.convert import logprob_from_proto, outcome_from_proto
+from services.rpc.convert import outcome_from_proto
 from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import TransferConfig
 from services.worker.kv_link import Arrival, KVLink, OnLanded
@@ -206,11 +206,7 @@ class RemotePrefill:
                                  detail="no NIXL notice after a DONE response")
         if landed.state is not TransferState.DONE:
             return AttemptResult(fallback=FallbackReason.TRANSFER_FAILED, detail=landed.reason)
-        result = _landed(landed, asked)
-        if result.first_token_id is None:  # not in the notice: take the answer's
-            logprobs = logprob_from_proto(response.first_logprob) if response.HasField("first_logprob") else None
-            result = replace(result, first_token_id=response.first_token_id, first_logprobs=logprobs)
-        return result
+        return _landed(landed, asked)
 
     async def _wait_arrival(self, arrival: asyncio.Future[Arrival], aborted: asyncio.Event) -> Arrival | None:
         """The notice follows the bytes; after a DONE response it is at most `notice_grace_s` away."""
