@@ -28,6 +28,7 @@ COPY README.md /src/
 COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer
 COPY scheduler /src/scheduler
+COPY rpcgen /src/rpcgen
 COPY services /src/services
 COPY loadtest /src/loadtest
 RUN /opt/baton/venv/bin/pip install --no-deps /src

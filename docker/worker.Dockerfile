@@ -20,6 +20,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer
 COPY scheduler /src/scheduler
+COPY rpcgen /src/rpcgen
 COPY services /src/services
 COPY loadtest /src/loadtest
 # torch first (the CUDA build from the index), then Baton with NIXL; the default model is converted

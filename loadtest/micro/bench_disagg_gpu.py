@@ -49,7 +49,7 @@ from pathlib import Path
 
 from loadtest.experiments.handoff_phases import phase_summary, scrape
 from loadtest.micro.disagg_workers import ROOT, Worker, generate, gpu_count, log, physical_gpu, wait_all_serving
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 GPU_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

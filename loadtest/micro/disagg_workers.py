@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc
+from rpcgen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("baton_kv_transfer_seconds_sum", "baton_kv_transfer_seconds_count", "baton_kv_transfer_bytes_total",

@@ -17,10 +17,10 @@ import time
 
 import grpc
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.server import DEFAULT_PORT
 from scheduler.types import WorkerRole
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 _STATES = {
     pb.RoleSwitch.STATE_DRAINING: "draining",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypeVar
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2
 from scheduler.types import (
     SLO,
     DecisionKind,
@@ -28,8 +30,6 @@ from scheduler.types import (
     WorkerRole,
     WorkerSnapshot,
 )
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2
 
 _UINT64_MASK = (1 << 64) - 1
 

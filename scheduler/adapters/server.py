@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.clock import Clock, MonotonicClock
 from scheduler.adapters.metrics import SchedulerMetrics
 from scheduler.adapters.profiles import ProfileBook
@@ -26,7 +27,6 @@ from scheduler.core.policies import POLICY_NAMES, GoodputConfig, GoodputPolicy, 
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import Tier
 from services.common.tracing import TraceContextServerInterceptor
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

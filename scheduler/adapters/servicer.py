@@ -28,6 +28,9 @@ from typing import NoReturn, TypeVar
 import grpc
 from opentelemetry import trace
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
+from rpcgen.baton.v1 import worker_pb2
 from scheduler.adapters.clock import Clock
 from scheduler.adapters.convert import (
     InvalidMessageError,
@@ -45,9 +48,6 @@ from scheduler.adapters.profiles import ProfileBook
 from scheduler.core.policies.base import reject
 from scheduler.core.scheduler import Scheduler
 from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision, WorkerSnapshot
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from services.rpc.gen.baton.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import json
 
 import llguidance
 
+from rpcgen.baton.v1 import worker_pb2 as wpb
 from services.gateway.errors import BadRequestError
 from services.gateway.schemas import ResponseFormat
-from services.rpc.gen.baton.v1 import worker_pb2 as wpb
 
 Guided = tuple[int, str]
 

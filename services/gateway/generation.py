@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from rpcgen.baton.v1 import worker_pb2 as wpb
+from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.errors import BatonError
 from services.gateway.errors import BadRequestError, OverloadedError, UpstreamError
 from services.gateway.tracing import grpc_trace_metadata
-from services.rpc.gen.baton.v1 import worker_pb2 as wpb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc as wpb_grpc
 
 log = logging.getLogger(__name__)
 

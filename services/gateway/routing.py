@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.convert import summary_to_proto
 from scheduler.types import Reason, RequestSummary, WorkerRole
 from services.common.errors import BatonError
 from services.common.tracing import client_interceptors
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from enum import StrEnum
 import grpc
 from prometheus_client import Counter
 
+from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.common.tracing import client_interceptors
-from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.safety.categories import SafetyVerdict, Tier
 from services.safety.wire import verdict_from_pb
 

@@ -18,8 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from rpcgen.baton.v1 import safety_pb2_grpc
 from services.common.tracing import TraceContextServerInterceptor
-from services.rpc.gen.baton.v1 import safety_pb2_grpc
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
 from services.safety.guard import GuardConfig, GuardModelTier

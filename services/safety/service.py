@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.rpc.gen.baton.v1 import safety_pb2, safety_pb2_grpc
+from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.safety.categories import Category, Direction, SafetyVerdict, Tier
 from services.safety.checker import SafetyChecker, decide
 from services.safety.guard import GuardModelTier

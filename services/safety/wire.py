@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.rpc.gen.baton.v1 import safety_pb2
+from rpcgen.baton.v1 import safety_pb2
 from services.safety.categories import SafetyVerdict, Tier
 
 _TIER_TO_PB = {

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc import convert
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
 
 _DEFAULT_TRANSFER_TIMEOUT_S = 10.0  # an order from a peer that left it unset
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvtransfer.errors import IncompatiblePeerError
+from rpcgen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2_grpc
 from services.common.tracing import client_interceptors
 from services.rpc.convert import handshake_from_proto, handshake_to_proto
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.kv_link import KVLink
 
 log = logging.getLogger(__name__)

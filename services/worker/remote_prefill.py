@@ -34,8 +34,8 @@ import grpc
 from engine.batch import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import LandedKV, TransferState
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc.convert import outcome_from_proto
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
 from services.worker.config import TransferConfig
 from services.worker.kv_link import Arrival, KVLink, OnLanded
 from services.worker.prefill_order import PrefillOrder

@@ -25,9 +25,9 @@ from engine.parallel.launcher import TensorParallelRunner
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
 from kvtransfer.nixl.shards import FollowerShards
+from rpcgen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2_grpc
 from services.common.tracing import TraceContextServerInterceptor
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults

@@ -16,9 +16,9 @@ import grpc
 
 from engine.errors import EngineError, InvalidRequestError
 from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
+from rpcgen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2_grpc
 from services.rpc import convert
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.decode_service import DecodeService, GenerateEvent, GenerateJob, PrefillMode, PrefillPath
 from services.worker.faults import WorkerFaults
 from services.worker.metrics import WorkerMetrics

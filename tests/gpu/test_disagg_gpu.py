@@ -33,7 +33,7 @@ from loadtest.micro.disagg_workers import (  # noqa: E402
     physical_gpu,
     wait_all_serving,
 )
-from services.rpc.gen.baton.v1 import worker_pb2 as pb  # noqa: E402
+from rpcgen.baton.v1 import worker_pb2 as pb  # noqa: E402
 
 MODEL = dict(GPU_MODEL, num_hidden_layers=4)  # the bench's shape, fewer layers: the same KV layout per layer
 THRESHOLD = 256

@@ -23,13 +23,13 @@ import grpc
 import httpx
 from openai import OpenAI
 
+from rpcgen.baton.v1 import worker_pb2 as wpb
+from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.settings import Tier
 from services.gateway.admin import create_key, create_org
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.process import SupervisedProcess, free_port
 from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, log_line
-from services.rpc.gen.baton.v1 import worker_pb2 as wpb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc as wpb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"

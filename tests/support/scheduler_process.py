@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.convert import summary_to_proto
 from scheduler.types import RequestSummary
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,9 +24,9 @@ from worker_client import Result, generate, request  # noqa: E402
 from worker_procs import WorkerProcess  # noqa: E402
 
 from engine.block_manager import block_hashes  # noqa: E402
+from rpcgen.baton.v1 import scheduler_pb2 as spb  # noqa: E402
+from rpcgen.baton.v1 import worker_pb2 as pb  # noqa: E402
 from scheduler.types import SLO, Reason, RequestSummary, Tier  # noqa: E402
-from services.rpc.gen.baton.v1 import scheduler_pb2 as spb  # noqa: E402
-from services.rpc.gen.baton.v1 import worker_pb2 as pb  # noqa: E402
 from tests.support.scheduler_process import SchedulerProcess  # noqa: E402
 
 PREFIX_TOKENS = 160  # 10 blocks of 16

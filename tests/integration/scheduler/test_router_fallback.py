@@ -15,11 +15,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
+from rpcgen.baton.v1 import worker_pb2
 from scheduler.types import SLO, RequestSummary, Tier
 from services.gateway.routing import RouteKind, RouterClient, RouterConfig, RouteSource
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from services.rpc.gen.baton.v1 import worker_pb2
 from tests.support.scheduler_process import SchedulerProcess
 
 WORKERS = {"a": "127.0.0.1:7101", "b": "127.0.0.1:7102"}

@@ -9,7 +9,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 
 @pytest.fixture(scope="module")

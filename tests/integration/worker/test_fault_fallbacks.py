@@ -10,7 +10,7 @@ import pytest
 from worker_client import generate, request, wait_baseline
 
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 
 @pytest.fixture(scope="module")

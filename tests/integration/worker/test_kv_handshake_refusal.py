@@ -8,7 +8,7 @@ from worker_client import generate, request
 from worker_procs import WorkerProcess
 
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from worker_client import QUESTIONS, Result, collect, generate_many, request, wait_baseline
 
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 NUM_REQUESTS = 500
 CANCEL_RATE = 0.2

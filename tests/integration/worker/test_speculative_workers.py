@@ -8,7 +8,7 @@ import pytest
 from worker_client import generate_many, request, wait_baseline
 
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 PASSAGE = ("The committee met on Tuesday to review the budget. The members agreed to increase funding for "
            "the public library by ten percent and to delay the road repairs until the spring.")

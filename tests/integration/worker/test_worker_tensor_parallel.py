@@ -16,7 +16,7 @@ from worker_client import QUESTIONS, generate, generate_many, request, wait_base
 from worker_procs import WorkerProcess
 
 from engine.tokenizer import Tokenizer
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 TP = "3"
 TP_ARGS = ("--tensor-parallel-size", TP)

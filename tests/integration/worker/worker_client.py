@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 from worker_procs import WorkerProcess
 
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 QUESTIONS = [
     "What is the capital of France?",

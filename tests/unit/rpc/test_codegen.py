@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.rpc.codegen import GEN_DIR
+from rpcgen.codegen import GEN_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_generated_stubs_are_current(tmp_path: Path) -> None:
-    code = ("import sys; from pathlib import Path; from services.rpc.codegen import generate; "
+    code = ("import sys; from pathlib import Path; from rpcgen.codegen import generate; "
             "[print(p) for p in generate(Path(sys.argv[1]))]")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.split()
@@ -22,4 +22,4 @@ def test_generated_stubs_are_current(tmp_path: Path) -> None:
     assert fresh, "no .proto files generated anything"
     stale = [str(p.relative_to(tmp_path)) for p in fresh
              if (GEN_DIR / p.relative_to(tmp_path)).read_text() != p.read_text()]
-    assert not stale, f"stale stubs (run `python -m services.rpc.codegen`): {stale}"
+    assert not stale, f"stale stubs (run `python -m rpcgen.codegen`): {stale}"

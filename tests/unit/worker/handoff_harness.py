@@ -28,7 +28,7 @@ from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
 from kvtransfer.memory import FABRIC, MemoryAgent
 from kvtransfer.transport import TransportKind
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.worker.config import DisaggPolicy, TransferConfig
 from services.worker.decode_service import DecodeService, GenerateEvent
 from services.worker.faults import WorkerFaults

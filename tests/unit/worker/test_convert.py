@@ -11,8 +11,8 @@ from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc import convert
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
 
 LAYOUT = KVLayoutInfo(protocol_version=1, model_id="m", dtype="float32", layout="block_major_v1", block_size=16,
                       num_layers=2, num_kv_heads=2, head_dim=64, tp_size=1, tp_rank=0)

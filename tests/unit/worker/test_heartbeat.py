@@ -8,9 +8,9 @@ import grpc
 
 from engine.block_manager import KVEvent, KVEventKind
 from engine.llm_engine import StepStats
-from services.rpc.gen.baton.v1 import scheduler_pb2 as spb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2 as spb
+from rpcgen.baton.v1 import scheduler_pb2_grpc
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.worker.prefill_order import PrefillOrder
 
 ORDER = PrefillOrder("req-1@2", 2, [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0, seed=4),

@@ -25,7 +25,7 @@ from handoff_harness import (
 )
 
 from kvtransfer.faults import Fault
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 from services.worker.faults import DELAY_PREFILL
 from services.worker.remote_prefill import KV_IDLE_TRAILER, AttemptResult, FallbackReason, RemotePrefill
 from services.worker.servicer import WorkerServicer

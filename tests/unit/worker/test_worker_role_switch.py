@@ -10,11 +10,11 @@ import grpc
 import pytest
 from handoff_harness import build_engine, eventually, transfer_config
 
+from rpcgen.baton.v1 import scheduler_pb2 as spb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as spb_grpc
+from rpcgen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2_grpc
 from scheduler.adapters.server import SchedulerService, SchedulerServiceConfig
-from services.rpc.gen.baton.v1 import scheduler_pb2 as spb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as spb_grpc
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
-from services.rpc.gen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.server import WorkerServer
 

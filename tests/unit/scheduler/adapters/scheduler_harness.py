@@ -9,11 +9,11 @@ from typing import Any
 
 import grpc
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
+from rpcgen.baton.v1 import worker_pb2
 from scheduler.adapters.clock import ManualClock
 from scheduler.adapters.server import SchedulerService
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from services.rpc.gen.baton.v1 import worker_pb2
 
 HEARTBEAT_TIMEOUT_S = 3.0
 

@@ -12,6 +12,8 @@ import grpc
 import pytest
 from scheduler_harness import StartCluster, address
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.types import SLO, RequestSummary, Tier
 from services.gateway.routing import (
     RouteKind,
@@ -21,8 +23,6 @@ from services.gateway.routing import (
     RoutingError,
     StaticWorkers,
 )
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
-from services.rpc.gen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 
 
 def summary(request_id: str, prompt: int = 64, ttft_ms: float = 2000) -> RequestSummary:

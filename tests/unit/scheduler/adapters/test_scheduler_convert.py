@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from scheduler_harness import status
 
+from rpcgen.baton.v1 import scheduler_pb2 as pb
 from scheduler.adapters.convert import (
     InvalidMessageError,
     response_from_decision,
@@ -20,7 +21,6 @@ from scheduler.adapters.convert import (
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.types import SLO, DecisionKind, PrefillSample, RequestSummary, RouteDecision, Tier
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
 
 
 def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:

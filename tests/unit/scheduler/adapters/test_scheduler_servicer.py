@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_harness import HEARTBEAT_TIMEOUT_S, StartCluster, address, route_request, status
 
-from services.rpc.gen.baton.v1 import scheduler_pb2 as pb
+from rpcgen.baton.v1 import scheduler_pb2 as pb
 
 ROUTE = pb.RouteResponse.KIND_ROUTE
 REJECT = pb.RouteResponse.KIND_REJECT

@@ -1,4 +1,4 @@
-from services.rpc.gen.baton.v1 import worker_pb2 as _worker_pb2
+from rpcgen.baton.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

@@ -1,4 +1,4 @@
-"""Generate the Python stubs of protos/ into services/rpc/gen (`python -m services.rpc.codegen`).
+"""Generate the Python stubs of protos/ into rpcgen/baton/ (`python -m rpcgen.codegen`).
 
 protoc writes `from baton.v1 import worker_pb2`; we rewrite it to the package path so the stubs import
 without touching sys.path. `tests/unit/rpc/test_codegen.py` regenerates into a temp dir and fails when
@@ -12,10 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "protos"
-GEN_DIR = ROOT / "services" / "rpc" / "gen"
-PACKAGE = "services.rpc.gen"
+GEN_DIR = ROOT / "rpcgen"
+PACKAGE = "rpcgen"
 
 
 def generate(out_dir: Path) -> list[Path]:

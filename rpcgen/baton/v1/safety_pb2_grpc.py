@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.rpc.gen.baton.v1 import safety_pb2 as baton_dot_v1_dot_safety__pb2
+from rpcgen.baton.v1 import safety_pb2 as baton_dot_v1_dot_safety__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
