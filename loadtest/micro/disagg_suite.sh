@@ -41,7 +41,7 @@ def v(d):
 print("packages:", ", ".join(f"{d} {v(d)}" for d in ("grpcio", "grpcio-health-checking", "protobuf",
       "prometheus-client", "gguf", "nixl", "nixl-cu13")))
 try:
-    import gguf, grpc_health.v1.health, prometheus_client, services.rpc.gen.baton.v1.worker_pb2_grpc
+    import gguf, grpc_health.v1.health, prometheus_client, rpcgen.baton.v1.worker_pb2_grpc
     print("worker imports: ok")
 except Exception as e:
     print(f"worker imports: FAIL ({type(e).__name__}: {e}): the disagg step will fail; carry the wheels")

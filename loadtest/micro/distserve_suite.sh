@@ -54,7 +54,7 @@ print("imports from the carried wheels:", " ".join(carried) or "none")
 print("MISSING:", ", ".join(missing) or "none", "(matplotlib missing = no PNGs here; --replot later)")
 try:
     import services.gateway.__main__, scheduler.adapters.main, loadtest.cli, loadtest.client  # noqa
-    import services.rpc.gen.baton.v1.worker_pb2_grpc  # noqa
+    import rpcgen.baton.v1.worker_pb2_grpc  # noqa
     print("gateway/scheduler/bench imports: ok")
 except Exception as e:
     print(f"gateway/scheduler/bench imports: FAIL ({type(e).__name__}: {e})")

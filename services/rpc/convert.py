@@ -17,7 +17,7 @@ from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.constraint import GrammarKind, GuidedDecoding
 from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
-from services.rpc.gen.baton.v1 import worker_pb2 as pb
+from rpcgen.baton.v1 import worker_pb2 as pb
 
 _FINISH_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
