@@ -43,7 +43,8 @@ class Reason(StrEnum):
     MAX_SLACK = "max_slack"
     CONVERSATION_AFFINITY = "conversation_affinity"
     BEST_EFFORT = "slo_unattainable_best_effort"  # even an idle worker misses the SLO; served anyway
-    DEGRADED = "degraded_to_meet_slo"
+    DEGRADED = "degraded_to_meet_slo"  # a shorter max_tokens
+    DEGRADED_MODEL = "degraded_to_smaller_model"  # the request's model's fallback serves it
     OVERLOADED = "no_placement_meets_slo"
     BEHIND_QUEUE = "behind_queued_requests"  # same- or higher-tier requests are already waiting
     NO_WORKERS = "no_live_worker_for_model"
@@ -135,6 +136,8 @@ class RouteDecision:
     reason: str = ""  # a `Reason` value
     retry_after_s: float | None = None  # REJECT only: when a retry may succeed; None = don't retry
     max_tokens: int | None = None  # DEGRADE only: the cap the gateway must apply instead of the asked one
+    # DEGRADE only: the model that serves it instead of the asked one (its fallback); empty: as asked.
+    model: str = ""
     cached_blocks: int = 0  # leading prompt blocks the decode worker already holds
     # Placed only: why the prompt is prefilled where it is (a `SiteReason` value, core/prefill_site.py);
     # empty when the policy does not site by cost (the baselines' fixed threshold).

@@ -175,6 +175,7 @@ def response_from_decision(
     if decision.is_placed:
         response.max_tokens = decision.max_tokens or asked_max_tokens
         response.prefill_reason = decision.prefill_reason
+        response.model = decision.model
     return response
 
 

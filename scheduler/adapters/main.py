@@ -28,6 +28,7 @@ log = logging.getLogger("scheduler.adapters")
 
 DEGRADE_FRACTION_ENV = "BATON_SCHEDULER_DEGRADE_FRACTION"
 DEGRADE_TIERS_ENV = "BATON_SCHEDULER_DEGRADE_TIERS"
+DEGRADE_MODELS_ENV = "BATON_SCHEDULER_DEGRADE_MODELS"
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +56,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         "--degrade-tiers", default=None,
         help=f"comma-separated tiers that may be degraded (default ${DEGRADE_TIERS_ENV}, else free)",
     )
+    parser.add_argument(
+        "--degrade-model", action="append", default=None, metavar="MODEL=FALLBACK",
+        help="goodput policy under overload: serve the degradable tiers' MODEL requests on FALLBACK (a smaller "
+             "model with the same tokenizer) before a shorter max_tokens; repeatable "
+             f"(default ${DEGRADE_MODELS_ENV}, comma-separated pairs, else none)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--otel-exporter", default="none", choices=EXPORTERS,
                         help="where spans go (otlp: OTEL_EXPORTER_OTLP_ENDPOINT, default localhost:4317)")
@@ -79,6 +86,7 @@ def config_from_args(
     if fraction is None and env.get(DEGRADE_FRACTION_ENV):
         fraction = _parse_fraction(env[DEGRADE_FRACTION_ENV])
     tiers = args.degrade_tiers or env.get(DEGRADE_TIERS_ENV) or Tier.FREE.value
+    model_pairs = args.degrade_model or [p for p in env.get(DEGRADE_MODELS_ENV, "").split(",") if p.strip()]
     return SchedulerServiceConfig(
         host=args.host,
         port=args.port,
@@ -89,6 +97,7 @@ def config_from_args(
         drain_grace_s=args.drain_grace_s,
         degrade_fraction=fraction,
         degrade_tiers=_parse_tiers(tiers),
+        degrade_models=_parse_model_pairs(model_pairs),
         servicer=ServicerConfig(heartbeat_interval_s=args.heartbeat_interval_s, tick_interval_s=args.tick_interval_s),
     )
 
@@ -98,6 +107,17 @@ def _parse_fraction(text: str) -> float:
         return float(text)
     except ValueError:
         raise ValueError(f"{DEGRADE_FRACTION_ENV}={text!r} is not a number in (0, 1)") from None
+
+
+def _parse_model_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    """["big=small", ...] -> {"big": "small"}; one fallback per model."""
+    mapping: dict[str, str] = {}
+    for pair in pairs:
+        big, sep, small = (part.strip() for part in pair.partition("="))
+        if not sep or not big or not small or big in mapping:
+            raise ValueError(f"degrade model {pair!r}: expected MODEL=FALLBACK, one per model")
+        mapping[big] = small
+    return mapping
 
 
 def _parse_tiers(text: str) -> frozenset[Tier]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -50,6 +51,7 @@ class SchedulerServiceConfig:
     # queueing them (None: never degrade).
     degrade_fraction: float | None = None
     degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})
+    degrade_models: Mapping[str, str] = field(default_factory=dict)  # model -> smaller fallback model
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
 
     def __post_init__(self) -> None:
@@ -63,13 +65,15 @@ class SchedulerServiceConfig:
             )
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        if self.degrade_fraction is not None and self.policy != GoodputPolicy.name:
-            raise ValueError(f"degrade_fraction needs the goodput policy, not {self.policy!r}")
-        GoodputConfig(degrade_fraction=self.degrade_fraction)  # validates the fraction
+        degrading = self.degrade_fraction is not None or self.degrade_models
+        if degrading and self.policy != GoodputPolicy.name:
+            raise ValueError(f"degrading (fraction or models) needs the goodput policy, not {self.policy!r}")
+        GoodputConfig(degrade_fraction=self.degrade_fraction, degrade_models=self.degrade_models)  # validates
 
     def make_policy(self) -> Policy:
         if self.policy == GoodputPolicy.name:
-            config = GoodputConfig(degrade_fraction=self.degrade_fraction, degrade_tiers=self.degrade_tiers)
+            config = GoodputConfig(degrade_fraction=self.degrade_fraction, degrade_tiers=self.degrade_tiers,
+                                   degrade_models=self.degrade_models)
             return GoodputPolicy(config)
         return make_policy(self.policy)
 

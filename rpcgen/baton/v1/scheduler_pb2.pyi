@@ -111,7 +111,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks", "prefill_reason")
+    __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks", "prefill_reason", "model")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RouteResponse.Kind]
@@ -136,6 +136,7 @@ class RouteResponse(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     kind: RouteResponse.Kind
     decode_worker: str
     prefill_worker: str
@@ -148,7 +149,8 @@ class RouteResponse(_message.Message):
     prefill_worker_id: str
     cached_blocks: int
     prefill_reason: str
-    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, kind: _Optional[_Union[RouteResponse.Kind, str]] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., max_tokens: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefill_reason: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
     __slots__ = ("request_id",)

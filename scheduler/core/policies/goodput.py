@@ -11,7 +11,9 @@ there costs several. The policy therefore:
    free requests otherwise fill every batch, and enterprise, arriving later, is the one that
    waits); a conversation's later turn prefers the worker that
    served the previous one (its prefix is there), otherwise the candidate with the most slack wins;
-3. when no candidate qualifies: degrade to a shorter max_tokens if configured and that qualifies;
+3. when no candidate qualifies, for a degradable tier: serve it on its model's smaller fallback
+   model (`degrade_models`) if that fleet qualifies, else with a shorter max_tokens if configured
+   and that qualifies;
    serve best-effort what waiting can't help (unattainable even on an idle worker, or TTFT
    already lost in the queue when the queue is set to keep such requests); otherwise QUEUE
    (the scheduler's admission queue retries with weighted tier fairness) or,
@@ -20,8 +22,8 @@ there costs several. The policy therefore:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.placement import Placement, cached_tokens, evaluate
@@ -36,6 +38,9 @@ class GoodputConfig:
     degrade_fraction: float | None = None  # e.g. 0.5: try half the max_tokens before queueing; None: off
     degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})  # only these tiers are ever degraded
     min_degraded_tokens: int = 16  # never degrade below this many output tokens
+    # model -> its smaller fallback model, tried before a shorter max_tokens (same tokenizer: the
+    # gateway has already tokenized the prompt). Empty: never switch models.
+    degrade_models: Mapping[str, str] = field(default_factory=dict)
     serve_unattainable: bool = True  # route best-effort what waiting can't help (see module doc)
     # Decode workers fully priced per request, the most promising by a cheap score (`_shortlist`);
     # the conversation's previous worker is always priced too. 0: every worker.
@@ -46,6 +51,8 @@ class GoodputConfig:
     def __post_init__(self) -> None:
         if self.degrade_fraction is not None and not 0.0 < self.degrade_fraction < 1.0:
             raise ValueError(f"degrade_fraction must be in (0, 1) or None, got {self.degrade_fraction}")
+        if any(not big or not small or big == small for big, small in self.degrade_models.items()):
+            raise ValueError(f"degrade_models maps a model to a different one, got {dict(self.degrade_models)}")
         if self.max_candidates < 0:
             raise ValueError(f"max_candidates must be >= 0, got {self.max_candidates}")
         if not 0 < self.default_retry_after_s <= self.max_retry_after_s:
@@ -170,8 +177,24 @@ class GoodputPolicy(Policy):
         return reject(request, Reason.OVERLOADED, self._retry_after(request, placements))
 
     def _degrade(self, request: RequestSummary, view: ClusterView) -> RouteDecision | None:
+        if request.tier not in self.config.degrade_tiers:
+            return None
+        return self._smaller_model(request, view) or self._fewer_tokens(request, view)
+
+    def _smaller_model(self, request: RequestSummary, view: ClusterView) -> RouteDecision | None:
+        """The request, whole, on its model's fallback fleet, if a placement there meets the SLO."""
+        fallback = self.config.degrade_models.get(request.model)
+        if fallback is None:
+            return None
+        smaller = replace(request, model=fallback)
+        best = self._best(smaller, view, self._candidates(smaller, view))
+        if best is None:
+            return None
+        return replace(self._decide(smaller, best, DecisionKind.DEGRADE, Reason.DEGRADED_MODEL), model=fallback)
+
+    def _fewer_tokens(self, request: RequestSummary, view: ClusterView) -> RouteDecision | None:
         fraction = self.config.degrade_fraction
-        if fraction is None or request.tier not in self.config.degrade_tiers:
+        if fraction is None:
             return None
         max_tokens = max(self.config.min_degraded_tokens, int(request.max_tokens * fraction))
         if max_tokens >= request.max_tokens:

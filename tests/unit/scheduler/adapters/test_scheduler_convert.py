@@ -95,3 +95,10 @@ def test_a_status_carries_the_worker_batch_slots_both_ways() -> None:
     assert snapshot.max_num_seqs == 8
     assert status_from_snapshot(snapshot).max_num_seqs == 8
     assert snapshot_from_status(status("old"), "old:7000", now=1.0).max_num_seqs == 0  # unknown
+
+
+def test_a_decision_degraded_to_a_smaller_model_names_it_and_keeps_the_asked_cap() -> None:
+    workers = {"s": snapshot_from_status(status("s"), "s:1", now=0.0)}
+    decision = RouteDecision("r", DecisionKind.DEGRADE, decode_worker_id="s", model="small")
+    response = response_from_decision(decision, workers, asked_max_tokens=64)
+    assert (response.model, response.max_tokens, response.decode_worker) == ("small", 64, "s:1")

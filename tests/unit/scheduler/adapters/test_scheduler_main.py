@@ -53,12 +53,26 @@ def test_degrading_is_off_unless_a_flag_or_the_environment_turns_it_on() -> None
     assert both.degrade_fraction == 0.3  # the flag wins
 
 
+def test_degrade_models_come_from_repeated_flags_or_the_environment() -> None:
+    assert config_from_args(_parse(), environ={}).degrade_models == {}
+    flags = config_from_args(_parse("--degrade-model", "big=small", "--degrade-model", "b2 = s2"), environ={})
+    assert flags.degrade_models == {"big": "small", "b2": "s2"}
+    env = config_from_args(_parse(), environ={"BATON_SCHEDULER_DEGRADE_MODELS": "big=small, b2=s2"})
+    assert env.degrade_models == {"big": "small", "b2": "s2"}
+    wins = config_from_args(_parse("--degrade-model", "x=y"), environ={"BATON_SCHEDULER_DEGRADE_MODELS": "big=small"})
+    assert wins.degrade_models == {"x": "y"}  # the flag wins
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (("--degrade-fraction", "1.5"), "degrade_fraction must be in (0, 1)"),
         (("--degrade-fraction", "0.5", "--degrade-tiers", "gold"), "valid tiers are free, plus, enterprise"),
         (("--degrade-fraction", "0.5", "--policy", "least_loaded"), "needs the goodput policy"),
+        (("--degrade-model", "big=small", "--policy", "round_robin"), "needs the goodput policy"),
+        (("--degrade-model", "big"), "expected MODEL=FALLBACK"),
+        (("--degrade-model", "big=a", "--degrade-model", "big=b"), "expected MODEL=FALLBACK, one per model"),
+        (("--degrade-model", "big=big"), "maps a model to a different one"),
     ],
 )
 def test_a_bad_degrade_setting_is_refused_before_listening(
