@@ -28,6 +28,7 @@ from typing import Any
 
 from engine.batch import TokenLogprobs
 from engine.block_manager import KVEvent
+from engine.choices import ChoiceFork
 from engine.errors import EngineError, OutOfBlocksError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import FinishReason, RequestOutput
@@ -89,15 +90,17 @@ class AsyncEngine:
     # ---- public API (event loop side) -----------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, *, hold_for_s: float | None = None,
-                       checksum_hold: bool = False) -> AsyncIterator[RequestOutput]:
+                       checksum_hold: bool = False,
+                       choice_samplings: tuple[SamplingParams, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises the engine's typed error for bad input.
 
-        `hold_for_s`, `checksum_hold`: prefill only, see `LLMEngine.add_request`.
+        `hold_for_s`, `checksum_hold`, `choice_samplings`: prefill only, see `LLMEngine.add_request`.
         """
         rid = request_id or f"req-{next(self._ids)}"
         stream = self._open(rid)
         await self._call(lambda: self.engine.add_request(rid, prompt_token_ids, params, hold_for_s=hold_for_s,
-                                                         checksum_hold=checksum_hold), rid_on_error=rid)
+                                                         checksum_hold=checksum_hold,
+                                                         choice_samplings=choice_samplings), rid_on_error=rid)
         async for out in self._drain(rid, stream):
             yield out
 
@@ -127,13 +130,17 @@ class AsyncEngine:
         return await self._call(reserve, rid_on_error=request_id)  # type: ignore[no-any-return]
 
     def commit_remote_threadsafe(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
-                                 verify: Callable[[], str]) -> concurrent.futures.Future[str]:
+                                 verify: Callable[[], str],
+                                 forks: Callable[[], tuple[ChoiceFork, ...]] = tuple,
+                                 ) -> concurrent.futures.Future[str]:
         """The remote prefill's KV landed: run `verify` (e.g. checksums of the landed blocks) and, if it
         finds no problem, put the sequence into the batch with its first token, in one pass between
         steps. Callable from any thread (the KV link's, the moment the DONE notice arrives): queued for
         the next step boundary, never blocking the caller. The future holds the problem ("" when
         committed); on a problem nothing is committed and the caller still owns (and must abort) the
-        reservation. A request aborted meanwhile is never committed (ABORTED_BEFORE_COMMIT)."""
+        reservation. A request aborted meanwhile is never committed (ABORTED_BEFORE_COMMIT).
+        `forks` (n > 1), asked for on the engine thread at the commit (so a choice aborted until then
+        is left out): sibling choices forked from the committed prompt; open their streams first."""
         done: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def commit() -> None:
@@ -144,7 +151,7 @@ class AsyncEngine:
             try:
                 problem = verify()
                 if not problem:
-                    self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs))
+                    self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs, forks()))
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 done.set_exception(e)
             else:

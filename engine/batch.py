@@ -29,6 +29,9 @@ class ScheduledChunk:
     # The last `num_draft_tokens` of token_ids are a draft, not known tokens: their KV is written this
     # step but counts as computed only as far as the draft is accepted (the rest is overwritten later).
     num_draft_tokens: int = 0
+    # n > 1 under disaggregation: the sampled row is also sampled once under each of these (the sibling
+    # choices' first tokens, from the same prompt logits); set on a held prefill's first sample only.
+    choice_samplings: tuple[SamplingParams, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +58,9 @@ class BatchPlan:
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...] = ()  # request ids preempted (blocks freed) while planning this step
+    # Copy-on-write of blocks shared by forked choices: (source, destination) block ids whose KV the
+    # runner copies before the forward pass, so a choice appends into a block of its own.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -91,3 +97,5 @@ class StepResult:
 
     sampled: dict[str, SampledToken]
     accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    # Per chunk with `choice_samplings`: one token per sibling choice, in that order.
+    choices: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)

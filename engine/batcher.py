@@ -71,6 +71,7 @@ class Batcher:
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
         self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
+        self._copies: list[tuple[int, int]] = []  # this plan's copy-on-write block copies
         self._next_arrival = 0  # arrival_order of the next added sequence
         self._num_preemptions = 0  # since start, for metrics
         self._proposer = proposer
@@ -149,6 +150,27 @@ class Batcher:
         bisect.insort(self._running, seq, key=_arrival)
         return seq
 
+    def fork(self, parent_id: str, child: Sequence, first_token_id: int) -> Sequence:
+        """A sibling choice of a running sequence whose prompt is computed (n > 1): `child` (same prompt,
+        its own sampling) shares the parent's prompt blocks by reference and joins the decode batch with
+        its own first token. The partly filled last prompt block is copied when a sharer first writes
+        into it (`_grow_for_decode`), so KV use is prompt + n x generated. Raises KeyError when the parent
+        is not running, InvalidRequestError when `child` is not new or not the parent's prompt."""
+        parent = self._seqs[parent_id]
+        if parent.status is not SequenceStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens:
+            raise KeyError(f"{parent_id!r} has no computed prompt to fork from")
+        self._check_new(child)
+        if child.prompt_token_ids != parent.prompt_token_ids:
+            raise InvalidRequestError(f"fork {child.request_id!r} does not share {parent_id!r}'s prompt")
+        num_prompt_blocks = self.block_manager.blocks_for(child.num_prompt_tokens)
+        child.block_ids = self.block_manager.share(parent.block_ids[:num_prompt_blocks])
+        child.num_computed_tokens = child.num_prompt_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self._track(child, SequenceStatus.RUNNING)
+        child.append_token(first_token_id)
+        bisect.insort(self._running, child, key=_arrival)
+        return child
+
     def abort(self, request_id: str) -> bool:
         """Drop a sequence in any state, freeing every block it holds. Returns whether it existed.
 
@@ -196,7 +218,8 @@ class Batcher:
         if not preempted:
             self._admit(chunks, budget)
         self._scheduled = {c.request_id: self._seqs[c.request_id] for c in chunks}
-        return BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted))
+        copies, self._copies = tuple(self._copies), []
+        return BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted), block_copies=copies)
 
     def postprocess(self, plan: BatchPlan, result: StepResult) -> list[Sequence]:
         """Record a step: advance computed tokens, append sampled (and accepted draft) tokens, register
@@ -269,6 +292,7 @@ class Batcher:
         """Make room for seq's next token, preempting newest-first; False when seq itself went."""
         while True:
             try:
+                self._own_write_block(seq)
                 self.block_manager.append_slots(seq.block_ids, seq.num_tokens)
                 return True
             except OutOfBlocksError:
@@ -311,6 +335,15 @@ class Batcher:
             budget -= n
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _own_write_block(self, seq: Sequence) -> None:
+        """Copy-on-write: the block the next token's KV goes into must be seq's alone (forked choices
+        share their prompt's last, partly filled block). Raises OutOfBlocksError, changing nothing."""
+        index = seq.num_computed_tokens // self.block_manager.block_size
+        if index < len(seq.block_ids):
+            copy = self.block_manager.copy_on_write(seq.block_ids, index)
+            if copy is not None:
+                self._copies.append(copy)
+
     def _chunk(self, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         """The next `n` uncomputed tokens of `seq` (then its draft, if any) as one chunk."""
         start = seq.num_computed_tokens
@@ -324,6 +357,8 @@ class Batcher:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             num_draft_tokens=len(draft),
+            choice_samplings=seq.choice_samplings if start + n == seq.num_tokens and not seq.output_token_ids
+            else (),
         )
 
     def _preempt(self, seq: Sequence) -> None:

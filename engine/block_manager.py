@@ -153,6 +153,33 @@ class BlockManager:
         block_ids.extend(new)
         return new
 
+    def share(self, block_ids: Sequence[int]) -> list[int]:
+        """A new table holding one more reference to each of `block_ids` (all in use): a forked choice
+        shares its parent's prompt blocks; `free` drops the reference like any other."""
+        for b in block_ids:
+            if self._ref_counts[b] <= 0:
+                raise ValueError(f"block {b} shared while not in use")
+        for b in block_ids:
+            self._ref_counts[b] += 1
+        return list(block_ids)
+
+    def copy_on_write(self, block_ids: list[int], index: int) -> tuple[int, int] | None:
+        """Make block `index` of a table its own before the table's owner writes into it.
+
+        A block other tables also reference (a forked prompt's partly filled last block) is replaced in
+        `block_ids` by a fresh block; returns (source, destination) for the runner to copy the KV, or
+        None when the block was not shared. Raises OutOfBlocksError, changing nothing, when no block is free.
+        """
+        old = block_ids[index]
+        if self._ref_counts[old] <= 1:
+            return None
+        if not self.num_free_blocks:
+            raise OutOfBlocksError("no free block for a copy-on-write")
+        new = self._take_block()
+        self._ref_counts[old] -= 1  # still > 0: the other tables keep it
+        block_ids[index] = new
+        return old, new
+
     def mark_computed(self, block_ids: Sequence[int], token_ids: Sequence[int],
                       num_computed_tokens: int) -> None:
         """Record that the first `num_computed_tokens` of a table's tokens have their KV written.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
 from engine.block_manager import BlockManager
+from engine.choices import ChoiceFork
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -131,21 +132,28 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, hold_for_s: float | None = None, checksum_hold: bool = False) -> None:
+                    *, hold_for_s: float | None = None, checksum_hold: bool = False,
+                    choice_samplings: tuple[SamplingParams, ...] = ()) -> None:
         """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input.
 
         `hold_for_s`: prefill only (see the module docstring): one output with the first token and
         `held` set, then the blocks stay held under `request_id` until `release_held` or the lease
         expires. `checksum_hold`: `held.checksums` are computed right after the step that finished the
         prefill (on the engine's stream, so ordered after its KV writes; one small read-back).
+        `choice_samplings` (held only; n > 1): the first token is also sampled under each of these, from
+        the same logits, and returned in the held output's `choice_first`.
         """
         if hold_for_s is not None and not hold_for_s > 0:
             raise InvalidRequestError(f"hold_for_s must be > 0, got {hold_for_s}")
+        if choice_samplings and (hold_for_s is None
+                                 or not all(isinstance(p, SamplingParams) for p in choice_samplings)):
+            raise InvalidRequestError("choice_samplings need a held prefill and a SamplingParams each")
         if request_id in self._held:
             raise InvalidRequestError(f"duplicate request id {request_id!r} (its blocks are still held)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         self._requests[request_id].hold_for_s = hold_for_s
         self._requests[request_id].checksum_hold = checksum_hold
+        seq.choice_samplings = tuple(choice_samplings)
         try:
             self.batcher.add(seq)
         except Exception:
@@ -166,12 +174,27 @@ class LLMEngine:
             self._requests.pop(request_id, None)
             raise
 
-    def commit_remote(self, request_id: str, first_token_id: int,
-                      first_logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
-        """The remote prefill's KV has landed: the sequence joins the decode batch with its first token."""
-        self.batcher.commit_remote(request_id, first_token_id)
+    def commit_remote(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                      forks: tuple[ChoiceFork, ...] = ()) -> list[RequestOutput]:
+        """The remote prefill's KV has landed: the sequence joins the decode batch with its first token.
+
+        `forks` (n > 1): sibling choices that share the landed prompt blocks by reference (copy on write
+        of the partly filled last one), each joining with its own first token. Raises
+        InvalidRequestError, committing nothing, when a fork's id or settings are bad.
+        """
         tracked = self._requests[request_id]
-        return [self._emit(tracked, [SampledToken(first_token_id, first_logprobs)])]
+        prompt = tracked.seq.prompt_token_ids
+        for fork in forks:
+            self._validate(fork.request_id, prompt, fork.params)
+        if len({f.request_id for f in forks} | {request_id}) != len(forks) + 1:
+            raise InvalidRequestError(f"duplicate choice ids among the forks of {request_id!r}")
+        self.batcher.commit_remote(request_id, first_token_id)
+        emits = [(tracked, SampledToken(first_token_id, first_logprobs))]
+        for fork in forks:  # before any output: a parent finished by its first token frees its blocks
+            seq = self._new_sequence(fork.request_id, prompt, fork.params)
+            self.batcher.fork(request_id, seq, fork.first.token_id)
+            emits.append((self._requests[fork.request_id], fork.first))
+        return [self._emit(t, [sampled]) for t, sampled in emits]
 
     def abort(self, request_id: str) -> bool:
         """Abort at any state; every block of the request is released. Returns whether it existed.
@@ -239,6 +262,9 @@ class LLMEngine:
                 f"prompt has {len(prompt)} tokens; the context window is {self.max_model_len} tokens "
                 "and at least one must be left to generate"
             )
+        if params.prior_output_tokens >= len(prompt):
+            raise InvalidRequestError(f"prior_output_tokens ({params.prior_output_tokens}) must be shorter than "
+                                      f"the prompt ({len(prompt)} tokens)")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -266,7 +292,8 @@ class LLMEngine:
         for request_id, sampled in result.sampled.items():
             tracked = self._requests.get(request_id)
             if tracked is not None:
-                outputs.append(self._emit(tracked, [*result.accepted.get(request_id, ()), sampled]))
+                outputs.append(self._emit(tracked, [*result.accepted.get(request_id, ()), sampled],
+                                          result.choices.get(request_id, ())))
         return outputs
 
     def _count_drafts(self, plan: BatchPlan, result: StepResult) -> None:
@@ -276,7 +303,8 @@ class LLMEngine:
                 self.spec_stats.draft_tokens += chunk.num_draft_tokens
                 self.spec_stats.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
 
-    def _emit(self, tracked: _Tracked, sampled: list[SampledToken]) -> RequestOutput:
+    def _emit(self, tracked: _Tracked, sampled: list[SampledToken],
+              choice_first: tuple[SampledToken, ...] = ()) -> RequestOutput:
         """One output for the tokens a step appended to a request (the batcher already holds them),
         cut after the first one that finishes it."""
         seq = tracked.seq
@@ -307,6 +335,7 @@ class LLMEngine:
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             held=held,
+            choice_first=choice_first if held is not None else (),
         )
 
     def _hold(self, tracked: _Tracked) -> HeldBlocks:

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 
 from engine.attention.base import AttentionMetadata, get_attention_backend
 from engine.batch import BatchPlan, ScheduledChunk, StepResult
+from engine.choices import choice_rows
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.input_buffers import DecodeInputBuffers
@@ -126,19 +127,34 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> StepResult:
         if plan.is_empty:
             return StepResult(sampled={})
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         sampling_chunks = [c for c in plan.chunks if c.needs_sample]
         rows = verification_rows(sampling_chunks)  # one per sampled position (several for a draft)
-        masks = self.sampler.begin(rows) if self.tp.is_driver else None  # overlaps the forward
+        extra = choice_rows(sampling_chunks)  # n > 1: sibling choices' first tokens
+        masks = self.sampler.begin([*rows, *extra.rows]) if self.tp.is_driver else None  # overlaps the forward
         if self.graphs is not None and self.graphs.can_run(plan.chunks):
             logits = self._sampled_rows(self.graphs.run(plan.chunks), plan.chunks)
         else:
             logits = self._run_eager(plan.chunks)
         if logits is None or not self.tp.is_driver:
             return StepResult(sampled={})
-        tokens = self.sampler.sample(logits, rows, masks)
+        if extra.rows:
+            logits = torch.cat([logits, logits.index_select(0, self._tensor(list(extra.source_rows), torch.int64))])
+        tokens = self.sampler.sample(logits, [*rows, *extra.rows], masks)
+        tokens, siblings = tokens[:len(rows)], tokens[len(rows):]
         if len(rows) > len(sampling_chunks):
-            return accept_drafts(sampling_chunks, tokens)
-        return StepResult(sampled={c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)})
+            result = accept_drafts(sampling_chunks, tokens)
+        else:
+            result = StepResult(sampled={c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)})
+        return replace(result, choices=extra.split(sampling_chunks, siblings)) if extra.rows else result
+
+    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write of forked choices' shared blocks (block-major: one row per block), before any
+        of this step's KV writes."""
+        src = self._tensor([s for s, _ in copies], torch.int64)
+        dst = self._tensor([d for _, d in copies], torch.int64)
+        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
     def _run_eager(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """Logits of the sampling chunks' sampled rows (the last, or every verified position of a

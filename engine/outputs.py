@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from engine.batch import TokenLogprobs
+from engine.batch import SampledToken, TokenLogprobs
 
 
 class FinishReason(StrEnum):
@@ -43,6 +43,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or a remote prefill)
     error: str | None = None
     held: HeldBlocks | None = None  # a hold request's only output: the blocks now held for its transfer
+    # A held request's sibling choices (n > 1): their first tokens, one per `choice_samplings` entry.
+    choice_first: tuple[SampledToken, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -44,6 +44,9 @@ class Sequence:
     num_preemptions: int = 0  # times its blocks were taken back (recompute cost, for metrics)
     finish_reason: FinishReason | None = None  # set when the batcher drops it
     last_logprobs: TokenLogprobs | None = None  # logprobs of the newest output token, if requested
+    # A held prefill of an n > 1 request: its first token is also sampled under each of these, one per
+    # sibling choice (the decode worker forks the choices from its KV).
+    choice_samplings: tuple[SamplingParams, ...] = ()
     # prompt + outputs, kept alongside the two lists so decode steps never concatenate them.
     _token_ids: list[int] = field(init=False, repr=False)
 

@@ -162,7 +162,8 @@ class TensorParallelRunner:
     def execute(self, plan: BatchPlan) -> StepResult:
         # Followers never sample, so the live token views (penalties, seeds) stay here.
         slim = BatchPlan(chunks=tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=())
-                                      for c in plan.chunks), preempted=plan.preempted)
+                                      for c in plan.chunks), preempted=plan.preempted,
+                         block_copies=plan.block_copies)
         with self._group_lock:
             self.tp.broadcast_object(RunnerCall("execute", (slim,)))
             return self.runner.execute(plan)
