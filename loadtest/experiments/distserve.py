@@ -1,8 +1,10 @@
-"""DistServe: 1 prefill + 1 decode worker vs 2 co-located `both` workers, goodput vs rate; each worker on
-`--tp` GPUs (2 x tp in all).
+"""DistServe: cluster layouts compared by goodput vs rate — by default 1 prefill + 1 decode worker vs 2
+co-located `both` workers; `--configs c4 1p3d 2p2d 3p1d` compares the 4-GPU layouts (any c<N> / <X>p<Y>d,
+loadtest/experiments/layouts.py). Each worker on `--tp` GPUs.
 
     python -m loadtest.experiments.distserve_assets                 # here, once: .data/distserve/ (carried)
     bash loadtest/micro/distserve_suite.sh                          # on the 2-GPU box (OUT=... for the output)
+    bash loadtest/micro/distserve_suite.sh --configs c4 1p3d ...    # on the 4-GPU box (layouts.py)
     OUT=... bash loadtest/micro/tp70b_suite.sh                      # 4 GPUs: --model-shape 70b --tp 2 (H200)
     .venv/bin/python -m loadtest.experiments.distserve --smoke --out /tmp/distserve-smoke   # CPU, tiny
     .venv/bin/python -m loadtest.experiments.distserve --replot OUT  # summary + plots again from OUT/results.tar.gz
@@ -70,7 +72,7 @@ from pathlib import Path
 
 from loadtest.experiments import distserve_assets as assets
 from loadtest.experiments import distserve_report as report
-from loadtest.experiments.distserve_cluster import CONFIGS, Cluster
+from loadtest.experiments.distserve_cluster import Cluster
 from loadtest.experiments.distserve_plan import (
     BLOCK_TOKENS,
     KV_GIB_PER_RANK,
@@ -82,6 +84,7 @@ from loadtest.experiments.distserve_plan import (
     make_plan,
 )
 from loadtest.experiments.handoff_phases import PHASE_PREFIXES, phase_summary
+from loadtest.experiments.layouts import parse_layout
 from loadtest.metrics import SLO
 
 log = logging.getLogger("loadtest.experiments.distserve")
@@ -194,9 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replot", type=Path, default=None, metavar="OUT", help="only redo summary + plots of OUT")
     p.add_argument("--replot-slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"),
                    help="with --replot: judge the same requests by this SLO (into OUT/slo-ttft<ms>-tpot<ms>/)")
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=["disagg", "colocated"], metavar="LAYOUT",
+                   help="layouts, one after another: c<N> (co-located), <X>p<Y>d, disagg (= 1p1d), colocated (= c2); "
+                        "4 GPUs: c4 1p3d 2p2d 3p1d")
     p.add_argument("--model-shape", choices=sorted(assets.SHAPES), default=None, help="GPU model (default 8b)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (= GPUs) per worker; 2 x tp GPUs in all")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (= GPUs) per worker")
     p.add_argument("--num-blocks", type=int, default=None,
                    help=f"KV blocks of {BLOCK_TOKENS} tokens per worker (default: {KV_GIB_PER_RANK} GiB per rank; "
                         "smoke 512)")
@@ -210,10 +215,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="8b 500, 70b 1500, smoke 5000")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="8b 50, 70b 100, smoke 1000")
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
+    p.add_argument("--scheduler-profile", type=Path, default=None, metavar="JSON",
+                   help="a `baton profile` of the card: the scheduler's cost-model seed (the goodput policy's)")
     args = p.parse_args(argv)
     if args.smoke and (args.tp != 1 or args.model_shape):
         p.error("--smoke runs the default tiny CPU model (9 query / 3 KV heads: no split over ranks); "
                 "--tp and --model-shape are for GPU runs")
+    try:
+        args.layouts = [parse_layout(c) for c in args.configs]
+    except ValueError as e:
+        p.error(str(e))
     args.model_shape = args.model_shape or "8b"
     hf = assets.SHAPES[args.model_shape][1]
     if args.tp < 1 or hf["num_attention_heads"] % args.tp:
@@ -254,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
               "loadtest.experiments.distserve_assets first (and carry .data/)", file=sys.stderr)
         return 2
     record: dict = {"experiment": "distserve", "smoke": args.smoke, "policy": args.policy,
+                    "scheduler_profile": None if args.scheduler_profile is None
+                    else json.loads(args.scheduler_profile.read_text()),
                     "model_shape": None if args.smoke else args.model_shape, "tp": args.tp,
                     "gpus_per_worker": None if args.smoke else args.tp,
-                    "gpus_total": None if args.smoke else 2 * args.tp, "num_blocks": args.num_blocks,
+                    "gpus_total": None if args.smoke else max(lay.gpus(args.tp) for lay in args.layouts),
+                    "layout_gpus": {lay.name: lay.gpus(args.tp) for lay in args.layouts}, "num_blocks": args.num_blocks,
                     "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": 0.9},
                     "host": {"python": sys.version.split()[0], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
                     "configurations": {}, "errors": []}

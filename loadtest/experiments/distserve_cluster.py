@@ -1,8 +1,8 @@
 """One DistServe configuration's processes: scheduler, workers, gateway (`BATON_AUTH_MODE=none`).
 
-Every worker runs `--tensor-parallel-size tp` on `tp` consecutive GPUs. `disagg`: a prefill worker on
-GPUs [0, tp) and a decode worker on [tp, 2 tp) (`--prefill-peers` = the prefill worker; KV moves rank
-by rank); `colocated`: two `both` workers on the same two GPU groups. Each worker sees only its own
+Every worker runs `--tensor-parallel-size tp` on `tp` consecutive GPUs, as its layout places it
+(loadtest/experiments/layouts.py: `1p3d`, `c4`, ...; `disagg` = `1p1d`, `colocated` = `c2`). Each decode
+worker names every prefill worker in `--prefill-peers` (KV moves rank by rank). Each worker sees only its own
 GPUs (CUDA_VISIBLE_DEVICES=<its GPUs>; rank r takes cuda:r of them), dummy weights from one
 config.json and one `--seed` (identical weights everywhere). The scheduler (`python -m scheduler.adapters`)
 routes with the given policy; the gateway is the real one, without Postgres/Redis/Kafka.
@@ -22,31 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from loadtest.experiments.layouts import parse_layout
 from services.launcher.process import SupervisedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_READY = "BATON_WORKER_READY"
-CONFIGS = ("disagg", "colocated")
 # What shows where prompts were prefilled and how the KV moved (scraped after each configuration).
 METRIC_PREFIXES = ("baton_pd_prefill_path", "baton_pd_fallback", "baton_worker_requests", "baton_kv_transfer_seconds",
                    "baton_pd_handoff_seconds", "baton_pd_handoff_phase_seconds")
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    name: str
-    role: str  # prefill | decode | both
-    gpus: tuple[int, ...]  # physical indices, one per TP rank; ignored on CPU
-
-
-def worker_plans(config: str, tp: int = 1) -> tuple[WorkerPlan, ...]:
-    """Two workers of `tp` consecutive GPUs each: [0, tp) and [tp, 2 tp)."""
-    roles = {"disagg": ("prefill", "decode"), "colocated": ("both", "both")}.get(config)
-    if roles is None:
-        raise ValueError(f"unknown configuration {config!r}; valid: {', '.join(CONFIGS)}")
-    groups = [tuple(range(i * tp, (i + 1) * tp)) for i in range(len(roles))]
-    return tuple(WorkerPlan(f"{role}-gpu{'-'.join(map(str, gpus))}", role, gpus)
-                 for role, gpus in zip(roles, groups, strict=True))
 
 
 @dataclass(frozen=True)
@@ -57,6 +40,7 @@ class ClusterSpec:
     slo_ttft_ms: float
     slo_tpot_ms: float
     policy: str = "least_loaded"
+    scheduler_profile: Path | None = None  # a `baton profile` JSON: the scheduler's cost-model seed
     tp: int = 1  # ranks (and GPUs) per worker
     cpu: bool = False  # no CUDA_VISIBLE_DEVICES
     worker_ready_timeout_s: float = 240.0
@@ -76,7 +60,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s: float | None = None
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
-        self.plans = worker_plans(config, spec.tp)
+        self.plans = parse_layout(config).worker_plans(spec.tp)
 
     def __enter__(self) -> Cluster:
         started = time.monotonic()
@@ -108,13 +92,14 @@ class Cluster:
         scheduler = self._spawn("scheduler", [
             sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1", "--port", str(scheduler_port),
             "--policy", s.policy, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "10",
-            "--drain-grace-s", "1", "--log-level", "WARNING"], {})
+            "--drain-grace-s", "1", "--log-level", "WARNING",
+            *(["--profile", str(s.scheduler_profile)] if s.scheduler_profile else [])], {})
         scheduler.wait_ready(lambda: scheduler.listens_on(scheduler_port), s.service_ready_timeout_s)
         address = f"127.0.0.1:{scheduler_port}"
         plans = self.plans
         workers: dict[str, tuple[SupervisedProcess, str]] = {}
-        prefill_address = ""
-        for plan in plans:  # the prefill worker first: the decode worker names it as its peer
+        prefill_addresses: list[str] = []
+        for plan in plans:  # prefill workers first: each decode worker names them all as its peers
             port, metrics_port = free_port(), free_port()
             self.metrics_urls[plan.name] = f"http://127.0.0.1:{metrics_port}/metrics"
             argv = [sys.executable, "-m", "services.worker", "--role", plan.role, "--host", "127.0.0.1",
@@ -123,11 +108,11 @@ class Cluster:
                     "--drain-grace-s", "1", "--metrics-port", str(metrics_port),
                     "--tensor-parallel-size", str(s.tp), *s.engine_args]
             if plan.role == "decode":
-                argv += ["--prefill-peers", prefill_address]
+                argv += ["--prefill-peers", ",".join(prefill_addresses)]
             env = {} if s.cpu else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus))}
             workers[plan.name] = (self._spawn(plan.name, argv, env), f"127.0.0.1:{port}")
             if plan.role == "prefill":
-                prefill_address = f"127.0.0.1:{port}"
+                prefill_addresses.append(f"127.0.0.1:{port}")
         give_up = time.monotonic() + s.worker_ready_timeout_s
         for _name, (process, _) in workers.items():
             process.wait_ready(_log_has(process, WORKER_READY), max(1.0, give_up - time.monotonic()))

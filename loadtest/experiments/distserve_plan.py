@@ -84,7 +84,7 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
 
         model_dir = default_model_dir(None)
         spec = ClusterSpec(model_dir, model_dir.name, (*SMOKE_ENGINE, *blocks), args.slo_ttft_ms, args.slo_tpot_ms,
-                           args.policy, cpu=True, env={"OMP_NUM_THREADS": "1"})
+                           args.policy, args.scheduler_profile, cpu=True, env={"OMP_NUM_THREADS": "1"})
         warmup: tuple[tuple[str, ...], ...] = (
             ("--dataset", "random", "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "2"),)
     else:
@@ -94,7 +94,7 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
         device = ("--device", "cuda:0" if args.tp == 1 else "cuda")
         context = ("--max-model-len", str(max(4096, isl + osl + 64)))
         spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *context, *blocks), args.slo_ttft_ms,
-                           args.slo_tpot_ms, args.policy, tp=args.tp, env=NO_NVLS)
+                           args.slo_tpot_ms, args.policy, args.scheduler_profile, tp=args.tp, env=NO_NVLS)
         # The measured prompt length too: a shape first seen while serving compiles then (~1 s TTFT).
         warmup = (("--dataset", "random", "--random-input-len", str(isl), "--random-output-len", "16",
                    "--num-prompts", "12", "--request-rate", "6"),
@@ -132,8 +132,9 @@ def check_gpus(args: argparse.Namespace, record: dict) -> str | None:
     gpus = gpu_memory_mib()
     if gpus is None:
         return None
-    if len(gpus) < 2 * args.tp:
-        return f"needs {2 * args.tp} GPUs (2 workers x --tp {args.tp}), {len(gpus)} visible"
+    needed = max(layout.gpus(args.tp) for layout in args.layouts)
+    if len(gpus) < needed:
+        return f"needs {needed} GPUs (the largest layout's workers x --tp {args.tp}), {len(gpus)} visible"
     if need > min(gpus) * 2**20:
         return (f"weights / tp + KV pool = {need / 2**30:.1f} GiB per rank > {min(gpus) / 1024:.1f} GiB per card "
                 f"(lower --num-blocks, raise --tp or use larger cards)")

@@ -6,7 +6,8 @@ timed-out requests are misses), goodput (such requests per second), TTFT/TPOT p9
 disaggregated / co-located. DistServe's "goodput" of a configuration is the highest rate whose
 attainment is >= 90%: reported as the highest such rate tested, and linearly interpolated to the
 90% crossing between the last passing and the first failing rate; per GPU it is divided by the GPUs
-used (2 workers x `tp` GPUs in both configurations, so the per-GPU ratio equals the ratio).
+the layout uses (its workers x `tp`). The ranking orders every layout by that per-GPU goodput, with
+each one's share of the best.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from loadtest.experiments.layouts import layout_gpus, parse_layout
 from loadtest.metrics import SLO
 from loadtest.report import BenchResult, load_result
 
 ATTAINMENT_TARGET = 0.9
-WORKERS = 2  # per configuration (1 prefill + 1 decode, or 2 both), each on `tp` GPUs
 
 
 def run_files(runs_dir: Path) -> dict[tuple[str, str], list[Path]]:
@@ -81,14 +82,16 @@ def summarize(runs_dir: Path, meta: dict[str, Any], slo: SLO | None = None) -> d
         result = merged(paths, config, slo)
         per.setdefault(workload, {})[config] = [_row(s, run.request_rate)
                                                 for run, s in zip(result.runs, result.summaries(), strict=True)]
-    gpus = WORKERS * meta.get("tp", 1)
     workloads: dict[str, Any] = {}
     for workload, configs in sorted(per.items()):
         entry: dict[str, Any] = {"configs": configs, "goodput": {}, "ratio_by_rate": []}
         for config, rows in configs.items():
             g = distserve_goodput(rows)
+            gpus = meta.get("layout_gpus", {}).get(config) or layout_gpus(config, meta.get("tp", 1))
+            g["gpus"] = gpus
             g["per_gpu"] = None if g["interpolated_90pct_rate"] is None else g["interpolated_90pct_rate"] / gpus
             entry["goodput"][config] = g
+        entry["ranking"] = ranking(entry["goodput"])
         d_rows = {r["rate"]: r for r in configs.get("disagg", [])}
         c_rows = {r["rate"]: r for r in configs.get("colocated", [])}
         for rate in sorted(set(d_rows) & set(c_rows)):
@@ -104,6 +107,15 @@ def summarize(runs_dir: Path, meta: dict[str, Any], slo: SLO | None = None) -> d
             entry["ratio_is_bound"] = gd["censored_at_top_rate"] or gc["censored_at_top_rate"]
         workloads[workload] = entry
     return {**meta, "workloads": workloads}
+
+
+def ranking(goodput: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Layouts by per-GPU goodput, best first, each with its share of the best (a bound where censored)."""
+    known = sorted(((g["per_gpu"], config, g) for config, g in goodput.items() if g["per_gpu"] is not None),
+                   key=lambda t: -t[0])
+    best = known[0][0] if known else None
+    return [{"config": config, "per_gpu": per_gpu, "of_best": _ratio(per_gpu, best),
+             "censored": g["censored_at_top_rate"]} for per_gpu, config, g in known]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -125,7 +137,7 @@ def plot(runs_dir: Path, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     files = run_files(runs_dir)
     setup = _setup(summary)
     for workload, entry in summary["workloads"].items():
-        results = [merged(files[(c, workload)], f"{c} ({setup})") for c in ("disagg", "colocated")
+        results = [merged(files[(c, workload)], f"{c} ({setup})") for c in entry["configs"]
                    if (c, workload) in files]
         written.append(plot_results(results, out_dir / f"goodput_{workload}.png"))
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -166,9 +178,13 @@ def print_tables(summary: dict[str, Any]) -> None:
                       f"{_f(r['ttft_p90_ms']):>8}  {_f(r['tpot_p90_ms']):>7}  failed {r['failed']}")
         for config, g in entry["goodput"].items():
             print(f"{config:>10} DistServe goodput: {g}")
-        print(f"ratio disagg/colocated: {entry.get('distserve_goodput_ratio')} "
-              f"(bound only: {entry.get('ratio_is_bound')}); by rate: "
-              + json.dumps([(r["rate"], r["goodput_ratio"]) for r in entry["ratio_by_rate"]]))
+        if "distserve_goodput_ratio" in entry:
+            print(f"ratio disagg/colocated: {entry.get('distserve_goodput_ratio')} "
+                  f"(bound only: {entry.get('ratio_is_bound')}); by rate: "
+                  + json.dumps([(r["rate"], r["goodput_ratio"]) for r in entry["ratio_by_rate"]]))
+        for rank in entry.get("ranking", []):
+            print(f"per-GPU goodput {rank['config']:>10}: {rank['per_gpu']:.2f} req/s/GPU, "
+                  f"{rank['of_best']:.2f} of the best{' (censored: at least)' if rank['censored'] else ''}")
 
 
     print_handoff_phases(summary)
@@ -176,12 +192,20 @@ def print_tables(summary: dict[str, Any]) -> None:
 
 def print_handoff_phases(summary: dict[str, Any]) -> None:
     """Per disaggregated run: each hand-off phase's count, p50 / p90 / mean (ms), worker by worker."""
-    runs = summary.get("configurations", {}).get("disagg", {}).get("runs", [])
+    configs = summary.get("configurations", {})
+    runs = [run for config, entry in configs.items() if _is_disaggregated(config) for run in entry.get("runs", [])]
     for run in runs:
         for worker, phases in sorted((run.get("handoff_phases") or {}).items()):
             cells = [f"{p} n={v['count']} p50={_f(v['p50_ms'])} p90={_f(v['p90_ms'])} mean={_f(v['mean_ms'])}"
                      for p, v in sorted(phases.items())]
             print(f"hand-off {run['run']} {worker}: " + "; ".join(cells))
+
+
+def _is_disaggregated(config: str) -> bool:
+    try:
+        return parse_layout(config).disaggregated
+    except ValueError:
+        return False
 
 
 def _f(v: float | None) -> str:

@@ -1,0 +1,136 @@
+"""Did `baton plan` pick the layout that measured best? The 4-GPU experiment's verdict, offline.
+
+    python -m loadtest.experiments.layout_check OUT_A OUT_B --out results/layouts [--slo 500 20]
+
+OUT_A, OUT_B: outputs of `loadtest/micro/layouts_suite.sh` (each holds results.tar.gz and, in one of them,
+profile-8b.json). Their runs are merged and judged by one SLO (the runs' own, or `--slo`); per workload:
+every layout's attainment curve and DistServe goodput per GPU (loadtest/experiments/distserve_report.py),
+then the planner (scheduler/planner.py, the code behind `baton plan`) is given the same profile, the
+workload as it was sent (the lowest-rate run's arrivals and lengths: `--trace`), the same SLO, GPU
+count, KV pool and batch limit, and its recommendation is looked up in the measured ranking. The
+issue's bar: the recommended layout measured best or within 5% of the best (`of_best >= 0.95`).
+Writes OUT/summary.json, OUT/check.json and the attainment/goodput plots; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadtest.experiments import distserve_report as report
+from loadtest.experiments.layouts import parse_layout
+from loadtest.metrics import SLO as BenchSLO
+from loadtest.report import load_result
+from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.planner import Layout, PlanConfig, plan, trace_from_rows
+from scheduler.types import SLO
+
+WITHIN = 0.95  # the recommendation's measured per-GPU goodput, as a share of the best
+HANDOFF_S = 0.011  # the measured 2xH100 hand-off overhead the suite also gives the scheduler
+
+
+def measured_name(layout: Layout) -> str:
+    """The planner's layout in the experiment's naming (TP=1 layouts: c4, 1p3d, ...)."""
+    return f"c{layout.decode_workers}" if layout.colocated else f"{layout.prefill_workers}p{layout.decode_workers}d"
+
+
+def merge_runs(outs: list[Path], into: Path) -> dict[str, Any]:
+    """Every OUT's run files into `into`/runs; the summaries' metadata merged (configurations, layout GPUs)."""
+    meta: dict[str, Any] = {"configurations": {}, "layout_gpus": {}}
+    for out in outs:
+        with tarfile.open(out / "results.tar.gz") as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith("runs/")]
+            tar.extractall(into, members=members, filter="data")
+        old = json.loads((out / "summary.json").read_text())
+        for key, value in old.items():
+            if key in ("configurations", "layout_gpus"):
+                meta[key].update(value or {})
+            elif key != "workloads":
+                meta.setdefault(key, value)
+    return meta
+
+
+def workload_trace(runs: Path, workload: str) -> list[dict[str, float]]:
+    """The lowest-rate run of `workload` (any layout: all were sent the same) as `baton plan --trace` rows."""
+    files = sorted(runs.glob(f"*__{workload}__r*.json"), key=lambda p: float(p.stem.split("__r")[-1]))
+    if not files:
+        raise ValueError(f"no run of {workload} in {runs}")
+    records = [r for run in load_result(files[0]).runs for r in run.records]
+    return [{"time_s": r.send_time, "prompt_tokens": r.prompt_tokens or r.prompt_len,
+             "output_tokens": r.max_tokens} for r in records]
+
+
+def load_profile(path: Path) -> WorkerProfile:
+    book = ProfileBook.load(path)
+    return book.by_model.get(ANY_MODEL) or next(iter(book.by_model.values()))
+
+
+def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO) -> dict[str, Any]:
+    """Per workload: the planner's ranking, its recommendation and where that stands in the measured one."""
+    verdicts: dict[str, Any] = {}
+    gpus = max(summary["layout_gpus"].values())
+    for workload, entry in summary["workloads"].items():
+        measured = {r["config"]: r for r in entry["ranking"]}
+        config = PlanConfig(gpus=gpus, slo=slo, kv_blocks_per_gpu=int(summary["num_blocks"]),
+                            max_batch=128, handoff_s=HANDOFF_S)
+        predicted = plan(trace_from_rows(workload_trace(runs, workload)), {1: profile}, config)
+        choice = measured_name(predicted.best.layout)
+        at = measured.get(choice)
+        verdicts[workload] = {
+            "recommended": choice, "measured_best": entry["ranking"][0]["config"] if entry["ranking"] else None,
+            "recommended_of_best": at["of_best"] if at else None,
+            "passes": bool(at and at["of_best"] is not None and at["of_best"] >= WITHIN),
+            "predicted": [{"layout": measured_name(r.layout), "capacity_rps": r.capacity_rps,
+                           "per_gpu": (r.capacity_rps or 0.0) / gpus} for r in predicted.results],
+            "measured": entry["ranking"]}
+    return verdicts
+
+
+def print_check(verdicts: dict[str, Any], slo: SLO) -> None:
+    for workload, v in verdicts.items():
+        print(f"\n=== {workload}, TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms: per-GPU goodput (req/s/GPU)")
+        predicted = {p["layout"]: p["per_gpu"] for p in v["predicted"]}
+        for m in v["measured"]:
+            print(f"{m['config']:>6}  measured {m['per_gpu']:6.2f}{'+' if m['censored'] else ' '} "
+                  f"({m['of_best']:.2f} of best)   predicted {predicted.get(m['config'], float('nan')):6.2f}")
+        print(f"baton plan recommends {v['recommended']}; measured best {v['measured_best']}; "
+              f"recommended at {v['recommended_of_best']} of the best -> {'PASS' if v['passes'] else 'FAIL'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.layout_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outs", type=Path, nargs="+", help="layouts_suite.sh outputs")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--profile", type=Path, default=None, help="default: the first OUT's profile-8b.json")
+    p.add_argument("--slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"))
+    args = p.parse_args(argv)
+    profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
+                                         if (o / "profile-8b.json").exists()), None)
+    if profile_path is None:
+        p.error("no profile-8b.json in the outputs: give --profile")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="layout-check-") as tmp:
+        meta = merge_runs(args.outs, Path(tmp))
+        for name in meta["layout_gpus"]:
+            parse_layout(name)  # an unknown name fails here, not in the middle of the report
+        stored = meta.get("slo", {})
+        slo = SLO(*args.slo) if args.slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
+        summary = report.summarize(Path(tmp) / "runs", meta, BenchSLO(slo.ttft_ms, slo.tpot_ms))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        report.print_tables(summary)
+        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo)
+        (args.out / "check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
+        print_check(verdicts, slo)
+        report.plot(Path(tmp) / "runs", args.out, summary)
+    return 0 if all(v["passes"] for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

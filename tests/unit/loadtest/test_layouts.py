@@ -1,0 +1,55 @@
+"""The DistServe experiment's layouts (c<N>, <X>p<Y>d), its per-GPU ranking, and the planner's naming."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.experiments.distserve_report import ranking
+from loadtest.experiments.layout_check import measured_name
+from loadtest.experiments.layouts import parse_layout
+from scheduler.planner import Layout
+
+
+def test_disaggregated_layout_places_prefill_first_on_consecutive_gpus() -> None:
+    plans = parse_layout("1p3d").worker_plans(tp=1)
+    assert [(p.role, p.gpus) for p in plans] == [("prefill", (0,)), ("decode", (1,)), ("decode", (2,)),
+                                                 ("decode", (3,))]
+    assert len({p.name for p in plans}) == 4
+
+
+def test_tensor_parallel_workers_take_tp_gpus_each() -> None:
+    plans = parse_layout("2p2d").worker_plans(tp=2)
+    assert [p.gpus for p in plans] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert parse_layout("2p2d").gpus(2) == 8
+
+
+def test_colocated_and_aliases() -> None:
+    assert [p.role for p in parse_layout("c4").worker_plans()] == ["both"] * 4
+    assert (parse_layout("disagg").prefill, parse_layout("disagg").decode) == (1, 1)
+    assert parse_layout("colocated").both == 2
+    assert parse_layout("disagg").name == "disagg"  # run files keep the name they were given
+
+
+@pytest.mark.parametrize("bad", ["0p2d", "2p0d", "c0", "p1d", "4", "mixed", ""])
+def test_bad_layout_names_are_refused_with_the_valid_forms(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"c<N>.*<X>p<Y>d"):
+        parse_layout(bad)
+
+
+def test_ranking_orders_by_per_gpu_goodput_and_marks_censored_bounds() -> None:
+    goodput = {
+        "c4": {"per_gpu": 6.0, "censored_at_top_rate": False},
+        "1p3d": {"per_gpu": 5.7, "censored_at_top_rate": True},
+        "3p1d": {"per_gpu": None, "censored_at_top_rate": False},  # failed even at the lowest rate
+    }
+    ranked = ranking(goodput)
+    assert [r["config"] for r in ranked] == ["c4", "1p3d"]
+    assert ranked[0]["of_best"] == 1.0
+    assert ranked[1]["of_best"] == pytest.approx(0.95)
+    assert ranked[1]["censored"] is True
+
+
+def test_planner_layouts_map_onto_the_experiments_names() -> None:
+    assert measured_name(Layout(0, 4)) == "c4"
+    assert measured_name(Layout(1, 3)) == "1p3d"
+    assert parse_layout(measured_name(Layout(3, 1))).gpus(1) == Layout(3, 1).gpus
