@@ -8,12 +8,12 @@ token i with probability `probs[i]`, needs no `torch.multinomial` (which syncs o
 every row draw its noise from its own generator.
 
 Seeds. A seeded row draws its noise from a fresh generator seeded by hash(seed, tokens generated so
-far). The noise therefore depends only on the request and its position: not on the other rows,
-their order, or any generator state. The same request re-run after preemption (recompute) or moved
-to another worker draws the same noise at the same position and so picks the same tokens, given the
-same logits. Reproducibility holds per device type, vocab size and torch version (CPU and CUDA
-generators produce different streams). Unseeded rows share one engine generator, seeded by the
-constructor's `seed`.
+far, counting a migrated generation's `prior_output_tokens`). The noise therefore depends only on the
+request and its position: not on the other rows, their order, or any generator state. The same
+request re-run after preemption (recompute) or moved to another worker draws the same noise at the
+same position and so picks the same tokens, given the same logits. Reproducibility holds per device
+type, vocab size and torch version (CPU and CUDA generators produce different streams). Unseeded rows
+share one engine generator, seeded by the constructor's `seed`.
 
 Logprobs are reported under the model's *raw* distribution, log_softmax of the logits as they come
 in (before penalties, temperature and filtering). This is vLLM's default ("raw logprobs"): the number
@@ -113,7 +113,8 @@ class Sampler:
         # A loop over rows is unavoidable here: each seeded row needs its own generator.
         for i, (s, chunk) in enumerate(zip(sampled, chunks, strict=True)):
             if s and chunk.sampling.seed is not None:
-                step_seed = request_step_seed(chunk.sampling.seed, len(chunk.output_token_ids))
+                position = chunk.sampling.prior_output_tokens + len(chunk.output_token_ids)
+                step_seed = request_step_seed(chunk.sampling.seed, position)
                 generator = torch.Generator(device=probs.device).manual_seed(step_seed)
                 noise[i].exponential_(generator=generator)
         return noise.clamp_min_(_MIN_NOISE)
@@ -159,6 +160,14 @@ class _RowParams:
         )
 
 
+def _output_ids(chunk: ScheduledChunk) -> Sequence[int]:
+    """The request's output so far, including what it generated before a migration (prompt tail)."""
+    prior = chunk.sampling.prior_output_tokens
+    if not prior:
+        return chunk.output_token_ids
+    return [*chunk.prompt_token_ids[len(chunk.prompt_token_ids) - prior:], *chunk.output_token_ids]
+
+
 def _apply_penalties(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
     """Repetition (HF/CTRL, prompt + output), then frequency and presence (OpenAI, output only).
 
@@ -167,7 +176,7 @@ def _apply_penalties(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> 
     """
     vocab, device = logits.shape[1], logits.device
     ps = [c.sampling for c in chunks]
-    output_counts = _token_counts([c.output_token_ids if c.sampling.has_penalties else () for c in chunks],
+    output_counts = _token_counts([_output_ids(c) if c.sampling.has_penalties else () for c in chunks],
                                   vocab, device)
     prompt_counts = _token_counts(
         [c.prompt_token_ids if c.sampling.repetition_penalty != 1.0 else () for c in chunks], vocab, device)

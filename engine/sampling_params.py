@@ -31,6 +31,10 @@ class SamplingParams:
     # Speculative decoding (engine/speculative): up to this many n-gram draft tokens verified per step.
     # None: the engine's default (`SpeculativeConfig.num_draft_tokens`, `--speculative-ngram`); 0: off.
     num_draft_tokens: int | None = None
+    # A migrated generation (services/gateway/migration.py): the prompt's last N tokens are output this
+    # request generated on another worker. Seeded noise continues at their position and presence /
+    # frequency penalties count them as output, so the continuation samples as one run would have.
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -51,6 +55,7 @@ class SamplingParams:
         _check(self.num_draft_tokens is None or 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS,
                f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         _check(self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
+        _check(self.prior_output_tokens >= 0, f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -62,6 +62,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         guided=guided_from_proto(msg.guided) if msg.HasField("guided") else None,
         num_draft_tokens=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
+        prior_output_tokens=msg.prior_output_tokens,
     )
 
 
@@ -89,6 +90,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        prior_output_tokens=params.prior_output_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed
