@@ -3,10 +3,9 @@
 No torch: the block manager only decides *which* block ids hold which tokens; the model runner owns
 the tensor (`engine/kv_cache.py`) and kvtransfer moves block contents between workers.
 
-Prefix caching. The hash of full block i is `hash_block(hash of block i-1, its block_size token ids)`,
-so a hash names a whole prefix, not just one block's tokens. Hashes cross processes (the gateway and
-the scheduler compute them to route by prefix), so they are a stable 64-bit blake2b digest, never
-Python's salted `hash()`. A block's hash is registered (and a STORED event emitted) only once its
+Prefix caching. A full block's hash is its chained hash (`tokenization.block_hashes`): it names the whole
+prefix up to and including the block, and the gateway computes the same hashes so the scheduler can route
+by prefix. A block's hash is registered (and a STORED event emitted) only once its
 tokens are *computed* (`mark_computed`), so a request never reuses a block another request is still
 prefilling. A block whose ref count drops to 0 but carries a registered hash is not wiped: it goes to
 an LRU of cached-free blocks that a later prompt with the same prefix can revive. Cached-free blocks
@@ -21,39 +20,13 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.errors import OutOfBlocksError
-
-_ROOT_PARENT = 0  # the parent hash fed into the first block of every chain
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """The stable 64-bit hash of one full block given the hash of the block before it.
-
-    Wire format (other processes must match it byte for byte): blake2b(digest_size=8) over the parent
-    hash as 8 little-endian bytes (0 for the first block) followed by each token id as 4 little-endian
-    unsigned bytes; the digest is read as an unsigned little-endian integer.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    h.update((_ROOT_PARENT if parent_hash is None else parent_hash).to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return int.from_bytes(h.digest(), "little")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (a trailing partial block has no hash)."""
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
+from tokenization.block_hashes import block_hashes, hash_block
 
 
 class KVEventKind(StrEnum):

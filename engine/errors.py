@@ -1,20 +1,17 @@
-"""Typed engine errors. Callers at process edges map these to gRPC status / OpenAI error JSON."""
+"""Typed engine errors. Callers at process edges map these to gRPC status / OpenAI error JSON.
 
+The root and the two errors the tokenizer raises too live in the torch-free ground floor
+(`tokenization.errors`, shared with the gateway); the engine knows the root as `EngineError`.
+"""
 
-class EngineError(Exception):
-    """Base class of every error the engine raises on purpose."""
+from tokenization.errors import InvalidRequestError, ModelLoadError
+from tokenization.errors import ModelError as EngineError
+
+__all__ = ["ConfigError", "EngineError", "InvalidRequestError", "ModelLoadError", "OutOfBlocksError"]
 
 
 class ConfigError(EngineError, ValueError):
     """A configuration value is invalid; the message lists the valid choices."""
-
-
-class ModelLoadError(EngineError):
-    """The model path is missing, unreadable, corrupt or of an unsupported kind."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A request is malformed: empty prompt, prompt too long, bad sampling values, duplicate id."""
 
 
 class OutOfBlocksError(EngineError):

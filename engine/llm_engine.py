@@ -32,7 +32,6 @@ from engine.batcher import Batcher
 from engine.block_manager import BlockManager
 from engine.choices import ChoiceFork
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_integrity import block_checksums
 from engine.loader import load_model
@@ -42,7 +41,8 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.speculative import NgramProposer
 from engine.structured.masks import GrammarCompiler
-from engine.tokenizer import Tokenizer
+from tokenization.detokenizer import IncrementalDetokenizer
+from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Prompt lengths (random dataset, ShareGPT filters) and, when a server does not re
 lengths are counted here. Every result states which counter was used (`PromptTokenizer.kind`), because
 "1024-token prompts" means little unless one knows whose tokens.
 
-- `engine`: `engine.tokenizer.Tokenizer` of the default model (SmolLM2-135M-Instruct) or of a given
+- `engine`: `tokenization.tokenizer.Tokenizer` of the default model (SmolLM2-135M-Instruct) or of a given
   Hugging Face directory (`--tokenizer PATH`). Exact for that model.
 - `words`: whitespace-separated words, one token each. An approximation (English BPE averages about
   1.3 tokens per word), used when the engine or its model files are not available, or on request.
@@ -62,7 +62,7 @@ class EngineTokenizer(PromptTokenizer):
 
     kind = "engine"
 
-    def __init__(self, tokenizer, name: str) -> None:  # noqa: ANN001 - engine.tokenizer.Tokenizer
+    def __init__(self, tokenizer, name: str) -> None:  # noqa: ANN001 - tokenization.tokenizer.Tokenizer
         self._tok = tokenizer
         self.name = name
 
@@ -97,7 +97,7 @@ def load_tokenizer(spec: str = "default", cache_dir: str | Path | None = None) -
     if spec == "words":
         return WordTokenizer()
     try:
-        from engine.tokenizer import Tokenizer
+        from tokenization.tokenizer import Tokenizer
     except ImportError:
         if spec == "default":
             return WordTokenizer()

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.loader.gguf_file import open_gguf
 from engine.loader.prepare import resolve_model
 from engine.loader.weights import load_model_config, load_model_weights
-from engine.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def load_model(
 
 def _tokenizer_for(path: Path, load_format: str) -> Tokenizer | None:
     if load_format == "gguf":
-        return Tokenizer.from_gguf(path)
+        return Tokenizer.from_gguf(open_gguf(path))
     model_dir = path.parent if path.name == "config.json" else path
     if load_format == "dummy" and not (model_dir / "tokenizer.json").is_file():
         return None

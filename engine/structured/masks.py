@@ -30,7 +30,7 @@ from engine.structured.constraint import GuidedDecoding
 
 if TYPE_CHECKING:
     from engine.batch import ScheduledChunk
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -77,8 +77,8 @@ def write_tokenizer(source_dir: Path, out_dir: Path) -> None:
 
 
 def write_sharegpt_subset(out_dir: Path, tokenizer_dir: Path, count: int, max_answer_tokens: int) -> int:
-    from engine.tokenizer import Tokenizer
     from loadtest.sharegpt import iter_records, open_sharegpt
+    from tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
     kept: list[dict] = []

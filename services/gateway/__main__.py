@@ -22,7 +22,6 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from engine.tokenizer import Tokenizer
 from services.common.errors import BatonError, ConfigError
 from services.common.settings import BatonSettings
 from services.gateway.app import create_app
@@ -33,6 +32,7 @@ from services.gateway.safety_gate import SafetyGate
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import TenantServices, build_open_tenancy, build_platform_tenancy
 from services.gateway.tracing import setup_tracing
+from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("services.gateway")
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from engine.tokenizer import Tokenizer
 from services.gateway.auth import Principal
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import WorkerClient
@@ -29,6 +28,7 @@ from services.gateway.safety_gate import SafetyGate
 from services.gateway.service import CompletionService
 from services.gateway.streams import StreamHub
 from services.gateway.tenancy import TenantServices, UsageReports
+from tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.gateway.db.conversations import ConversationStore

@@ -15,7 +15,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError as TemplateRejectedError
 from services.common.errors import (
     BatonError,
     BudgetExceededError,
@@ -23,6 +22,7 @@ from services.common.errors import (
     InvalidRequestError,
     RateLimitError,
 )
+from tokenization.errors import InvalidRequestError as TemplateRejectedError
 
 log = logging.getLogger(__name__)
 

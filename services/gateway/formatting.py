@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from engine.tokenizer import Tokenizer
 from services.gateway.generation import TokenLogprob
 from services.gateway.run_state import ChoiceEvent, ChoiceState
 from services.gateway.tools import ToolCallParser, ToolPlan
+from tokenization.tokenizer import Tokenizer
 
 Body = dict[str, Any]
 

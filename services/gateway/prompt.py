@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_manager import block_hashes
-from engine.tokenizer import Tokenizer
 from services.gateway.config import ServedModel
 from services.gateway.errors import BadRequestError, ContextWindowError, PromptTooLongError
+from tokenization.block_hashes import block_hashes
+from tokenization.tokenizer import Tokenizer
 
 TemplateMessage = dict[str, str]
 

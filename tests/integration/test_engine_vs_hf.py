@@ -35,7 +35,7 @@ def hf_model(default_model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
     return [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -95,7 +95,7 @@ def test_small_prefill_chunks_match_hf(default_model_dir, prompts, hf_greedy):
 
 
 def test_prefix_cache_hit_reuses_blocks_and_matches_hf(engine, hf_model):
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     tok = engine.tokenizer
     assert isinstance(tok, Tokenizer)

@@ -6,8 +6,8 @@ from functools import cache
 
 from openai import OpenAI
 
-from engine.tokenizer import Tokenizer
 from tests.support.gateway_stack import MODEL, GatewayStack
+from tokenization.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 

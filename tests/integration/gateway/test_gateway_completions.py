@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from openai import OpenAI
 
-from engine.tokenizer import Tokenizer
 from tests.support.gateway_stack import MODEL, GatewayStack
+from tokenization.tokenizer import Tokenizer
 
 PROMPT = "The capital of France is"
 

@@ -10,11 +10,11 @@ import psycopg
 import pytest
 from openai import OpenAI
 
-from engine.tokenizer import Tokenizer
 from services.gateway.db.conversations import ConversationStore
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.gateway.retention import purge_expired_conversations
 from tests.support.gateway_stack import CONTEXT_WINDOW, MODEL, GatewayStack, Tenant
+from tokenization.tokenizer import Tokenizer
 
 
 def _create(stack: GatewayStack, key: str, **body: object) -> dict:

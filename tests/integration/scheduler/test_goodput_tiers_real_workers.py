@@ -33,12 +33,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
 from worker_procs import WorkerProcess  # noqa: E402
 
-from engine.block_manager import block_hashes  # noqa: E402
 from rpcgen.baton.v1 import scheduler_pb2 as spb  # noqa: E402
 from rpcgen.baton.v1 import worker_pb2 as pb  # noqa: E402
 from rpcgen.baton.v1 import worker_pb2_grpc  # noqa: E402
 from scheduler.types import SLO, RequestSummary, Tier  # noqa: E402
 from tests.support.scheduler_process import SchedulerProcess  # noqa: E402
+from tokenization.block_hashes import block_hashes  # noqa: E402
 
 PROMPT_TOKENS = 48
 OUTPUT_TOKENS = 16

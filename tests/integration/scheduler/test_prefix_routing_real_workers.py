@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
 from worker_client import Result, generate, request  # noqa: E402
 from worker_procs import WorkerProcess  # noqa: E402
 
-from engine.block_manager import block_hashes  # noqa: E402
 from rpcgen.baton.v1 import scheduler_pb2 as spb  # noqa: E402
 from rpcgen.baton.v1 import worker_pb2 as pb  # noqa: E402
 from scheduler.types import SLO, Reason, RequestSummary, Tier  # noqa: E402
 from tests.support.scheduler_process import SchedulerProcess  # noqa: E402
+from tokenization.block_hashes import block_hashes  # noqa: E402
 
 PREFIX_TOKENS = 160  # 10 blocks of 16
 LEARN_S = 10.0  # a heartbeat is 0.2 s; generous for a loaded machine

@@ -23,7 +23,7 @@ from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader.prepare import default_model_dir  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from tokenization.tokenizer import Tokenizer  # noqa: E402
 
 TOKENS = 32
 

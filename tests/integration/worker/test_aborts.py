@@ -16,8 +16,8 @@ import grpc
 import pytest
 from worker_client import Result, collect, generated_tokens, request, wait_baseline, wait_for
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 QUICK_S = 4.0  # shorter than the decode worker's 6 s quarantine
 LONG_OUTPUT = 1000  # tokens: far more than a request decodes before its abort lands

@@ -8,8 +8,8 @@ from worker_client import QUESTIONS, generate, generate_many, request, wait_base
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

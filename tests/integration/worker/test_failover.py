@@ -14,8 +14,8 @@ import pytest
 from worker_client import QUESTIONS, collect, generate, generate_many, request, wait_baseline, wait_for
 from worker_procs import WorkerProcess
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from worker_client import generate, request, wait_baseline
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

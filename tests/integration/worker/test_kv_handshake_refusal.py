@@ -7,8 +7,8 @@ import pytest
 from worker_client import generate, request
 from worker_procs import WorkerProcess
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

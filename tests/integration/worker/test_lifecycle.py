@@ -14,10 +14,10 @@ import pytest
 from worker_client import collect, generate, request, wait_for
 from worker_procs import WorkerProcess, free_port
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):

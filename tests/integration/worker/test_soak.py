@@ -11,8 +11,8 @@ import grpc
 import pytest
 from worker_client import QUESTIONS, Result, collect, generate_many, request, wait_baseline
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 NUM_REQUESTS = 500
 CANCEL_RATE = 0.2

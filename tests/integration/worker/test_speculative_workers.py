@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from worker_client import generate_many, request, wait_baseline
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 PASSAGE = ("The committee met on Tuesday to review the budget. The members agreed to increase funding for "
            "the public library by ten percent and to delay the road repairs until the spring.")

@@ -15,8 +15,8 @@ import pytest
 from worker_client import QUESTIONS, generate, generate_many, request, wait_baseline
 from worker_procs import WorkerProcess
 
-from engine.tokenizer import Tokenizer
 from rpcgen.baton.v1 import worker_pb2 as pb
+from tokenization.tokenizer import Tokenizer
 
 TP = "3"
 TP_ARGS = ("--tensor-parallel-size", TP)

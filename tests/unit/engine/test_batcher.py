@@ -8,12 +8,13 @@ from batcher_helpers import BS, TOKEN, free_blocks, held, make, run, seq, shape,
 
 from engine.batch import BatchPlan, SampledToken, StepResult
 from engine.batcher import Batcher
-from engine.block_manager import BlockManager, KVEventKind, block_hashes
+from engine.block_manager import BlockManager, KVEventKind
 from engine.config import BatcherConfig
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from tokenization.block_hashes import block_hashes
 
 
 # ---- chunked prefill and decode -------------------------------------------------------------------

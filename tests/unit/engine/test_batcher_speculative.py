@@ -10,12 +10,13 @@ from batcher_helpers import BS, free_blocks, held, make, shape
 
 from engine.batch import BatchPlan, SampledToken, StepResult
 from engine.batcher import Batcher
-from engine.block_manager import BlockManager, KVEventKind, block_hashes
+from engine.block_manager import BlockManager, KVEventKind
 from engine.config import BatcherConfig
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.speculative import DraftProposer
+from tokenization.block_hashes import block_hashes
 
 DRAFT = (51, 52, 53, 54)
 CORRECTION = 99

@@ -7,8 +7,9 @@ import struct
 
 import pytest
 
-from engine.block_manager import BlockManager, KVEvent, KVEventKind, block_hashes, hash_block
+from engine.block_manager import BlockManager, KVEvent, KVEventKind
 from engine.errors import OutOfBlocksError
+from tokenization.block_hashes import block_hashes, hash_block
 
 BS = 4
 

@@ -27,8 +27,8 @@ from engine.loader.dummy import DUMMY_STD, dummy_weights, hf_parameter_shapes
 from engine.loader.gguf_file import open_gguf
 from engine.loader.gguf_weights import unpermute_rotary
 from engine.loader.prepare import MARKER_FILE, default_gguf_path
-from engine.tokenizer import Tokenizer
 from tests.support.required import require_module
+from tokenization.tokenizer import Tokenizer
 
 TINY_HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -198,7 +198,7 @@ def test_tiny_gguf_round_trips_config_and_unpermuted_weights(tiny_gguf: tuple[Pa
 
 
 def test_gguf_tokenizer_adds_bos_when_the_file_says_so(tiny_gguf: tuple[Path, dict]) -> None:
-    tok = Tokenizer.from_gguf(tiny_gguf[0])
+    tok = Tokenizer.from_gguf(open_gguf(tiny_gguf[0]))
     assert tok.encode("ab a") == [0, tok.token_to_id("ab"), tok.token_to_id("\u0120a")]
     assert tok.encode("ab", add_special_tokens=False) == [tok.token_to_id("ab")]
     assert (tok.bos_token_id, tok.eos_token_ids) == (0, (1,))

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
 from services.gateway.formatting import ChatFormatter, ResponseMeta, TokenTexts, usage_body
 from services.gateway.generation import SamplingSpec, TokenLogprob
 from services.gateway.prompt import PreparedPrompt
 from services.gateway.run_state import ChoiceEvent, ChoiceSpec, ChoiceState
+from tokenization.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.errors import InvalidRequestError as EngineInvalidRequest
-from engine.tokenizer import Tokenizer
 from services.billing.pricing import ModelPrice
 from services.gateway.config import ServedModel
 from services.gateway.errors import PromptTooLongError
 from services.gateway.limits import BodySizeLimit
 from services.gateway.prompt import PromptBuilder
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, ConversationCreate
+from tokenization.tokenizer import Tokenizer
 
 
 async def _echo_length(request: Request) -> JSONResponse:

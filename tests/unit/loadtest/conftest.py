@@ -13,7 +13,7 @@ from loadtest.tokens import EngineTokenizer, PromptTokenizer
 
 @pytest.fixture(scope="session")
 def engine_tokenizer(default_model_dir: Path) -> PromptTokenizer:
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     return EngineTokenizer(Tokenizer.from_dir(default_model_dir), name=default_model_dir.name)
 

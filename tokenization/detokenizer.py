@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
 
 INCOMPLETE_CHAR = "\ufffd"
 # How many prompt tokens seed the decode window; enough context for SentencePiece's space rule.

@@ -1,4 +1,4 @@
-"""`engine.tokenizer.Tokenizer` must produce exactly what `transformers.AutoTokenizer` produces."""
+"""`tokenization.tokenizer.Tokenizer` must produce exactly what `transformers.AutoTokenizer` produces."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.tokenizer import Tokenizer
 from tests.support.required import require_module
+from tokenization.errors import InvalidRequestError, ModelLoadError
+from tokenization.tokenizer import Tokenizer
 
 transformers = require_module("transformers")
 
@@ -92,9 +92,10 @@ def test_special_ids_and_vocab(tok: Tokenizer, hf_tok: Any) -> None:
 
 
 def test_gguf_tokenizer_equals_prepared_tokenizer(tok: Tokenizer) -> None:
+    from engine.loader.gguf_file import open_gguf
     from engine.loader.prepare import default_gguf_path
 
-    from_gguf = Tokenizer.from_gguf(default_gguf_path())
+    from_gguf = Tokenizer.from_gguf(open_gguf(default_gguf_path()))
     for text in TEXTS:
         assert from_gguf.encode(text) == tok.encode(text)
     assert from_gguf.encode_chat(CHATS[1]) == tok.encode_chat(CHATS[1])

@@ -1,39 +1,32 @@
-"""The engine's tokenizer: a `tokenizers.Tokenizer` plus the model's chat template rendered with jinja2.
+"""The model's tokenizer: a `tokenizers.Tokenizer` plus its chat template (`chat_template.ChatTemplate`).
 
 Why not `transformers.AutoTokenizer`: the serving path needs exactly three things -- the Rust BPE
 (`tokenizers`), the chat template (`jinja2`) and a few special-token ids -- and `transformers`
 brings ~1 s of import time, hundreds of MB of dependencies, and behaviour that shifts between major
 versions (v5 changed `special_tokens_map`, chat-template file names and tokenizer classes). Here we
 read the same files a HF directory holds (`tokenizer.json`, `tokenizer_config.json`,
-`chat_template.jinja`, `generation_config.json`) and render templates the way `transformers` does
-(sandboxed, `trim_blocks`/`lstrip_blocks`, its `tojson`, `raise_exception`, `strftime_now`,
-`{% generation %}`), so token ids match it; tests compare against `AutoTokenizer` directly.
-
-Chat templates are untrusted code from a model repo: they run in jinja2's immutable sandbox, and a
-template that raises (e.g. "roles must alternate") surfaces as `InvalidRequestError` for the caller
-to return as a 4xx.
+`chat_template.jinja`, `generation_config.json`), or a GGUF file's tokenizer metadata, so token ids
+match it; tests compare against `AutoTokenizer` directly.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from tokenization.chat_template import ChatTemplate, Message, find_chat_template
+from tokenization.errors import InvalidRequestError, ModelLoadError
+from tokenization.gguf_vocab import GGUFMetadata, build_tokenizer, tokenizer_config
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"
 )
-Message = dict[str, Any]
+
+__all__ = ["Message", "Tokenizer"]
 
 
 class Tokenizer:
@@ -51,7 +44,7 @@ class Tokenizer:
         # e.g. {"bos_token": "<|im_start|>"}; also the chat template's variables, as in transformers
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
-        self._template = _compile_chat_template(chat_template) if chat_template else None
+        self._template = ChatTemplate(chat_template) if chat_template else None
         eos = list(eos_token_ids)
         if (eos_id := self.token_to_id(self.special_tokens.get("eos_token"))) is not None:
             eos.append(eos_id)
@@ -71,30 +64,21 @@ class Tokenizer:
         generation = _read_json(d / "generation_config.json") or _read_json(d / "config.json")
         return cls(
             backend,
-            chat_template=_find_chat_template(d, config),
+            chat_template=find_chat_template(d, config),
             special_tokens=_special_tokens(config),
             eos_token_ids=_as_id_list(generation.get("eos_token_id")),
         )
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build from a GGUF file's tokenizer metadata (needs the `gguf` package; a few seconds)."""
-        from engine.loader.gguf_file import open_gguf
-        from engine.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
-
-        gfile = open_gguf(path)
-        config = tokenizer_config(gfile)
+    def from_gguf(cls, gguf: GGUFMetadata) -> Tokenizer:
+        """Build from an open GGUF file's tokenizer metadata (the engine's `open_gguf(path)`)."""
+        config = tokenizer_config(gguf)
         return cls(
-            build_tokenizer(gfile),
+            build_tokenizer(gguf),
             chat_template=config.get("chat_template"),
             special_tokens=_special_tokens(config),
-            eos_token_ids=_as_id_list(gfile.get("tokenizer.ggml.eos_token_id")),
+            eos_token_ids=_as_id_list(gguf.get("tokenizer.ggml.eos_token_id")),
         )
-
-    @classmethod
-    def from_path(cls, path: str | Path) -> Tokenizer:
-        """`from_gguf` for a file, `from_dir` for a directory."""
-        return cls.from_gguf(path) if Path(path).is_file() else cls.from_dir(path)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what tokenizer.json's post-processor adds (BOS).
@@ -130,25 +114,11 @@ class Tokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """The prompt text for a chat, rendered as `transformers`' `apply_chat_template(tokenize=False)` does.
-
-        Message keys whose value is `None` are dropped first (as transformers does), so optional
-        OpenAI fields such as `"name": None` do not reach the template.
-        """
+        """The prompt text for a chat, rendered as `transformers`' `apply_chat_template(tokenize=False)` does."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; send a plain completion prompt")
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {**self.special_tokens, **template_kwargs}
-        try:
-            return self._template.render(
-                messages=chat,
-                tools=list(tools) if tools is not None else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
-        except jinja2.TemplateError as e:  # includes raise_exception(...) from the template itself
-            raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     variables={**self.special_tokens, **template_kwargs})
 
     def encode_chat(
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **template_kwargs: Any
@@ -156,45 +126,6 @@ class Tokenizer:
         """Token ids of the rendered chat. The template writes its own BOS, so none is added here."""
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (assistant-mask markers) and render the body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return str(caller())
-
-
-def _compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ModelLoadError(f"the model's chat template does not compile: {e}") from e
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson HTML-escapes '<' and '>' and sorts keys; chat templates expect plain json.dumps.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -205,18 +136,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"invalid {path}: {e}") from e
     return data if isinstance(data, dict) else {}
-
-
-def _find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-    """transformers 5 saves `chat_template.jinja`; older repos keep it in tokenizer_config.json."""
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
 
 
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:

@@ -13,12 +13,25 @@ built here; SentencePiece-style (`"llama"`, Llama 2) vocabularies are refused wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.errors import ModelLoadError
-from engine.loader.gguf_file import GGUFFile
+from tokenization.errors import ModelLoadError
+
+
+class GGUFMetadata(Protocol):
+    """What is read of an open GGUF file: the engine's `GGUFFile` (the reader is the engine's to own)."""
+
+    path: Path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of metadata `key`; `default` when absent."""
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        """Architecture-scoped metadata, e.g. `arch_get("context_length")`."""
+
 
 # llama.cpp token types (gguf.TokenType).
 CONTROL, USER_DEFINED = 3, 4
@@ -62,7 +75,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 }
 
 
-def build_tokenizer(gfile: GGUFFile) -> Tokenizer:
+def build_tokenizer(gfile: GGUFMetadata) -> Tokenizer:
     """The byte-level BPE tokenizer the file describes, special tokens included."""
     kind = gfile.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -94,7 +107,7 @@ def build_tokenizer(gfile: GGUFFile) -> Tokenizer:
     return tok
 
 
-def tokenizer_config(gfile: GGUFFile) -> dict[str, Any]:
+def tokenizer_config(gfile: GGUFMetadata) -> dict[str, Any]:
     """`tokenizer_config.json` for the file: special tokens, BOS/EOS flags and the chat template."""
     tokens: list[str] = gfile.get("tokenizer.ggml.tokens") or []
 
@@ -119,7 +132,7 @@ def tokenizer_config(gfile: GGUFFile) -> dict[str, Any]:
     return config
 
 
-def _post_processor(gfile: GGUFFile, tokens: list[str]) -> processors.PostProcessor:
+def _post_processor(gfile: GGUFMetadata, tokens: list[str]) -> processors.PostProcessor:
     """Add BOS/EOS around single sequences exactly when the file's flags say llama.cpp would."""
     add_bos = bool(gfile.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(gfile.get("tokenizer.ggml.add_eos_token", False))

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from tokenization.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
+from tokenization.tokenizer import Tokenizer
 
 PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
 EOS = 2
