@@ -56,6 +56,8 @@ class HandoffPayload:
     first_token_id: int | None = None  # the prefill's sampled first token
     first_logprobs: TokenLogprobs | None = None
     prefill_seconds: float = 0.0  # the prefill worker's queue wait + compute for this prompt (metrics)
+    # n > 1: the other choices' first tokens (token id, logprobs), sampled from the same logits, in order.
+    choice_first: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -78,22 +78,31 @@ def _encode_payload(payload: HandoffPayload) -> dict[str, object]:
         body["t"] = payload.first_token_id
     if payload.prefill_seconds:
         body["ps"] = round(payload.prefill_seconds, 6)
-    lp = payload.first_logprobs
-    if lp is not None:
-        body["lp"] = [lp.token_id, lp.logprob, [list(pair) for pair in lp.top]]
+    if payload.first_logprobs is not None:
+        body["lp"] = _encode_logprobs(payload.first_logprobs)
+    if payload.choice_first:
+        body["ch"] = [[t, None if lp is None else _encode_logprobs(lp)] for t, lp in payload.choice_first]
     return body
+
+
+def _encode_logprobs(lp: TokenLogprobs) -> list[object]:
+    return [lp.token_id, lp.logprob, [list(pair) for pair in lp.top]]
+
+
+def _decode_logprobs(lp: Any) -> TokenLogprobs | None:
+    if lp is None:
+        return None
+    token_id, logprob, top = lp
+    return TokenLogprobs(int(token_id), float(logprob), tuple((int(t), float(p)) for t, p in top))
 
 
 def _decode_payload(body: dict[str, Any]) -> HandoffPayload:
     """Raises ValueError / TypeError / KeyError on a malformed payload (decode() wraps them)."""
-    sums, token, lp = body.get("c"), body.get("t"), body.get("lp")
-    logprobs = None
-    if lp is not None:
-        token_id, logprob, top = lp
-        logprobs = TokenLogprobs(int(token_id), float(logprob), tuple((int(t), float(p)) for t, p in top))
+    sums, token = body.get("c"), body.get("t")
     return HandoffPayload(
         checksums=None if sums is None else tuple(int(c) for c in sums),
         first_token_id=None if token is None else int(token),
-        first_logprobs=logprobs,
+        first_logprobs=_decode_logprobs(body.get("lp")),
         prefill_seconds=float(body.get("ps", 0.0)),
+        choice_first=tuple((int(t), _decode_logprobs(lp)) for t, lp in body.get("ch", ())),
     )

@@ -19,6 +19,13 @@ decoded, and the caller still gets the right tokens.
 
 Engine request ids are `<request id>@<attempt>`: an attempt whose blocks are quarantined keeps its
 own id in the engine while the retry runs under the next one.
+
+n > 1 (`GenerateJob.choices`): one flow serves every choice of the prompt. A remote attempt reserves
+blocks for choice 0 only, the prefill worker samples every choice's first token from the same logits
+(`PrefillOrder.choice_params`), and the commit forks the other choices onto the landed prompt blocks
+(engine/choices.py: shared by reference, the last partly filled block copied on write). Each choice
+is aborted on its own (`abort(choice id)`); the remote attempt is stopped only once all are. A local
+prefill (short prompt, fallback, `both` worker) runs the choices as independent engine requests.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.async_engine import ABORTED_BEFORE_COMMIT, AsyncEngine, Reservation
+from engine.batch import SampledToken
+from engine.choices import ChoiceFork
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -62,13 +71,30 @@ class PrefillPath(StrEnum):
 
 
 @dataclass(frozen=True)
-class GenerateJob:
+class JobChoice:
+    """Another choice of an n > 1 request: the same prompt, its own id and sampling."""
+
     request_id: str
-    prompt: list[int]
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    request_id: str  # choice 0's
+    prompt: list[int]
+    params: SamplingParams  # choice 0's
     mode: PrefillMode = PrefillMode.AUTO
     prefill_worker: str = ""  # preferred prefill worker (host:port); empty: any configured
     traceparent: str = ""  # W3C trace context of the caller, forwarded to the prefill worker
+    choices: tuple[JobChoice, ...] = ()  # n > 1: choices 1..n-1, sharing the prompt's prefill
+
+    @property
+    def choice_ids(self) -> tuple[str, ...]:
+        return (self.request_id, *(c.request_id for c in self.choices))
+
+    @property
+    def choice_params(self) -> tuple[SamplingParams, ...]:
+        return (self.params, *(c.params for c in self.choices))
 
 
 @dataclass(frozen=True)
@@ -76,26 +102,39 @@ class GenerateEvent:
     output: RequestOutput
     prefill_path: PrefillPath | None = None  # on the first event only
     fallback_reason: FallbackReason | None = None  # on the first event of a fallen-back request
+    request_id: str = ""  # the choice's caller id (n > 1: whose response this is); empty: the job's
 
 
 @dataclass
 class _Flow:
     job: GenerateJob
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # every choice aborted
     events: asyncio.Queue[GenerateEvent | BaseException | None] = field(default_factory=asyncio.Queue)
-    engine_rid: str = ""
+    engine_rids: tuple[str, ...] = ()  # per choice, of the latest attempt; [0] holds a remote reservation
+    choice_aborted: list[bool] = field(default_factory=list)
     in_engine: bool = False
     attempts: int = 0
     peer_address: str = ""  # the prefill worker of the latest remote attempt
     task: asyncio.Task[None] | None = None
 
+    def __post_init__(self) -> None:
+        self.choice_aborted = [False] * len(self.job.choice_ids)
+
+    @property
+    def engine_rid(self) -> str:
+        return self.engine_rids[0]
+
     def next_engine_rid(self) -> str:
-        self.engine_rid = f"{self.job.request_id}@{self.attempts}"
+        self.engine_rids = tuple(f"{rid}@{self.attempts}" for rid in self.job.choice_ids)
         self.attempts += 1
         return self.engine_rid
 
+    def live(self) -> list[int]:
+        return [i for i, aborted in enumerate(self.choice_aborted) if not aborted]
 
-_Prefilled = tuple[AsyncIterator[RequestOutput] | None, PrefillPath, FallbackReason | None]
+
+# Per choice its engine stream (None: aborted before it reached the engine), where it was prefilled, why.
+_Prefilled = tuple[list[AsyncIterator[RequestOutput] | None] | None, PrefillPath, FallbackReason | None]
 
 
 class DecodeService:
@@ -127,10 +166,12 @@ class DecodeService:
         Leaving the iteration early (client gone) aborts the request."""
         if self.draining:
             raise DrainingError("the decode worker is draining")
-        if job.request_id in self._flows:
-            raise InvalidRequestError(f"duplicate request id {job.request_id!r}")
+        ids = job.choice_ids
+        if len(set(ids)) != len(ids) or any(rid in self._flows for rid in ids):
+            raise InvalidRequestError(f"duplicate request id among {list(ids)!r}")
         flow = _Flow(job)
-        self._flows[job.request_id] = flow
+        for rid in ids:
+            self._flows[rid] = flow
         flow.task = asyncio.create_task(self._run(flow), name=f"flow-{job.request_id}")
         flow.task.add_done_callback(lambda _: self._forget(flow))
         backlog: deque[GenerateEvent | BaseException | None] = deque()
@@ -146,10 +187,11 @@ class DecodeService:
                 self._abort_flow(flow)
 
     async def abort(self, request_id: str) -> bool:
+        """Abort one choice (the only one unless n > 1)."""
         flow = self._flows.get(request_id)
         if flow is None:
             return False
-        self._abort_flow(flow)
+        self._abort_choice(flow, flow.job.choice_ids.index(request_id))
         return True
 
     def abort_all(self) -> None:
@@ -172,33 +214,51 @@ class DecodeService:
 
     # ---- the flow -------------------------------------------------------------------------------
     def _forget(self, flow: _Flow) -> None:
-        if self._flows.get(flow.job.request_id) is flow:
-            del self._flows[flow.job.request_id]
+        for rid in flow.job.choice_ids:
+            if self._flows.get(rid) is flow:
+                del self._flows[rid]
 
     def _abort_flow(self, flow: _Flow) -> None:
-        flow.aborted.set()
+        for i in flow.live():
+            self._abort_choice(flow, i)
+
+    def _abort_choice(self, flow: _Flow, i: int) -> None:
+        """In the engine: abort that choice's sequence. Before: it is left out of the commit's forks (or
+        aborted right after it), and the remote attempt stops once no choice is left."""
+        if flow.choice_aborted[i]:
+            return
+        flow.choice_aborted[i] = True
+        if not flow.live():
+            flow.aborted.set()
         if flow.in_engine:
-            asyncio.ensure_future(self._engine.abort(flow.engine_rid))
+            asyncio.ensure_future(self._engine.abort(flow.engine_rids[i]))
 
     async def _run(self, flow: _Flow) -> None:
         try:
-            stream, path, reason = await self._prefill(flow)
+            streams, path, reason = await self._prefill(flow)
             self._metrics.prefill_path.labels(path.value).inc()
-            if stream is None:
-                abort = RequestOutput(flow.job.request_id, (), "", finish_reason=FinishReason.ABORT)
-                flow.events.put_nowait(GenerateEvent(abort, path, reason))
-                return
-            first = True
-            async for out in stream:
-                self._metrics.tokens.labels("generated").inc(len(out.new_token_ids))
-                flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else None))
-                first = False
+            streams = streams or [None] * len(flow.job.choice_ids)
+            await asyncio.gather(*(self._pump(flow, i, s, path, reason) for i, s in enumerate(streams)))
         except Exception as e:  # handed to the caller's stream (typed errors become gRPC statuses)
             if not isinstance(e, InvalidRequestError):
                 log.exception("request %s failed", flow.job.request_id)
             flow.events.put_nowait(e)
         finally:
             flow.events.put_nowait(None)
+
+    async def _pump(self, flow: _Flow, i: int, stream: AsyncIterator[RequestOutput] | None, path: PrefillPath,
+                    reason: FallbackReason | None) -> None:
+        """One choice's engine outputs onto the flow's queue; its first carries where it was prefilled."""
+        rid = flow.job.choice_ids[i]
+        if stream is None:
+            abort = RequestOutput(rid, (), "", finish_reason=FinishReason.ABORT)
+            flow.events.put_nowait(GenerateEvent(abort, path, reason, rid))
+            return
+        first = True
+        async for out in stream:
+            self._metrics.tokens.labels("generated").inc(len(out.new_token_ids))
+            flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else None, rid))
+            first = False
 
     async def _prefill(self, flow: _Flow) -> _Prefilled:
         """Get the request into the engine: remote attempts, else local. None: aborted first."""
@@ -251,54 +311,72 @@ class DecodeService:
         if flow.aborted.is_set():
             return AttemptResult(aborted=True)
         erid = flow.next_engine_rid()
-        stream = self._engine.open_stream(erid)
+        # Opened before a commit publishes; None once a choice is left out.
+        streams: list[AsyncIterator[RequestOutput] | None] = [self._engine.open_stream(r) for r in flow.engine_rids]
         reserved = time.perf_counter()
         force = job.mode is PrefillMode.REMOTE
         reservation = await self._engine.reserve_remote(
             erid, job.prompt, job.params,
             wants_remote=lambda cached: force or self._policy.remote_given_cache(len(job.prompt), cached))
-        if not reservation.remote:
+        if not reservation.remote:  # choice 0 is queued locally: so are the others
+            for rid, params in zip(flow.engine_rids[1:], job.choice_params[1:], strict=True):
+                await self._engine.add_request(rid, job.prompt, params)
             if not reservation.out_of_blocks:
-                return await self._enter_engine(flow, stream), PrefillPath.LOCAL, None
+                return await self._enter_engine(flow, streams), PrefillPath.LOCAL, None
             reason = FallbackReason.DECODE_OUT_OF_BLOCKS
             self._metrics.fallbacks.labels(reason.value).inc()
-            return await self._enter_engine(flow, stream), PrefillPath.LOCAL_FALLBACK, reason
-        return await self._run_attempt(flow, peer, erid, reservation, stream, reserved)
+            return await self._enter_engine(flow, streams), PrefillPath.LOCAL_FALLBACK, reason
+        return await self._run_attempt(flow, peer, reservation, streams, reserved)
 
-    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, erid: str, reservation: Reservation,
-                           stream: AsyncIterator[RequestOutput], reserved: float) -> _Prefilled | AttemptResult:
+    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, reservation: Reservation,
+                           streams: list[AsyncIterator[RequestOutput] | None],
+                           reserved: float) -> _Prefilled | AttemptResult:
         assert self._remote is not None
-        job = flow.job
+        job, erid = flow.job, flow.engine_rid
         order = self._remote.order(erid, flow.attempts - 1, job.prompt, job.params, reservation.block_ids,
-                                   reservation.num_cached_tokens, job.traceparent)
+                                   reservation.num_cached_tokens, job.traceparent, job.choice_params[1:])
         if flow.aborted.is_set():
             result = AttemptResult(aborted=True)
         else:
-            result = await self._remote.run(order, peer, flow.aborted, on_landed=self._committer(erid))
+            result = await self._remote.run(order, peer, flow.aborted, on_landed=self._committer(flow))
         if not result.ok:
-            await self._drop(erid, result.blocks_safe)
+            await self._drop(flow, result.blocks_safe)
             return result
         problem = result.commit_problem
         assert problem is not None, "the KV link runs the commit hook for every landed attempt"
         if problem:  # not committed: the blocks landed (the WRITE is over) but must never be used
-            await self._drop(erid, blocks_safe=True)
+            await self._drop(flow, blocks_safe=True)
             if problem == ABORTED_BEFORE_COMMIT:
                 return AttemptResult(aborted=True)
             reason = FallbackReason.INTERNAL_ERROR if result.commit_failed else FallbackReason.CHECKSUM_MISMATCH
             return AttemptResult(fallback=reason, detail=problem)
         self._observe_handoff(result, reserved)
-        return await self._enter_engine(flow, stream), PrefillPath.REMOTE, None
+        return await self._enter_engine(flow, streams), PrefillPath.REMOTE, None
 
-    def _committer(self, erid: str) -> OnLanded:
+    def _committer(self, flow: _Flow) -> OnLanded:
         """The KV link's hook for this attempt: verify and commit on the engine thread the moment the
         DONE notice is seen (no event-loop round trip between the notice and the commit)."""
+        erid = flow.engine_rid
+
         def on_landed(landed: LandedKV) -> concurrent.futures.Future[str]:
             token = landed.payload.first_token_id
             if token is None:
                 raise ValueError("the DONE notice carries no first token")
             return self._engine.commit_remote_threadsafe(erid, token, landed.payload.first_logprobs,
-                                                         verify=self._verify(landed))
+                                                         verify=self._verify(landed), forks=self._forks(flow, landed))
         return on_landed
+
+    @staticmethod
+    def _forks(flow: _Flow, landed: LandedKV) -> Callable[[], tuple[ChoiceFork, ...]]:
+        """The other choices to fork at the commit (engine thread): those not aborted by then."""
+        def forks() -> tuple[ChoiceFork, ...]:
+            firsts = landed.payload.choice_first
+            if len(firsts) != len(flow.job.choices):
+                raise ValueError(f"the DONE notice carries {len(firsts)} choices' first tokens, "
+                                 f"not {len(flow.job.choices)}")
+            return tuple(ChoiceFork(flow.engine_rids[i], flow.job.choice_params[i], SampledToken(*firsts[i - 1]))
+                         for i in range(1, len(flow.engine_rids)) if not flow.choice_aborted[i])
+        return forks
 
     def _verify(self, landed: LandedKV) -> Callable[[], str]:
         verifier = self._verifier
@@ -315,24 +393,35 @@ class DecodeService:
         committed = result.committed_at or time.monotonic()
         self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(committed - result.noticed_at, 0.0))
 
-    async def _local(self, flow: _Flow) -> AsyncIterator[RequestOutput] | None:
+    async def _local(self, flow: _Flow) -> list[AsyncIterator[RequestOutput] | None] | None:
+        """Every live choice as an engine request of its own (None: all aborted first)."""
         if flow.aborted.is_set():
             return None
         job = flow.job
-        erid = flow.next_engine_rid()
-        stream = self._engine.open_stream(erid)
-        await self._engine.add_request(erid, job.prompt, job.params)
-        return await self._enter_engine(flow, stream)
+        flow.next_engine_rid()
+        streams: list[AsyncIterator[RequestOutput] | None] = [None] * len(flow.engine_rids)
+        for i in flow.live():
+            streams[i] = self._engine.open_stream(flow.engine_rids[i])
+            await self._engine.add_request(flow.engine_rids[i], job.prompt, job.choice_params[i])
+        return await self._enter_engine(flow, streams)
 
-    async def _enter_engine(self, flow: _Flow, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """From here an abort goes through the engine (which ends the stream with ABORT)."""
+    async def _enter_engine(self, flow: _Flow, streams: list[AsyncIterator[RequestOutput] | None],
+                            ) -> list[AsyncIterator[RequestOutput] | None]:
+        """From here an abort goes through the engine (which ends the stream with ABORT). A choice
+        aborted until now (so maybe never forked) is aborted in the engine, which also drops its stream."""
         flow.in_engine = True
-        if flow.aborted.is_set():
-            await self._engine.abort(flow.engine_rid)
-        return stream
+        for i, aborted in enumerate(flow.choice_aborted):
+            if aborted:
+                await self._engine.abort(flow.engine_rids[i])
+                streams[i] = None
+        return streams
 
-    async def _drop(self, erid: str, blocks_safe: bool) -> None:
-        """Give up an attempt's blocks: now if no WRITE can land, else once reclaimable."""
+    async def _drop(self, flow: _Flow, blocks_safe: bool) -> None:
+        """Give up an attempt: its choices' streams now; its blocks (all choice 0's) now if no WRITE
+        can land, else once reclaimable."""
+        for rid in flow.engine_rids[1:]:
+            await self._engine.abort(rid)  # never forked: this only drops the stream
+        erid = flow.engine_rid
         if blocks_safe or erid in self._reclaimed_early:
             self._reclaimed_early.discard(erid)
             await self._engine.abort(erid)
@@ -344,9 +433,11 @@ def _coalesce(event: GenerateEvent, backlog: deque[GenerateEvent | BaseException
     """`event` merged with the outputs queued right behind it: a caller that fell behind gets one
     message with several tokens instead of a backlog of one-token messages. Stops at an error or the
     end marker, which stay in `backlog` for the caller's loop."""
-    while backlog and isinstance(nxt := backlog[0], GenerateEvent) and not event.output.finished:
+    while (backlog and isinstance(nxt := backlog[0], GenerateEvent) and not event.output.finished
+           and nxt.request_id == event.request_id):
         backlog.popleft()
-        event = GenerateEvent(_join(event.output, nxt.output), event.prefill_path, event.fallback_reason)
+        event = GenerateEvent(_join(event.output, nxt.output), event.prefill_path, event.fallback_reason,
+                              event.request_id)
     return event
 
 

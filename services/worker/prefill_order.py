@@ -29,13 +29,15 @@ class PrefillOrder:
     decode_agent: str  # the decode worker's KV agent (the handshake's name): where the WRITE goes
     transfer_timeout_s: float  # the WRITE's deadline on the prefill worker
     traceparent: str = ""  # W3C trace context of the request, forwarded as gRPC metadata
+    choice_params: tuple[SamplingParams, ...] = ()  # n > 1: the other choices' first-token settings
 
     def to_proto(self) -> pb.PrefillRequest:
         """The Prefill RPC's request (the trace context travels as gRPC metadata, not in it)."""
         return pb.PrefillRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt, sampling=convert.sampling_to_proto(self.params),
             decode_agent=self.decode_agent, remote_block_ids=list(self.remote_block_ids),
-            num_cached_tokens=self.num_cached_tokens, attempt=self.attempt, transfer_timeout_s=self.transfer_timeout_s)
+            num_cached_tokens=self.num_cached_tokens, attempt=self.attempt, transfer_timeout_s=self.transfer_timeout_s,
+            choice_sampling=[convert.sampling_to_proto(p) for p in self.choice_params])
 
     @classmethod
     def from_proto(cls, msg: pb.PrefillRequest, traceparent: str = "") -> PrefillOrder:
@@ -44,4 +46,5 @@ class PrefillOrder:
             raise InvalidRequestError("request_id is empty")
         return cls(msg.request_id, msg.attempt, convert.prompt_from_proto(msg.prompt_token_ids),
                    convert.sampling_from_proto(msg.sampling), tuple(msg.remote_block_ids), msg.num_cached_tokens,
-                   msg.decode_agent, msg.transfer_timeout_s or _DEFAULT_TRANSFER_TIMEOUT_S, traceparent)
+                   msg.decode_agent, msg.transfer_timeout_s or _DEFAULT_TRANSFER_TIMEOUT_S, traceparent,
+                   tuple(convert.sampling_from_proto(p) for p in msg.choice_sampling))

@@ -196,7 +196,8 @@ class PrefillService:
         """Prefill in the engine with the blocks held afterwards; None when aborted first."""
         order = job.order
         stream = self._engine.generate(order.prompt, order.params, order.request_id,
-                                       hold_for_s=self._config.hold_lease_s, checksum_hold=self._config.checksums)
+                                       hold_for_s=self._config.hold_lease_s, checksum_hold=self._config.checksums,
+                                       choice_samplings=order.choice_params)
         first = asyncio.ensure_future(_first_output(stream))
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
@@ -220,7 +221,8 @@ class PrefillService:
         payload = HandoffPayload(checksums=None if held.checksums is None else held.checksums[first_block:end],
                                  first_token_id=first.new_token_ids[0],
                                  first_logprobs=first.logprobs[0] if first.logprobs else None,
-                                 prefill_seconds=prefill_s)
+                                 prefill_seconds=prefill_s,
+                                 choice_first=tuple((t.token_id, t.logprobs) for t in first.choice_first))
         plan = TransferPlan.create(order.request_id, local, order.remote_block_ids, now=time.monotonic(),
                                    timeout_s=order.transfer_timeout_s, attempt=order.attempt, payload=payload)
         done = await self._link.send(order.decode_agent, plan)  # raises before posting: nothing to wait for

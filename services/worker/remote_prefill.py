@@ -118,13 +118,15 @@ class RemotePrefill:
         self._trailing: set[asyncio.Future[_CallEnd]] = set()  # answered after their KV landed
 
     def order(self, request_id: str, attempt: int, prompt: list[int], params: SamplingParams,
-              block_table: tuple[int, ...], num_cached_tokens: int, traceparent: str = "") -> PrefillOrder:
+              block_table: tuple[int, ...], num_cached_tokens: int, traceparent: str = "",
+              choice_params: tuple[SamplingParams, ...] = ()) -> PrefillOrder:
         """What this worker asks of a prefill worker for a reservation (`block_table` from
-        `reserve_remote`): its blocks for the uncached prompt tokens, its KV agent, the WRITE's deadline."""
+        `reserve_remote`): its blocks for the uncached prompt tokens, its KV agent, the WRITE's deadline,
+        and (n > 1) the other choices' settings for their first tokens."""
         bs, n = self._block_size, len(prompt)
         return PrefillOrder(request_id, attempt, prompt, params, block_table[num_cached_tokens // bs:-(-n // bs)],
                             num_cached_tokens, self._link.handshake_info.agent_name,
-                            self._config.transfer_timeout_s, traceparent)
+                            self._config.transfer_timeout_s, traceparent, choice_params)
 
     async def run(self, order: PrefillOrder, peer: PrefillPeer, aborted: asyncio.Event,
                   on_landed: OnLanded | None = None) -> AttemptResult:

@@ -19,7 +19,14 @@ from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
 from services.rpc import convert
-from services.worker.decode_service import DecodeService, GenerateEvent, GenerateJob, PrefillMode, PrefillPath
+from services.worker.decode_service import (
+    DecodeService,
+    GenerateEvent,
+    GenerateJob,
+    JobChoice,
+    PrefillMode,
+    PrefillPath,
+)
 from services.worker.faults import WorkerFaults
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_order import PrefillOrder
@@ -62,9 +69,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                               convert.prompt_from_proto(request.prompt_token_ids),
                               convert.sampling_from_proto(request.sampling),
                               _MODES.get(request.prefill_mode, PrefillMode.AUTO), request.prefill_worker,
-                              _traceparent(context))
+                              _traceparent(context), tuple(_choice(c) for c in request.choices))
             async for event in self._decode.generate(job):
-                yield _response(event, job.request_id)
+                yield _response(event, event.request_id or job.request_id)
         except InvalidRequestError as e:
             await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except DrainingError as e:
@@ -149,6 +156,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 def _traceparent(context: grpc.aio.ServicerContext) -> str:
     return next((str(v) for k, v in context.invocation_metadata() or () if k == "traceparent"), "")
+
+
+def _choice(msg: pb.Choice) -> JobChoice:
+    return JobChoice(msg.request_id or _missing("choices.request_id"), convert.sampling_from_proto(msg.sampling))
 
 
 def _missing(field: str) -> str:

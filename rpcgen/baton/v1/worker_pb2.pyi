@@ -129,20 +129,30 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_mode", "prefill_worker", "tier")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_mode", "prefill_worker", "tier", "choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     prefill_mode: PrefillMode
     prefill_worker: str
     tier: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., prefill_worker: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[Choice]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., prefill_worker: _Optional[str] = ..., tier: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ...) -> None: ...
+
+class Choice(_message.Message):
+    __slots__ = ("request_id", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prefill_path", "fallback_reason", "error")
@@ -181,7 +191,7 @@ class AbortResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "attempt", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "attempt", "transfer_timeout_s", "choice_sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +200,7 @@ class PrefillRequest(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -198,7 +209,8 @@ class PrefillRequest(_message.Message):
     num_cached_tokens: int
     attempt: int
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    choice_sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., choice_sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "outcome", "reason", "prefill_seconds", "transfer_seconds", "transfer_bytes", "num_prefill_cached_tokens")

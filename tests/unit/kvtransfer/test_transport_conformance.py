@@ -128,7 +128,9 @@ def test_landed_payload_carries_checksums_first_token_and_logprobs(pair: Pair) -
     plan = pair.plan("req-payload")
     sums = tuple(block_checksums(pair.src, plan.local_block_ids))
     logprobs = TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5)))
-    plan = replace(plan, payload=HandoffPayload(sums, first_token_id=7, first_logprobs=logprobs))
+    choices = ((3, TokenLogprobs(3, -1.5, ((7, -0.25),))), (9, None))  # n > 1: the other choices' first tokens
+    plan = replace(plan, payload=HandoffPayload(sums, first_token_id=7, first_logprobs=logprobs,
+                                                choice_first=choices))
     pair.expect(plan)
     arrived, _ = pair.drive([pair.prefill.sender.start(pair.peer, plan)])
     landed = arrived["req-payload"]
