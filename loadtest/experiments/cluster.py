@@ -26,11 +26,10 @@ from types import TracebackType
 from services.gateway.auth import ApiKeyAuthenticator
 from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
-from services.gateway.db.migrations import apply_migrations
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
 from services.launcher.process import free_port
-from services.launcher.serve import WORKER_READY
+from services.launcher.serve import WORKER_READY, migrate_database
 from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, listening, log_line
 
 TIERS = ("free", "plus", "enterprise")
@@ -73,7 +72,7 @@ class ExperimentInfra:
     def __enter__(self) -> ExperimentInfra:
         self.endpoints = self.infra.start()
         try:
-            apply_migrations(self.endpoints.database_url)
+            migrate_database(self.endpoints.database_url)
             self.keys = asyncio.run(_issue_keys(self.endpoints.database_url))
         except BaseException:
             self.infra.stop()

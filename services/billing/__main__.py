@@ -21,10 +21,10 @@ from pydantic import ValidationError
 from services.billing.consumer import ConsumerConfig, UsageConsumer
 from services.billing.ledger import UsageLedger
 from services.billing.pricing import PriceTable
+from services.billing.schema import migrate_billing
 from services.common.errors import BatonError
 from services.common.settings import BatonSettings
 from services.common.tracing import setup_tracing
-from services.gateway.db.migrations import apply_migrations
 
 log = logging.getLogger("services.billing")
 
@@ -36,7 +36,7 @@ def main() -> int:
         # OpenTelemetry's own variable (none | console | otlp): each written batch is a span.
         setup_tracing(os.environ.get("OTEL_TRACES_EXPORTER", "none"), "baton-billing")
         config = ConsumerConfig.from_settings(settings)
-        apply_migrations(config.database_url)
+        migrate_billing(config.database_url)
         consumer = UsageConsumer(config, UsageLedger(PriceTable.from_settings(settings)))
     except (BatonError, ValidationError) as e:
         log.error("cannot start: %s", e)

@@ -172,6 +172,7 @@ def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
     from redis.asyncio import Redis
 
     from services.billing.producer import ProducerConfig, UsageProducer
+    from services.billing.schema import migrate_billing
     from services.common.errors import ConfigError
     from services.gateway.auth import ApiKeyAuthenticator
     from services.gateway.budget import BudgetGuard
@@ -189,7 +190,11 @@ def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
     usage = UsageProducer(ProducerConfig.from_settings(settings))
 
     async def start() -> None:
+        import asyncio
+
         await db.open()
+        if db.config.migrate:  # the ledger /v1/usage reads (and the usage outbox) are billing's tables
+            await asyncio.to_thread(migrate_billing, db.config.url)
         usage.start()
 
     async def close() -> None:

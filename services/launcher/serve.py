@@ -34,12 +34,13 @@ from types import FrameType
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from services.billing.schema import migrate_billing
 from services.common.errors import BatonError, ConfigError, NotFoundError
 from services.common.settings import TIERS, BatonSettings, Tier
 from services.gateway.auth import KEY_PREFIX, display_prefix, hash_api_key
 from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
-from services.gateway.db.migrations import apply_migrations
+from services.gateway.db.migrations import migrate_gateway
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
 from services.launcher.infra import EmbeddedInfra, InfraConfig
@@ -178,8 +179,14 @@ def _announce(options: ServeOptions, issued: str | None, log_dir: Path, run_dir:
 
 def _bootstrap_database(database_url: str, api_key: str | None, tier: Tier) -> str | None:
     """Migrate, make sure the local organisation and a key exist; returns a newly created key."""
-    apply_migrations(database_url)
+    migrate_database(database_url)
     return asyncio.run(ensure_api_key(database_url, api_key, tier))
+
+
+def migrate_database(database_url: str) -> None:
+    """Every owner's tables: the gateway's and billing's (each also migrates its own at start)."""
+    migrate_gateway(database_url)
+    migrate_billing(database_url)
 
 
 async def ensure_api_key(database_url: str, api_key: str | None, tier: Tier = "enterprise") -> str | None:

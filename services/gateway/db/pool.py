@@ -22,7 +22,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from services.common.errors import ConfigError, DependencyUnavailableError
 from services.common.settings import BatonSettings
-from services.gateway.db.migrations import apply_migrations
+from services.gateway.db.migrations import migrate_gateway
 from services.gateway.outage import OutageLog
 
 
@@ -54,9 +54,9 @@ class Database:
         self.outage = OutageLog("postgres")
 
     async def open(self) -> None:
-        """Migrate (in a thread: it is synchronous and start-up only), then open the pool."""
+        """Migrate the gateway's tables (in a thread: it is synchronous and start-up only), then open the pool."""
         if self.config.migrate:
-            await asyncio.to_thread(apply_migrations, self.config.url)
+            await asyncio.to_thread(migrate_gateway, self.config.url)
         await self._pool.open(wait=True, timeout=self.config.open_timeout_s)
 
     async def close(self) -> None:

@@ -15,10 +15,10 @@ import pytest
 from psycopg import sql
 from redis.asyncio import Redis
 
-from services.gateway.db.migrations import apply_migrations
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.redis_server import EmbeddedRedis
+from services.launcher.serve import migrate_database
 
 # Kafka client settings for tests: fast group membership so a killed consumer's
 # partitions move to its successor in about two seconds.
@@ -29,7 +29,7 @@ KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms
 @pytest.fixture(scope="session")
 def migrated_database(postgres: EmbeddedPostgres) -> str:
     url = postgres.create_database("baton_test")
-    apply_migrations(url)
+    migrate_database(url)
     return url
 
 
