@@ -23,7 +23,7 @@ a.build_model_dir(Path('$MODEL'), a.SHAPES['8b'][1])"
   # The workers' engine flags (distserve_plan.GPU_ENGINE, 40 GiB of KV); the hand-off's fixed cost is
   # the measured 2xH100 overhead (docs/benchmarks.md), which a single-GPU profile cannot time.
   start=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-240}" $PY -m services.cli profile \
+  CUDA_VISIBLE_DEVICES=0 timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-240}" $PY -m services.profiler \
     --model "$MODEL" --load-format dummy --seed 0 --device cuda:0 --dtype bfloat16 --attention-backend triton \
     --num-blocks 20480 --max-num-seqs 128 --max-model-len 4096 --no-prefix-caching \
     --transfer-fixed-s 0.011 --model-name Llama-3.1-8B-dummy --out "$OUT/profile-8b.json" >"$OUT/profile.log" 2>&1
