@@ -5,7 +5,8 @@ tier limits) and `GatewaySettings` (auth mode, scheduler or static workers, safe
 `BATON_AUTH_MODE=none` builds the gateway without tenants (no Postgres, Redis or Kafka; see
 tenancy.py) and says so loudly at start. The clients are
 built inside the server's event loop (gRPC aio channels belong to the loop that made them), then
-handed to `create_app`. SIGTERM/SIGINT drain: the listener closes, running streams get
+handed to `create_app`, with the internal gRPC API when `--grpc-port` / `BATON_GRPC_PORT` is set (same
+clients, same event loop; grpc_api/). SIGTERM/SIGINT drain: the listener closes, running streams get
 `BATON_DRAIN_TIMEOUT_S` to finish, then what is left is aborted (KV freed, usage billed).
 """
 
@@ -27,6 +28,7 @@ from services.common.settings import BatonSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
+from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
 from services.gateway.routing import RouterClient, StaticWorkers
 from services.gateway.safety_gate import SafetyGate
 from services.gateway.settings import GatewaySettings
@@ -52,7 +54,8 @@ def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettin
     """Every client from settings; call inside the running event loop."""
     if not gw.scheduler_address and not gw.worker_addresses:
         raise ConfigError("no workers: set BATON_SCHEDULER_ADDRESS or BATON_WORKER_ADDRESSES")
-    static = StaticWorkers(tuple(gw.worker_addresses)) if gw.worker_addresses else None
+    # BATON_WORKER_ADDRESSES serve the default model; extra models are found through the scheduler.
+    static = StaticWorkers(tuple(gw.worker_addresses), model=config.model.name) if gw.worker_addresses else None
     safety: SafetyGate | None = None
     if gw.safety_address:
         from services.safety.client import SafetyClient
@@ -62,11 +65,14 @@ def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettin
         log.warning("BATON_SAFETY_ADDRESS unset: prompts and outputs are NOT safety-checked")
     return GatewayDeps(config=config, tokenizer=Tokenizer.from_dir(config.model.path),
                        router=RouterClient(gw.scheduler_address, static), tenancy=build_tenancy(gw, settings),
-                       safety=safety)
+                       safety=safety, stream_redis_url=settings.redis_url,
+                       extra_tokenizers={m.name: Tokenizer.from_dir(m.path) for m in config.extra_models})
 
 
-async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings) -> None:
-    app = create_app(build_deps(config, gw, settings))
+async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings,
+                grpc_api: GrpcApiConfig | None = None) -> None:
+    deps = build_deps(config, gw, settings)
+    app = create_app(deps, None if grpc_api is None else GrpcApiServer(deps, grpc_api))
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level=gw.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=int(max(1, config.drain_timeout_s)), timeout_keep_alive=30))
@@ -79,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="serve the internal gRPC API on this port too (default: BATON_GRPC_PORT; unset: off)")
     args = parser.parse_args(argv)
     try:
         settings, gw = BatonSettings(), GatewaySettings()
@@ -88,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # uvicorn drains on SIGTERM, then re-raises it into the handler that was there before: make
         # that one a no-op, so a completed drain exits 0 instead of dying of the signal.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        asyncio.run(serve(args.host, args.port, config, gw, settings))
+        grpc_port = args.grpc_port if args.grpc_port is not None else gw.grpc_port
+        grpc_api = None if grpc_port is None else \
+            GrpcApiConfig.from_paths(args.host, grpc_port, gw.grpc_tls_cert, gw.grpc_tls_key)
+        asyncio.run(serve(args.host, args.port, config, gw, settings, grpc_api))
     except (BatonError, ValidationError, SettingsError) as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

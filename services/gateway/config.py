@@ -20,8 +20,10 @@ from services.common.errors import ConfigError
 from services.common.settings import TIERS, BatonSettings, Tier
 from services.gateway.settings import GatewaySettings, SLOSettings, default_slos
 
-# Mirrors engine.loader.prepare (a test checks they agree); importing it would import torch.
+# Mirror engine.loader.prepare and engine.loader.tiny (a test checks they agree); importing them
+# would import torch.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+TINY_MODEL_NAME = "baton-tiny-random"
 PREPARED_MARKER = "baton-prepared.json"
 
 
@@ -30,11 +32,13 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_dir(model: str | None, cache_dir: str | Path | None = None) -> Path:
-    """The HF directory to read the tokenizer and config from (the prepared default when `model` is None)."""
-    if model is None or model in ("", DEFAULT_MODEL_NAME):
-        path = Path(cache_dir or default_cache_dir()).expanduser() / "models" / DEFAULT_MODEL_NAME
+    """The HF directory to read the tokenizer and config from (the prepared default when `model` is None;
+    the built-in names are prepared under the cache by `baton serve` or `make model`)."""
+    if model is None or model in ("", DEFAULT_MODEL_NAME, TINY_MODEL_NAME):
+        name = model or DEFAULT_MODEL_NAME
+        path = Path(cache_dir or default_cache_dir()).expanduser() / "models" / name
         if not (path / PREPARED_MARKER).is_file():
-            raise ConfigError(f"the default model is not prepared at {path}: run `make model` "
+            raise ConfigError(f"the model {name} is not prepared at {path}: run `make model` "
                               "(python -m engine.loader.prepare) or set BATON_MODEL")
         return path
     path = Path(model).expanduser()
@@ -71,6 +75,7 @@ class StreamConfig:
     replay_window_s: float = 60.0  # how long a finished stream's events stay for Last-Event-ID
     replay_max_events: int = 4096  # per stream; older events are dropped (a resume before them is 410)
     max_streams: int = 10_000  # replay buffers held at once; the oldest finished go first
+    detach_grace_s: float = 30.0  # a stream whose client left keeps generating this long (0: abort at once)
 
 
 def _slos(settings: Mapping[Tier, SLOSettings]) -> dict[str, SLO]:
@@ -80,7 +85,7 @@ def _slos(settings: Mapping[Tier, SLOSettings]) -> dict[str, SLO]:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: ServedModel
+    model: ServedModel  # the default model (BATON_MODEL)
     slos: dict[str, SLO] = field(default_factory=lambda: _slos({}))
     stream: StreamConfig = StreamConfig()
     block_size: int = 16
@@ -90,15 +95,27 @@ class GatewayConfig:
     worker_abort_timeout_s: float = 2.0
     usage_backlog_limit: int = 90_000  # refuse new requests (503) once this many usage events are unsent
     drain_timeout_s: float = 30.0  # on shutdown, running streams get this long to finish
+    max_migrations: int = 3  # retries + migrations of one choice whose worker was lost
     max_request_bytes: int = 8 * 1024 * 1024  # request bodies over this are refused (413) unread
+    extra_models: tuple[ServedModel, ...] = ()  # served besides `model` (BATON_EXTRA_MODELS)
+
+    @property
+    def models(self) -> tuple[ServedModel, ...]:
+        return (self.model, *self.extra_models)
 
     @classmethod
     def from_settings(cls, gw: GatewaySettings, baton: BatonSettings) -> GatewayConfig:
         path = resolve_model_dir(gw.model, gw.cache_dir)
-        model = ServedModel.from_dir(path, gw.served_model_name, gw.max_model_len,
-                                     PriceTable.from_settings(baton))
-        stream = StreamConfig(gw.sse_keepalive_s, gw.stream_replay_window_s, gw.stream_replay_max_events)
+        prices = PriceTable.from_settings(baton)
+        model = ServedModel.from_dir(path, gw.served_model_name, gw.max_model_len, prices)
+        extra = tuple(ServedModel.from_dir(resolve_model_dir(spec, gw.cache_dir), name, gw.max_model_len, prices)
+                      for name, spec in gw.extra_models.items())
+        if model.name in gw.extra_models:
+            raise ConfigError(f"BATON_EXTRA_MODELS names {model.name!r}, the default model's name")
+        stream = StreamConfig(gw.sse_keepalive_s, gw.stream_replay_window_s, gw.stream_replay_max_events,
+                              detach_grace_s=gw.stream_detach_grace_s)
         return cls(model, _slos(gw.slos), stream, block_size=gw.block_size,
                    default_max_tokens=gw.default_max_tokens, retention_days=gw.conversation_retention_days,
                    purge_interval_s=gw.purge_interval_s, usage_backlog_limit=int(baton.usage_max_pending * 0.9),
-                   drain_timeout_s=gw.drain_timeout_s, max_request_bytes=gw.max_request_bytes)
+                   drain_timeout_s=gw.drain_timeout_s, max_request_bytes=gw.max_request_bytes,
+                   max_migrations=gw.max_migrations, extra_models=extra)

@@ -11,6 +11,7 @@ store; 501 when disabled) or `Completions` (the completion service).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
@@ -18,14 +19,17 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.gateway.auth import Principal
-from services.gateway.config import GatewayConfig
+from services.gateway.catalog import ModelCatalog, ModelRuntime
+from services.gateway.config import GatewayConfig, ServedModel
 from services.gateway.generation import WorkerClient
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy
 from services.gateway.prompt import PromptBuilder
 from services.gateway.routing import RouterClient
 from services.gateway.runner import CompletionRunner
 from services.gateway.safety_gate import SafetyGate
 from services.gateway.service import CompletionService
+from services.gateway.stream_relay import build_relay
 from services.gateway.streams import StreamHub
 from services.gateway.tenancy import TenantServices, UsageReports
 from tokenization.tokenizer import Tokenizer
@@ -43,19 +47,30 @@ class GatewayDeps:
     safety: SafetyGate | None = None
     workers: WorkerClient = field(default_factory=WorkerClient)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    stream_redis_url: str | None = None  # streams shared by replicas through this Redis (None: local only)
+    extra_tokenizers: Mapping[str, Tokenizer] = field(default_factory=dict)  # config.extra_models' by name
 
     def __post_init__(self) -> None:
         self.streams = StreamHub(self.config.stream)
-        self.prompts = PromptBuilder(self.tokenizer, self.config.model, self.config.block_size,
-                                     self.config.default_max_tokens)
+        self.relay = build_relay(self.streams, self.stream_redis_url)
+        self.prompts = self._prompt_builder(self.tokenizer, self.config.model)  # the default model's
+        self.models = ModelCatalog([ModelRuntime.of(self.prompts), *(
+            ModelRuntime.of(self._prompt_builder(self.extra_tokenizers[m.name], m)) for m in self.config.extra_models)])
         t = self.tenancy
         self.runner = CompletionRunner(self.workers, self.router, self.safety, t.usage, t.admission,
-                                       t.conversations, self.metrics, self.config.slos)
-        self.completions = CompletionService(self.config, self.prompts, self.runner, t, self.streams)
+                                       t.conversations, self.metrics, self.config.slos,
+                                       MigrationPolicy(self.tokenizer, self.config.max_migrations))
+        self.completions = CompletionService(self.config, self.models, self.runner, t, self.streams, self.relay)
+        if t.metrics is not None:
+            self.metrics.registry.register(t.metrics)
         self.draining = False
+
+    def _prompt_builder(self, tokenizer: Tokenizer, model: ServedModel) -> PromptBuilder:
+        return PromptBuilder(tokenizer, model, self.config.block_size, self.config.default_max_tokens)
 
     async def start(self) -> None:
         await self.tenancy.start()
+        await self.relay.start()
 
     async def close(self, stream_grace_s: float = 1.0) -> None:
         """Abort what still runs (after the server's own drain), bill it, close every client.
@@ -64,6 +79,7 @@ class GatewayDeps:
         a short grace is left here."""
         self.draining = True
         await self.completions.close(stream_grace_s)
+        await self.relay.close()
         await self.router.close()
         await self.workers.close()
         if self.safety is not None:

@@ -33,7 +33,7 @@ from services.gateway.auth import Principal
 from services.gateway.errors import BadRequestError, FeatureDisabledError
 from services.gateway.schemas import ChatCompletionRequest, ResponsesRequest
 from services.gateway.service import ClientGone, CompletionService, JsonOutcome
-from services.gateway.streams import EventLog
+from services.gateway.streams import StreamSource
 
 Body = dict[str, Any]
 _PREFIX = "resp_"
@@ -147,7 +147,7 @@ class ResponsesService:
         for message in [*turns, {"role": "assistant", "content": draft.text}]:
             await store.append(principal.org_id, conversation_id, message["role"], message["content"])
 
-    async def _events(self, draft: ResponseDraft, event_log: EventLog, principal: Principal,
+    async def _events(self, draft: ResponseDraft, event_log: StreamSource, principal: Principal,
                       turns: list[Body]) -> AsyncIterator[str]:
         seq = iter(range(1 << 62))
 
@@ -183,7 +183,7 @@ class ResponsesService:
                     finish = choice.get("finish_reason") or finish
             completed = True
         finally:
-            event_log.detach(disconnected=not completed)
+            event_log.detach(disconnected=not completed, resumable=False)  # no event ids: nobody resumes it
         draft.finish(finish, usage)
         yield event("response.output_text.done", **where, content_index=0, text=draft.text, logprobs=[])
         yield event("response.content_part.done", **where, content_index=0, part=draft.part())

@@ -6,8 +6,10 @@ hands it to the `CompletionRunner` and returns an outcome for the route to rende
 an `EventLog` to stream. It raises typed errors only; the routes render them.
 
 Streams run in a task of their own that writes the log; the response follows the log (so a client
-can resume with Last-Event-ID). Non-streaming requests run in the request's task and are aborted when
-`client_gone` returns (the client hung up).
+can resume with Last-Event-ID, through any replica when the relay has Redis) and a client that hangs
+up only detaches from it (streams.py: the generation runs on for the grace period). `cancel` aborts a
+stream at once, wherever it runs. Non-streaming requests run in the request's task and are aborted
+when `client_gone` returns (the client hung up).
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from opentelemetry import trace
 
 from services.common.errors import UsageBacklogFullError
 from services.gateway.auth import Principal
+from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import guided_for_format, guided_for_tools
-from services.gateway.errors import BadRequestError, ModelNotFoundError, error_body
-from services.gateway.formatting import ChatFormatter, Formatter, ResponseMeta, TextFormatter, TokenTexts, json_data
+from services.gateway.errors import BadRequestError, error_body
+from services.gateway.formatting import ChatFormatter, Formatter, ResponseMeta, TextFormatter, json_data
 from services.gateway.generation import SamplingSpec, derive_seed
-from services.gateway.prompt import PreparedPrompt, PromptBuilder, TemplateMessage
+from services.gateway.prompt import PreparedPrompt, TemplateMessage
 from services.gateway.ratelimit import RateLimitLease
 from services.gateway.run_state import ChoiceEvent, ChoiceSpec, GenerationPlan
 from services.gateway.runner import CompletionRunner, Generation
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from services.gateway.streams import EventLog, StreamHub
+from services.gateway.stream_relay import LocalOnly, StreamRelay
+from services.gateway.streams import EventLog, StreamHub, StreamOwner, StreamSource
 from services.gateway.tools import ToolPlan, family_for_template, history_messages
 
 if TYPE_CHECKING:
@@ -56,7 +60,7 @@ class JsonOutcome:
 
 @dataclass(frozen=True)
 class StreamOutcome:
-    event_log: EventLog
+    event_log: StreamSource
     after_seq: int
     headers: dict[str, str]
 
@@ -82,27 +86,28 @@ class _Request:
     conversation_messages: tuple[TemplateMessage, ...] = ()
     safety_history: tuple[str, ...] = ()  # a continued conversation's stored turns (checked too, cached)
     tools: ToolPlan | None = None  # chat with callable tools: output parsed into tool_calls
+    model: str = ""  # the served model's name, as the request asked
 
 
 class CompletionService:
-    def __init__(self, config: GatewayConfig, prompts: PromptBuilder, runner: CompletionRunner,
-                 tenancy: TenantServices, streams: StreamHub) -> None:
+    def __init__(self, config: GatewayConfig, models: ModelCatalog, runner: CompletionRunner,
+                 tenancy: TenantServices, streams: StreamHub, relay: StreamRelay | None = None) -> None:
         self.config = config
-        self.prompts = prompts
+        self.models = models
         self.runner = runner
         self.tenancy = tenancy
         self.rate_limiter = tenancy.admission
         self.budget = tenancy.budget
         self.streams = streams
-        self.tokens = TokenTexts(prompts.tokenizer)
+        self.relay = relay or LocalOnly(streams.config)
         self._producers: set[asyncio.Task[None]] = set()
         self._logs: set[EventLog] = set()
 
     # ---- the two endpoints -------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
-        self._check_model(body.model)
-        template = self.prompts.tokenizer.chat_template
+        model = self.models.get(body.model)
+        template = model.prompts.tokenizer.chat_template
         tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, template)
         guided = guided_for_format(body.response_format)
         if tools is not None and guided is not None:
@@ -115,38 +120,52 @@ class CompletionService:
         shown_history, shown_new = (history, new) if tools is None else \
             ((tools.with_tools(history), new) if history else (history, tools.with_tools(new)))
         # Templating and tokenizing are CPU work: off the event loop, so one long prompt stalls no stream.
-        prompt = await asyncio.to_thread(self.prompts.chat, shown_new, body.requested_max_tokens(), shown_history)
+        prompt = await asyncio.to_thread(model.prompts.chat, shown_new, body.requested_max_tokens(), shown_history)
         sampling = replace(self._sampling(body, body.logprobs_count()), guided=guided)
         request = _Request(
             "chat", [prompt], body.n, sampling, body.stream,
             body.include_usage, body.logprobs, tuple(m["content"] for m in new),
             user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new),
-            safety_history=tuple(m["content"] for m in history), tools=tools)
+            safety_history=tuple(m["content"] for m in history), tools=tools, model=model.name)
         return await self._serve(request, principal, client_gone)
 
     async def text(self, body: CompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
-        self._check_model(body.model)
+        model = self.models.get(body.model)
         if body.suffix:
             raise BadRequestError("suffix (insertion) is not supported by this model", "suffix")
         if body.n * len(body.prompts()) > MAX_CHOICES:
             raise BadRequestError(f"n times the number of prompts may be at most {MAX_CHOICES}", "n")
-        prompts = [await asyncio.to_thread(self.prompts.text, p, body.requested_max_tokens()) for p in body.prompts()]
+        prompts = [await asyncio.to_thread(model.prompts.text, p, body.requested_max_tokens()) for p in body.prompts()]
         request = _Request("text", prompts, body.n, self._sampling(body, body.logprobs), body.stream,
                            body.include_usage, body.logprobs is not None, tuple(p.text for p in prompts),
-                           echo=body.echo, user=body.user)
+                           echo=body.echo, user=body.user, model=model.name)
         return await self._serve(request, principal, client_gone)
 
-    def resume(self, stream_id: str, after_seq: int, principal: Principal) -> StreamOutcome:
-        event_log = self.streams.get(stream_id, principal.org_id)
-        event_log.events_after(after_seq)  # 410 now, before the 200 head, if they are gone
+    async def resume(self, stream_id: str, after_seq: int, principal: Principal) -> StreamOutcome:
+        """The stream's events after `after_seq`, then the live rest: from this replica's log when it
+        holds it, else through the relay (404 unknown or not the caller's, 410 trimmed: before the head)."""
+        owner = StreamOwner.of(principal)
+        event_log = self.streams.owned(stream_id, owner)
+        if event_log is not None:
+            event_log.events_after(after_seq)  # 410 now, before the 200 head, if they are gone
+            source: StreamSource = event_log
+        else:
+            source = await self.relay.open_remote(stream_id, owner, after_seq)
         self.runner.metrics.replays.inc()
-        return StreamOutcome(event_log, after_seq, {})
+        return StreamOutcome(source, after_seq, {})
+
+    async def cancel(self, stream_id: str, principal: Principal) -> bool:
+        """Abort a running stream now, wherever it runs; False when it had already finished."""
+        owner = StreamOwner.of(principal)
+        event_log = self.streams.owned(stream_id, owner)
+        if event_log is None:
+            return await self.relay.cancel_remote(stream_id, owner)
+        if event_log.finished:
+            return False
+        event_log.abort_requested.set()
+        return True
 
     # ---- building and admitting --------------------------------------------------------------
-
-    def _check_model(self, model: str) -> None:
-        if model != self.config.model.name:
-            raise ModelNotFoundError(model, [self.config.model.name])
 
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest, logprobs: int | None) -> SamplingSpec:
         return SamplingSpec(max_tokens=1, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -172,7 +191,7 @@ class CompletionService:
                 sampling = replace(request.sampling, max_tokens=prompt.max_tokens,
                                    seed=derive_seed(request.sampling.seed, index))
                 choices.append(ChoiceSpec(index, request_id, prompt, sampling))
-        return GenerationPlan(completion_id, int(time.time()), self.config.model.name, principal, tuple(choices),
+        return GenerationPlan(completion_id, int(time.time()), request.model, principal, tuple(choices),
                               lease, started_at, request.conversation_id, request.conversation_messages)
 
     async def _admit(self, request: _Request, principal: Principal) -> RateLimitLease:
@@ -192,13 +211,14 @@ class CompletionService:
         lease = await self._admit(request, principal)
         plan = self._plan(request, principal, lease, started_at)
         headers = plan.lease.headers()
-        formatter = self._formatter(request, plan)
         try:
             screened, screening, decisions = await self._screen_and_place(plan, request)
             refusal = screened.refusal if screened is not None else None
+            plan = await self._answered_by(plan, decisions)
         except BaseException:
             await self.rate_limiter.reconcile(plan.lease, 0)
             raise
+        formatter = self._formatter(request, plan)
         generation = self.runner.start(plan, decisions, screened.watch if screened is not None else False, screening)
         if refusal is not None:
             await self.rate_limiter.reconcile(plan.lease, 0)
@@ -240,12 +260,26 @@ class CompletionService:
         screening.add_done_callback(lambda f: f.cancelled() or f.exception())  # an unread outage: no warning
         return None, screening, decisions
 
+    async def _answered_by(self, plan: GenerationPlan, decisions: list[RoutingDecision]) -> GenerationPlan:
+        """The plan as its workers will answer it: the model a degraded placement switched to (the
+        response's and the bill's `model` say which), once the gateway checked it can serve it."""
+        served = next((d.model for d in decisions if d.model and d.model != plan.model), None)
+        if served is None:
+            return plan
+        try:
+            self.models.fallback(plan.model, served, (c.prompt for c in plan.choices))
+        except BaseException:
+            for decision in decisions:
+                await self.runner.router.finished(decision.request_id)
+            raise
+        return replace(plan, model=served)
+
     def _formatter(self, request: _Request, plan: GenerationPlan) -> Formatter:
         meta = ResponseMeta(plan.completion_id, plan.created, plan.model, request.n, request.include_usage,
                             tuple(p.text for p in request.prompts) if request.echo else (),
                             str(request.conversation_id) if request.conversation_id else None)
-        return ChatFormatter(meta, self.tokens, request.tools) if request.kind == "chat" \
-            else TextFormatter(meta, self.tokens)
+        tokens = self.models.get(plan.model).tokens
+        return ChatFormatter(meta, tokens, request.tools) if request.kind == "chat" else TextFormatter(meta, tokens)
 
     # ---- responding --------------------------------------------------------------------------
 
@@ -265,18 +299,23 @@ class CompletionService:
 
     def _stream(self, plan: GenerationPlan, generation: Generation, formatter: Formatter, include_usage: bool,
                 headers: dict[str, str]) -> StreamOutcome:
-        event_log = self.streams.open(plan.completion_id, plan.principal.org_id)
+        event_log = self._open_log(plan)
         self._spawn(self._produce(generation, formatter, include_usage, event_log), event_log)
         return StreamOutcome(event_log, -1, headers)
 
     def _refusal_stream(self, plan: GenerationPlan, generation: Generation, formatter: Formatter,
                         include_usage: bool, headers: dict[str, str]) -> StreamOutcome:
-        event_log = self.streams.open(plan.completion_id, plan.principal.org_id)
+        event_log = self._open_log(plan)
         for state in generation.states:
             event_log.append(json_data(formatter.chunk(
                 ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))))
         self._finish_log(event_log, formatter, generation, include_usage)
         return StreamOutcome(event_log, -1, headers)
+
+    def _open_log(self, plan: GenerationPlan) -> EventLog:
+        event_log = self.streams.open(plan.completion_id, StreamOwner.of(plan.principal))
+        self.relay.publish(event_log)
+        return event_log
 
     async def _produce(self, generation: Generation, formatter: Formatter, include_usage: bool,
                        event_log: EventLog) -> None:
@@ -288,6 +327,7 @@ class CompletionService:
             error = generation.error
             if error is not None:
                 event_log.append(json_data(error_body(error.http_status, str(error), error.code)))
+            await generation.record_usage()  # the usage is durable before the client sees [DONE]
             self._finish_log(event_log, formatter, generation, include_usage)
         finally:
             event_log.finish()

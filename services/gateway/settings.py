@@ -50,6 +50,9 @@ class GatewaySettings(BaseSettings):
     # The served model: a prepared HF directory (None: the default model in the cache).
     model: str | None = None
     served_model_name: str | None = None  # None: the model directory's name
+    # More served models, name -> HF directory (or a built-in name such as "baton-tiny-random"), e.g.
+    # BATON_EXTRA_MODELS='{"tiny": "baton-tiny-random"}'; each needs workers registered under its name.
+    extra_models: dict[str, str] = Field(default_factory=dict)
     cache_dir: str | None = None
     max_model_len: int | None = Field(default=None, ge=16)  # None: the model's max_position_embeddings
     block_size: int = Field(default=16, ge=1)  # must equal the workers' KV block size (prefix hashes)
@@ -59,10 +62,18 @@ class GatewaySettings(BaseSettings):
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_replay_window_s: float = Field(default=60.0, ge=0)
     stream_replay_max_events: int = Field(default=4096, ge=16)
+    stream_detach_grace_s: float = Field(default=30.0, ge=0)  # a disconnected stream keeps generating
+    max_migrations: int = Field(default=3, ge=0)  # a choice's worker lost: re-placed at most this often
     drain_timeout_s: float = Field(default=30.0, ge=0)
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # larger bodies: 413 before parsing
     conversation_retention_days: int = Field(default=30, ge=0)
     purge_interval_s: float = Field(default=3600.0, gt=0)
+
+    # The internal gRPC API (services/gateway/grpc_api) on this port of the gateway's host; None: off.
+    # TLS when both PEM files are set (certificate chain and private key).
+    grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    grpc_tls_cert: str | None = None
+    grpc_tls_key: str | None = None
 
     otel_exporter: str = "none"  # none | console | otlp (otlp needs opentelemetry-exporter-otlp)
     log_level: str = "INFO"

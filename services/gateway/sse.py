@@ -1,4 +1,4 @@
-"""`SSEResponse`: server-sent events that follow an `EventLog`, with ids, keep-alives and disconnects.
+"""`SSEResponse`: server-sent events that follow a stream's log, with ids, keep-alives and disconnects.
 
 Wire format per event: `id: <stream_id>:<seq>` and `data: <json>` (the last one `data: [DONE]`);
 `: keep-alive` comment lines when nothing was sent for `keepalive_s`, so proxies and clients don't time
@@ -6,8 +6,8 @@ the stream out during a long queue or prefill.
 
 Disconnects: the response listens for `http.disconnect` while it streams, whatever the ASGI server's
 spec version (Starlette's StreamingResponse notices a gone client only at its next write, which may
-be a whole prefill away). On disconnect it detaches from the log, which aborts the generation when no
-one else follows it.
+be a whole prefill away). On disconnect it detaches from the log, which (when no one else follows it)
+starts the detach grace period of streams.py: the generation runs on for a resume, then is aborted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.streams import EventLog, StreamEvent
+from services.gateway.streams import StreamEvent, StreamSource
 
 log = logging.getLogger(__name__)
 # One comment line, no blank line after it: a blank line ends an event, and several clients (the openai
@@ -35,7 +35,7 @@ def encode_event(stream_id: str, event: StreamEvent) -> bytes:
 class SSEResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, event_log: EventLog, after_seq: int, keepalive_s: float,
+    def __init__(self, event_log: StreamSource, after_seq: int, keepalive_s: float,
                  headers: Mapping[str, str] | None = None) -> None:
         self.event_log = event_log
         self.after_seq = after_seq

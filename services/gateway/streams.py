@@ -1,30 +1,36 @@
-"""Replay buffers of SSE streams, for `Last-Event-ID` resumes.
+"""Replay logs of SSE streams, for `Last-Event-ID` resumes, and what keeps a detached stream alive.
 
 Every streamed completion writes its events into an `EventLog`; the HTTP response only *follows* the
 log. So a client whose connection broke can reconnect (`GET /v1/streams/{stream_id}` or a re-POST,
 both with `Last-Event-ID: <stream_id>:<seq>`) and get the events after the last one it saw, then the
-live rest if the generation still runs.
+live rest. With Redis, the log is also mirrored into a Redis Stream (stream_relay.py), so the
+reconnect may land on another gateway replica.
 
 Bounds: a log keeps its newest `replay_max_events` events (a resume from before them is 410 Gone) and
 lives `replay_window_s` after its stream finished; the hub keeps at most `max_streams` logs, dropping
-the oldest finished ones first. Logs are scoped to the organisation that created them: another
-organisation's stream id is a 404 like an unknown one.
+the oldest finished ones first. Logs belong to the API key that created them (`StreamOwner`): another
+key's or organisation's stream id is a 404 like an unknown one.
 
-Abort rule: when the last follower of an unfinished log disconnects, `abort_requested` is set and the
-generation is aborted downstream (its KV blocks are freed); a later resume replays what was produced
-up to the abort.
+Detach rule: when the last follower of an unfinished log disconnects, the generation *detaches*: it
+keeps running and logging for `detach_grace_s`, so a reconnect gets the rest. If no follower came
+back by then (here, or a remote reader on another replica, which `touch_remote` reports), the
+generation is aborted (`abort_requested`: its KV blocks are freed, the tokens so far are billed) and a
+later resume replays what was produced up to the abort. `detach_grace_s = 0` aborts at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.errors import NotFoundError
+from services.gateway.auth import Principal
 from services.gateway.config import StreamConfig
 from services.gateway.errors import BadRequestError, StreamGoneError
 
@@ -35,20 +41,53 @@ class StreamEvent:
     data: str  # the SSE data line: JSON, or "[DONE]"
 
 
+@dataclass(frozen=True)
+class StreamOwner:
+    """Who may resume or cancel a stream: the API key (of its organisation) that started it."""
+
+    org_id: uuid.UUID
+    key_id: uuid.UUID
+
+    @classmethod
+    def of(cls, principal: Principal) -> StreamOwner:
+        return cls(principal.org_id, principal.key_id)
+
+
+class StreamSource(Protocol):
+    """What an SSE response follows: a local `EventLog`, or a remote one read from Redis."""
+
+    @property
+    def stream_id(self) -> str: ...
+
+    def follow(self, after_seq: int, keepalive_s: float) -> AsyncIterator[StreamEvent | None]: ...
+
+    def attach(self) -> None: ...
+
+    def detach(self, disconnected: bool, resumable: bool = True) -> None: ...
+
+
 class EventLog:
-    def __init__(self, stream_id: str, org_id: uuid.UUID, max_events: int) -> None:
+    def __init__(self, stream_id: str, owner: StreamOwner, max_events: int, detach_grace_s: float = 0.0) -> None:
         self.stream_id = stream_id
-        self.org_id = org_id
+        self.owner = owner
+        self.detach_grace_s = detach_grace_s
         self._events: deque[StreamEvent] = deque(maxlen=max_events)
         self._next_seq = 0
         self._changed = asyncio.Event()
         self.finished_at: float | None = None  # time.monotonic() of finish()
         self.abort_requested = asyncio.Event()
         self._followers = 0
+        self._unfollowed_since: float | None = None  # the last follower disconnected then
+        self._remote_seen_at = float("-inf")  # a reader on another replica said it follows
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
         return self.finished_at is not None
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
 
     def append(self, data: str) -> StreamEvent:
         assert not self.finished, f"stream {self.stream_id} already finished"
@@ -61,6 +100,7 @@ class EventLog:
     def finish(self) -> None:
         if self.finished_at is None:
             self.finished_at = time.monotonic()
+            self._cancel_grace()
             self._wake()
 
     def _wake(self) -> None:
@@ -75,32 +115,66 @@ class EventLog:
                                   "longer buffered")
         return [e for e in self._events if e.seq > seq]
 
+    async def batch_after(self, seq: int, timeout_s: float) -> list[StreamEvent]:
+        """The events after `seq`; when there are none yet (and the log runs), waits up to `timeout_s`
+        for some. Empty after a timeout, or when the log finished."""
+        changed = self._changed
+        pending = self.events_after(seq)
+        if pending or self.finished:
+            return pending
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout_s)
+        return self.events_after(seq)  # also after a timeout: events may have come before we resumed
+
     async def follow(self, after_seq: int, keepalive_s: float) -> AsyncIterator[StreamEvent | None]:
         """Events after `after_seq`, live until the log finishes; None whenever `keepalive_s` pass idle."""
         cursor = after_seq
         while True:
-            changed = self._changed
-            pending = self.events_after(cursor)
-            for event in pending:
+            batch = await self.batch_after(cursor, keepalive_s)
+            if not batch and self.finished:
+                return
+            if not batch:
+                yield None
+            for event in batch:
                 cursor = event.seq
                 yield event
-            if pending:
-                continue
-            if self.finished:
-                return
-            try:
-                await asyncio.wait_for(changed.wait(), keepalive_s)
-            except TimeoutError:
-                yield None
 
     def attach(self) -> None:
         self._followers += 1
+        self._unfollowed_since = None
+        self._cancel_grace()
 
-    def detach(self, disconnected: bool) -> None:
-        """A follower left; a disconnect of the last one aborts an unfinished generation."""
+    def detach(self, disconnected: bool, resumable: bool = True) -> None:
+        """A follower left; a disconnect of the last one starts the grace period (aborts at once without
+        one, or when the follower could not resume: a response without event ids)."""
         self._followers -= 1
-        if disconnected and self._followers == 0 and not self.finished:
+        if not disconnected or self._followers > 0 or self.finished:
+            return
+        self._unfollowed_since = time.monotonic()
+        if resumable:
+            self._grace_over()
+        else:
             self.abort_requested.set()
+
+    def touch_remote(self) -> None:
+        """A reader on another replica follows this stream (through Redis): it counts as a follower
+        for the next `detach_grace_s`."""
+        self._remote_seen_at = time.monotonic()
+
+    def _grace_over(self) -> None:
+        self._grace_timer = None
+        if self._unfollowed_since is None or self.finished:
+            return
+        idle = time.monotonic() - max(self._unfollowed_since, self._remote_seen_at)
+        if idle >= self.detach_grace_s:
+            self.abort_requested.set()
+        else:
+            self._grace_timer = asyncio.get_running_loop().call_later(self.detach_grace_s - idle, self._grace_over)
+
+    def _cancel_grace(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
 
 
 def parse_last_event_id(value: str, stream_id: str | None = None) -> tuple[str, int]:
@@ -125,19 +199,21 @@ class StreamHub:
         self.config = config
         self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
-    def open(self, stream_id: str, org_id: uuid.UUID) -> EventLog:
+    def open(self, stream_id: str, owner: StreamOwner) -> EventLog:
         self.sweep()
-        log = EventLog(stream_id, org_id, self.config.replay_max_events)
+        log = EventLog(stream_id, owner, self.config.replay_max_events, self.config.detach_grace_s)
         self._logs[stream_id] = log
         return log
 
-    def get(self, stream_id: str, org_id: uuid.UUID) -> EventLog:
+    def find(self, stream_id: str) -> EventLog | None:
+        """The log of `stream_id` held here, whoever owns it (for signals from other replicas)."""
+        return self._logs.get(stream_id)
+
+    def owned(self, stream_id: str, owner: StreamOwner) -> EventLog | None:
+        """The log of `stream_id` held here, if `owner` started it."""
         self.sweep()
         log = self._logs.get(stream_id)
-        if log is None or log.org_id != org_id:
-            raise NotFoundError(f"stream {stream_id} not found (streams are kept "
-                                f"{self.config.replay_window_s:.0f}s after they finish)")
-        return log
+        return log if log is not None and log.owner == owner else None
 
     def sweep(self, now: float | None = None) -> None:
         """Drop expired logs, then the oldest finished ones while over the cap."""
@@ -156,3 +232,8 @@ class StreamHub:
 
     def __len__(self) -> int:
         return len(self._logs)
+
+
+def not_found(stream_id: str, config: StreamConfig) -> NotFoundError:
+    return NotFoundError(f"stream {stream_id} not found (streams are kept {config.replay_window_s:.0f}s "
+                         "after they finish, for the API key that started them)")

@@ -29,12 +29,13 @@ from services.common.settings import Tier
 from services.gateway.admin import create_key, create_org
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.process import SupervisedProcess, free_port
-from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, log_line
+from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, listening, log_line
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 WORKER_BLOCKS = 256
 CONTEXT_WINDOW = 2048  # gateway and worker agree; the KV pool holds two full-length sequences
+SAFETY_CATEGORIES = ("violence", "self_harm", "sexual_minors", "hate", "malware", "pii")
 KAFKA_TEST_CONSUMER_CONFIG = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 300,
                               "max.poll.interval.ms": 10000}
 
@@ -98,11 +99,24 @@ class GatewayStack:
     def gateway_env(self, **extra: str) -> dict[str, str]:
         return {**self.infra_env, "BATON_WORKER_ADDRESSES": json.dumps([self.worker_address]),
                 "BATON_SSE_KEEPALIVE_S": "0.1", "BATON_STREAM_REPLAY_WINDOW_S": "60",
+                "BATON_STREAM_DETACH_GRACE_S": "0",  # a disconnect aborts at once; the detach tests start their own
                 "BATON_DRAIN_TIMEOUT_S": "20", "PYTHONUNBUFFERED": "1", **extra}
 
     def start_gateway(self, name: str, **extra_env: str) -> tuple[SupervisedProcess, str]:
         """Another gateway on this stack (e.g. with safety, or to be drained); stopped with the stack."""
         return start_gateway(self.supervisor, name, self.gateway_env(**extra_env))
+
+    def start_pattern_safety(self, policy_dir: Path) -> str:
+        """A safety service whose thresholds are 1.0, so only the deterministic pattern tier fires (the
+        classifier's scores never reach 1.0); stopped with the stack. Its address."""
+        policy = policy_dir / "policy.json"
+        policy.write_text(json.dumps({"default": {"categories": {
+            c: {"threshold": 1.0, "input": c != "pii"} for c in SAFETY_CATEGORIES}}}))
+        port = free_port()
+        self.supervisor.start(ChildSpec(
+            f"safety-{port}", [sys.executable, "-m", "services.safety", "--host", "127.0.0.1", "--port", str(port),
+                               "--policy", str(policy)], listening(port), ready_timeout_s=60))
+        return f"127.0.0.1:{port}"
 
     def log_tail(self, name: str = "gateway", lines: int = 40) -> str:
         return self.supervisor.log_tail(name, lines)
@@ -146,7 +160,8 @@ def start_stack(log_dir: Path, model_dir: Path, database_url: str, redis_url: st
                  "BATON_USAGE_TOPIC": topic, "BATON_MODEL": str(model_dir), "BATON_SERVED_MODEL_NAME": MODEL,
                  "BATON_MAX_MODEL_LEN": str(CONTEXT_WINDOW),
                  "BATON_BILLING_GROUP_ID": f"billing-{topic}", "BATON_BILLING_BATCH_SIZE": "20",
-                 "BATON_KAFKA_CONSUMER_CONFIG": json.dumps(KAFKA_TEST_CONSUMER_CONFIG)}
+                 "BATON_KAFKA_CONSUMER_CONFIG": json.dumps(KAFKA_TEST_CONSUMER_CONFIG),
+                 "BATON_USAGE_SPOOL_DIR": str(log_dir / "usage-spool")}
     try:
         metrics_port = free_port()
         worker = start_worker(supervisor, "worker-both", "both", model_dir, "--metrics-port", str(metrics_port))

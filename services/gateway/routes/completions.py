@@ -1,8 +1,11 @@
-"""`POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/streams/{stream_id}` (SSE resume).
+"""`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/streams/{stream_id}` (SSE resume) and
+`POST /v1/{chat/completions,completions,streams}/{stream_id}/cancel`.
 
 Resuming a stream: every SSE event carries `id: <stream_id>:<n>`. After a broken connection, send
 `GET /v1/streams/<stream_id>` with `Last-Event-ID: <stream_id>:<n>` (or re-POST the same request with
-that header) within the replay window: the events after `n` are replayed, then the live rest.
+that header) within the replay window, to any gateway replica: the events after `n` are replayed, then
+the live rest (the generation kept running for the detach grace period). Cancel aborts it at once.
+Both answer 404 for a stream another API key started.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ def _render(outcome: Outcome, deps: Deps) -> Response:
     return JSONResponse(outcome.body, headers=outcome.headers)
 
 
-def _resume(service: Completions, principal: CurrentPrincipal, last_event_id: str, deps: Deps) -> Response:
+async def _resume(service: Completions, principal: CurrentPrincipal, last_event_id: str, deps: Deps) -> Response:
     stream_id, seq = parse_last_event_id(last_event_id)
-    return _render(service.resume(stream_id, seq, principal), deps)
+    return _render(await service.resume(stream_id, seq, principal), deps)
 
 
 @router.post("/v1/chat/completions")
@@ -46,7 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, principal: CurrentPrinci
                            deps: Deps, request: Request, last_event_id: LastEventId = None) -> Response:
     """OpenAI chat completions; `conversation_id` (extension) continues a stored conversation."""
     if last_event_id and body.stream:
-        return _resume(service, principal, last_event_id, deps)
+        return await _resume(service, principal, last_event_id, deps)
     return _render(await service.chat(body, principal, _client_gone(request)), deps)
 
 
@@ -55,7 +58,7 @@ async def completions(body: CompletionRequest, principal: CurrentPrincipal, serv
                       request: Request, last_event_id: LastEventId = None) -> Response:
     """OpenAI (legacy) text completions."""
     if last_event_id and body.stream:
-        return _resume(service, principal, last_event_id, deps)
+        return await _resume(service, principal, last_event_id, deps)
     return _render(await service.text(body, principal, _client_gone(request)), deps)
 
 
@@ -64,4 +67,14 @@ async def resume_stream(stream_id: str, principal: CurrentPrincipal, service: Co
                         last_event_id: LastEventId = None) -> Response:
     """Replay a stream's events after `Last-Event-ID` (all of them without it), then follow it live."""
     seq = -1 if not last_event_id else parse_last_event_id(last_event_id, stream_id)[1]
-    return _render(service.resume(stream_id, seq, principal), deps)
+    return _render(await service.resume(stream_id, seq, principal), deps)
+
+
+@router.post("/v1/streams/{stream_id}/cancel")
+@router.post("/v1/chat/completions/{stream_id}/cancel")
+@router.post("/v1/completions/{stream_id}/cancel")
+async def cancel_stream(stream_id: str, principal: CurrentPrincipal, service: Completions) -> JSONResponse:
+    """Abort a streaming completion now, from any replica (its followers get `finish_reason: "abort"`);
+    `cancelled` is false when it had already finished."""
+    cancelled = await service.cancel(stream_id, principal)
+    return JSONResponse({"id": stream_id, "object": "stream.cancellation", "cancelled": cancelled})

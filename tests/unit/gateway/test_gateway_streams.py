@@ -1,4 +1,5 @@
-"""Replay buffers: ordered follow, bounded replay, org scoping, expiry, abort when the last follower leaves."""
+"""Replay buffers: ordered follow, bounded replay, key scoping, expiry, and the detach grace period: a stream
+whose last follower left runs on until the grace ends (or a follower, local or remote, comes back)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import uuid
 
 import pytest
 
-from services.common.errors import NotFoundError
 from services.gateway.config import StreamConfig
 from services.gateway.errors import BadRequestError, StreamGoneError
-from services.gateway.streams import EventLog, StreamHub, parse_last_event_id
+from services.gateway.streams import EventLog, StreamHub, StreamOwner, parse_last_event_id
 
-ORG = uuid.uuid4()
+ORG = StreamOwner(uuid.uuid4(), uuid.uuid4())
 
 
 async def _collect(log: EventLog, after: int, keepalive_s: float = 10.0) -> list[str | None]:
@@ -65,6 +65,45 @@ def test_the_last_follower_disconnecting_requests_an_abort() -> None:
     assert log.abort_requested.is_set()
 
 
+async def test_a_detached_stream_runs_through_its_grace_period_then_is_aborted() -> None:
+    log = EventLog("s", ORG, 16, detach_grace_s=0.1)
+    log.attach()
+    log.detach(disconnected=True)
+    assert not log.abort_requested.is_set()
+    await asyncio.wait_for(log.abort_requested.wait(), 1.0)
+
+
+async def test_a_follower_coming_back_within_the_grace_keeps_the_stream() -> None:
+    log = EventLog("s", ORG, 16, detach_grace_s=0.1)
+    log.attach()
+    log.detach(disconnected=True)
+    await asyncio.sleep(0.05)
+    log.attach()  # the client reconnected
+    await asyncio.sleep(0.15)
+    assert not log.abort_requested.is_set()
+    log.detach(disconnected=False)  # it read to the end and left normally: nothing to abort
+    await asyncio.sleep(0.15)
+    assert not log.abort_requested.is_set()
+
+
+async def test_a_remote_reader_postpones_the_abort_until_it_stops_reporting() -> None:
+    log = EventLog("s", ORG, 16, detach_grace_s=0.1)
+    log.attach()
+    log.detach(disconnected=True)
+    for _ in range(4):  # a reader on another replica, beating every 50 ms for 200 ms
+        await asyncio.sleep(0.05)
+        log.touch_remote()
+    assert not log.abort_requested.is_set()
+    await asyncio.wait_for(log.abort_requested.wait(), 1.0)
+
+
+def test_a_follower_that_cannot_resume_aborts_at_once() -> None:
+    log = EventLog("s", ORG, 16, detach_grace_s=30)
+    log.attach()
+    log.detach(disconnected=True, resumable=False)
+    assert log.abort_requested.is_set()
+
+
 def test_a_finished_stream_is_never_aborted() -> None:
     log = EventLog("s", ORG, 3)
     log.attach()
@@ -73,12 +112,12 @@ def test_a_finished_stream_is_never_aborted() -> None:
     assert not log.abort_requested.is_set()
 
 
-def test_another_organisation_cannot_see_a_stream() -> None:
+def test_another_key_or_organisation_cannot_see_a_stream() -> None:
     hub = StreamHub(StreamConfig())
     hub.open("s", ORG)
-    assert hub.get("s", ORG).stream_id == "s"
-    with pytest.raises(NotFoundError):
-        hub.get("s", uuid.uuid4())
+    assert hub.owned("s", ORG) is hub.find("s")
+    assert hub.owned("s", StreamOwner(ORG.org_id, uuid.uuid4())) is None  # another key of the same org
+    assert hub.owned("s", StreamOwner(uuid.uuid4(), ORG.key_id)) is None
 
 
 def test_finished_streams_expire_after_the_window_and_the_cap_drops_the_oldest() -> None:
@@ -87,9 +126,9 @@ def test_finished_streams_expire_after_the_window_and_the_cap_drops_the_oldest()
     first.finish()
     hub.open("b", ORG)
     hub.open("c", ORG)  # over the cap: the oldest finished one goes
-    with pytest.raises(NotFoundError):
-        hub.get("a", ORG)
-    finished = hub.get("b", ORG)
+    assert hub.owned("a", ORG) is None
+    finished = hub.owned("b", ORG)
+    assert finished is not None
     finished.finish()
     assert finished.finished_at is not None
     hub.sweep(now=finished.finished_at + 61)
