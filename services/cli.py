@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.cli import register_bench_command
     from scheduler.adapters.main import register_scheduler_command
     from scheduler.adapters.plan_main import register_plan_command
+    from services.client.cli import register_api_command
     from services.gateway.admin import register_admin_commands
     from services.launcher.ray_main import register_ray_command
     from services.launcher.serve import register_serve_command
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     register_plan_command(sub)
     register_serve_command(sub)
     register_ray_command(sub)
+    register_api_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -27,6 +28,9 @@ from services.gateway.retention import run_purge_loop
 from services.gateway.routes import completions, conversations, health, models, moderations, page, responses, usage
 from services.gateway.routes.page import STATIC_DIR
 from services.gateway.tracing import instrument_app
+
+if TYPE_CHECKING:
+    from services.gateway.grpc_api.server import GrpcApiServer
 
 API_VERSION = "0.1.0"
 
@@ -62,16 +66,22 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).inc()
 
 
-def create_app(deps: GatewayDeps) -> FastAPI:
+def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> FastAPI:
+    """`grpc_api`: the internal gRPC API, served from the same clients while the app runs."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await deps.start()
+        if grpc_api is not None:
+            await grpc_api.start()
         store = deps.tenancy.conversations
         purge = None if store is None else asyncio.create_task(run_purge_loop(
             store, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
         try:
             yield
         finally:
+            if grpc_api is not None:
+                await grpc_api.stop(deps.config.drain_timeout_s)
             if purge is not None:
                 purge.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

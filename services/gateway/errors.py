@@ -13,6 +13,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import (
@@ -138,7 +139,8 @@ def baton_error_response(exc: BatonError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.http_status, headers=error_headers(exc))
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """The first problem of a failed validation, and the field it names (HTTP bodies and gRPC requests)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -162,7 +164,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return JSONResponse(error_body(400, message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,33 +8,21 @@ classifier's judgement.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from services.launcher.process import free_port
-from services.launcher.supervisor import ChildSpec, listening
 from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 
 LONG_OUTPUT = 1500  # tokens (the context window is 2048): decoding them all would take minutes
-CATEGORIES = ("violence", "self_harm", "sexual_minors", "hate", "malware", "pii")
 
 
 @pytest.fixture(scope="module")
 def safe_url(gateway_stack: GatewayStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    policy = tmp_path_factory.mktemp("safety") / "policy.json"
-    policy.write_text(json.dumps({"default": {"categories": {
-        c: {"threshold": 1.0, "input": c != "pii"} for c in CATEGORIES}}}))
-    port = free_port()
-    gateway_stack.supervisor.start(ChildSpec(
-        "safety", [sys.executable, "-m", "services.safety", "--host", "127.0.0.1", "--port", str(port),
-                   "--policy", str(Path(policy))], listening(port), ready_timeout_s=60))
-    _, url = gateway_stack.start_gateway("gateway-safe", BATON_SAFETY_ADDRESS=f"127.0.0.1:{port}")
+    safety = gateway_stack.start_pattern_safety(tmp_path_factory.mktemp("safety"))
+    _, url = gateway_stack.start_gateway("gateway-safe", BATON_SAFETY_ADDRESS=safety)
     yield url
 
 
