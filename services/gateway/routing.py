@@ -87,6 +87,7 @@ class RoutingDecision:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
     cached_blocks: int = 0
+    model: str = ""  # placed: the model serving it when not the asked one (degraded to a fallback)
 
     @property
     def is_placed(self) -> bool:
@@ -97,6 +98,7 @@ class RoutingDecision:
 class StaticWorkers:
     decode: tuple[str, ...]  # host:port of decode (or both-role) workers
     prefill: tuple[str, ...] = ()
+    model: str = ""  # the model they serve; empty: any
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -168,8 +170,8 @@ class LastView:
 def _static_view(static: StaticWorkers | None) -> LastView:
     if static is None:
         return LastView()
-    workers = [KnownWorker(a, WorkerRole.DECODE) for a in static.decode]
-    workers += [KnownWorker(a, WorkerRole.PREFILL) for a in static.prefill]
+    workers = [KnownWorker(a, WorkerRole.DECODE, static.model) for a in static.decode]
+    workers += [KnownWorker(a, WorkerRole.PREFILL, static.model) for a in static.prefill]
     return LastView(workers)
 
 
@@ -354,4 +356,5 @@ def _decision_from_response(request_id: str, response: pb.RouteResponse) -> Rout
         predicted_ttft_ms=response.predicted_ttft_ms if response.HasField("predicted_ttft_ms") else None,
         predicted_tpot_ms=response.predicted_tpot_ms if response.HasField("predicted_tpot_ms") else None,
         cached_blocks=response.cached_blocks,
+        model=response.model,
     )

@@ -96,6 +96,8 @@ class CompletionRunner:
                     raise OverloadedError(f"no capacity for this request now ({decision.reason or 'rejected'})",
                                           decision.retry_after_s)
                 decisions.append(decision)
+                if decision.model and decision.model != plan.model:  # degraded to a smaller model:
+                    plan = replace(plan, model=decision.model)  # the other choices ask for it too
         except BaseException:
             for placed in decisions:
                 await self.router.finished(placed.request_id)

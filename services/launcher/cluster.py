@@ -21,6 +21,7 @@ from pathlib import Path
 
 from services.common.settings import Tier
 from services.launcher.infra import InfraEndpoints
+from services.launcher.models import ModelSpec
 from services.launcher.process import free_port
 from services.launcher.supervisor import (
     ChildSpec,
@@ -44,7 +45,8 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     workers_role: str = "disaggregated"  # "disaggregated" (prefill + decode) | "both" (one co-located)
-    model: str | None = None  # None: the default model (prepared on first use)
+    # The served models, the default model first; empty: the default model (prepared on first use).
+    models: tuple[ModelSpec, ...] = ()
     data_dir: Path | None = None  # None: a temp dir, removed at exit
     tier: Tier = "enterprise"  # the local organisation's tier
     worker_threads: int = 1  # torch CPU threads per worker
@@ -71,15 +73,17 @@ class LocalCluster:
         self.ports: dict[str, int] = {}  # "<child>" and "<child>-metrics" -> port
 
     def prepare_model(self) -> None:
-        """Convert the default model once (in a child: the launcher itself never imports torch)."""
-        if self.options.model is not None:
-            return
-        self.supervisor.run_once("prepare-model", [
-            self.python, "-c", "from engine.loader.prepare import default_model_dir as d; print(d())"], 600)
+        """Prepare the built-in models once (in a child: the launcher itself never imports torch)."""
+        builtins = [s.source for s in self.options.models if s.builtin] or ([] if self.options.models else [""])
+        for source in dict.fromkeys(builtins):
+            self.supervisor.run_once(f"prepare-{source or 'model'}", [
+                self.python, "-c", "import sys; from engine.loader.prepare import resolve_model as r; "
+                "print(r(sys.argv[1])[0])", source], 600)
 
     def start(self) -> None:
         scheduler = self._start_scheduler() if self.options.scheduler else None
-        decode = self._start_workers(scheduler)
+        models = self.options.models or (None,)
+        decode = [self._start_workers(scheduler, spec, first=i == 0) for i, spec in enumerate(models)][0]
         safety = self._start_safety() if self.options.safety else None
         self._start_billing()
         self._start_gateway(scheduler, decode, safety)
@@ -99,13 +103,15 @@ class LocalCluster:
                                                        "127.0.0.1", "--port", str(port)], listening(port)))
         return f"127.0.0.1:{port}"
 
-    def _worker(self, role: str, scheduler: str | None, extra: list[str]) -> str:
-        name = f"worker-{role}"
+    def _worker(self, role: str, scheduler: str | None, extra: list[str], spec: ModelSpec | None = None,
+                first: bool = True) -> str:
+        # The default model's workers keep the plain names (run.json, fault injection); others carry theirs.
+        name = f"worker-{role}" if first or spec is None else f"worker-{spec.served_name}-{role}"
         port, metrics = self._port(name), self._port(f"{name}-metrics")
         argv = [self.python, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(metrics), "--torch-threads", str(self.options.worker_threads), *extra]
-        if self.options.model:
-            argv += ["--model", self.options.model]
+        if spec is not None:
+            argv += ["--model", spec.source, "--model-id", spec.served_name]
         if self.options.num_blocks:
             argv += ["--num-blocks", str(self.options.num_blocks)]
         if scheduler:
@@ -113,12 +119,12 @@ class LocalCluster:
         self.supervisor.start(self._spec(name, argv, log_line(WORKER_READY), ready_timeout_s=300))
         return f"127.0.0.1:{port}"
 
-    def _start_workers(self, scheduler: str | None) -> str:
-        """The decode-capable worker's address."""
+    def _start_workers(self, scheduler: str | None, spec: ModelSpec | None, first: bool) -> str:
+        """One model's workers; the decode-capable worker's address."""
         if self.options.workers_role == "both":
-            return self._worker("both", scheduler, [])
-        prefill = self._worker("prefill", scheduler, [])
-        return self._worker("decode", scheduler, ["--prefill-peers", prefill])
+            return self._worker("both", scheduler, [], spec, first)
+        prefill = self._worker("prefill", scheduler, [], spec, first)
+        return self._worker("decode", scheduler, ["--prefill-peers", prefill], spec, first)
 
     def _start_safety(self) -> str:
         port = self._port("safety")
@@ -140,8 +146,12 @@ class LocalCluster:
             env["BATON_SCHEDULER_ADDRESS"] = scheduler
         if safety:
             env["BATON_SAFETY_ADDRESS"] = safety
-        if o.model:
-            env["BATON_MODEL"] = o.model
+        if o.models:
+            env["BATON_MODEL"] = o.models[0].source
+            if o.models[0].name:
+                env["BATON_SERVED_MODEL_NAME"] = o.models[0].name
+        if o.models[1:]:
+            env["BATON_EXTRA_MODELS"] = json.dumps({s.served_name: s.source for s in o.models[1:]})
         self.ports["gateway"] = o.port
         self.supervisor.start(self._spec(
             "gateway", [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port)],

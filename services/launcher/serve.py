@@ -44,6 +44,7 @@ from services.gateway.db.migrations import migrate_gateway
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
 from services.launcher.infra import EmbeddedInfra, InfraConfig
+from services.launcher.models import ModelSpec, check_unique
 from services.launcher.process import reserve_port
 from services.launcher.rundir import RunDir
 from services.launcher.supervisor import Supervisor
@@ -65,7 +66,10 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--workers-role", choices=["disaggregated", "both"], default="disaggregated",
                    help="one prefill + one decode worker (default), or one co-located 'both' worker")
-    p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="a served model: an HF dir, SmolLM2-135M-Instruct or baton-tiny-random, optionally named; "
+                        "repeat for several (workers for each; the first is the default; "
+                        "default: SmolLM2-135M-Instruct)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="keep Postgres data and logs here across runs (default: a temp dir, removed at exit)")
     p.add_argument("--tier", choices=list(TIERS), default="enterprise", help="tier of the local organisation")
@@ -77,7 +81,10 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, model=args.model,
+    models = check_unique(tuple(ModelSpec.parse(m) for m in args.model or ()))
+    if len(models) > 1 and args.no_scheduler:
+        raise ConfigError("several --model need the scheduler: it routes each model to its own workers")
+    return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, models=models,
                         data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
                         num_blocks=args.num_blocks, safety=not args.no_safety,
                         scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"))

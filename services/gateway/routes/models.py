@@ -1,4 +1,9 @@
-"""`GET /v1/models` and `GET /v1/models/{model_id}`: the served model, its context window and price."""
+"""`GET /v1/models` and `GET /v1/models/{model_id}`: the served models, their context windows and prices.
+
+Every model the gateway is configured for (BATON_MODEL and BATON_EXTRA_MODELS); only those can be
+served, since the gateway renders and tokenizes the prompt. A model whose workers are all down is
+still listed: its requests get 503 with Retry-After until a worker registers again.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ from fastapi import APIRouter
 
 from services.gateway.config import ServedModel
 from services.gateway.deps import CurrentPrincipal, Deps
-from services.gateway.errors import ModelNotFoundError
 
 router = APIRouter(tags=["models"])
 
@@ -21,11 +25,9 @@ def model_object(model: ServedModel) -> dict[str, object]:
 
 @router.get("/v1/models")
 async def list_models(principal: CurrentPrincipal, deps: Deps) -> dict[str, object]:
-    return {"object": "list", "data": [model_object(deps.config.model)]}
+    return {"object": "list", "data": [model_object(m.served) for m in deps.models.runtimes()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, principal: CurrentPrincipal, deps: Deps) -> dict[str, object]:
-    if model_id != deps.config.model.name:
-        raise ModelNotFoundError(model_id, [deps.config.model.name])
-    return model_object(deps.config.model)
+    return model_object(deps.models.get(model_id).served)
