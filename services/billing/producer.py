@@ -1,5 +1,5 @@
-"""`UsageProducer`: the gateway's side of billing. Publishes `UsageEvent`s to Kafka and keeps each one
-until a broker acknowledged it.
+"""`UsageProducer`: the Kafka client of the gateway's outbox relay (relay.py). Publishes `UsageEvent`s
+and keeps each one until a broker acknowledged it; the relay marks an outbox row sent only then.
 
 What is guaranteed, precisely:
 - `emit()` hands the event to this object's memory and returns at once. From then on, while this
@@ -10,8 +10,8 @@ What is guaranteed, precisely:
   purge raced it). Billing deduplicates by request id, so each request gets at most one row.
 - An acknowledged event is exactly as durable as the broker. Replicated Kafka keeps it through
   broker failures; the embedded Tansu broker stores in memory, so a broker restart loses events that
-  were acknowledged but not yet consumed. Not covered either: this process dying with events not yet
-  acknowledged (a Postgres outbox written with the conversation message would close that gap).
+  were acknowledged but not yet consumed. Neither that nor this process dying loses usage: the
+  outbox row stays in Postgres until the ledger has it, and the relay publishes it again.
 
 Why rebuild the producer: with `enable.idempotence` the broker tracks our producer id and sequence
 numbers. A broker that lost its state (Tansu after a restart) answers UNKNOWN_PRODUCER_ID forever and
@@ -90,6 +90,11 @@ class UsageProducer:
         with self._lock:
             return len(self._pending)
 
+    def pending_ids(self) -> set[str]:
+        """The request ids of the events not yet acknowledged."""
+        with self._lock:
+            return set(self._pending)
+
     def flush(self, timeout_s: float) -> int:
         """Wait until every event is acknowledged or the timeout passes; returns how many are left."""
         deadline = time.monotonic() + timeout_s
@@ -107,8 +112,8 @@ class UsageProducer:
         with self._lock:
             left = list(self._pending.values())
         if left:
-            log.error("%d usage events were never acknowledged by the broker: %s", len(left),
-                      [e.request_id for e in left[:20]])
+            log.warning("%d usage events not acknowledged by the broker at close (their outbox rows stay "
+                        "unsent for the next relay): %s", len(left), [e.request_id for e in left[:20]])
         return left
 
     def _new_producer(self) -> Producer:

@@ -12,6 +12,7 @@ tests); set means "use this external service" (Kubernetes, production).
 from __future__ import annotations
 
 from decimal import Decimal
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -81,6 +82,12 @@ class BatonSettings(BaseSettings):
     kafka_producer_config: dict[str, KafkaConfigValue] = Field(default_factory=dict)
     kafka_consumer_config: dict[str, KafkaConfigValue] = Field(default_factory=dict)
     billing_metrics_port: int | None = None
+    # Where a gateway spools usage while Postgres cannot take its outbox rows (fsynced JSON lines,
+    # drained into the outbox when Postgres is back). Must survive a gateway restart: a persistent disk.
+    usage_spool_dir: Path = Field(default_factory=lambda: Path.home() / ".local" / "state" / "baton" / "usage-spool")
+    # A published usage event the ledger still lacks after it ingested events for this long is
+    # published again (the broker lost it); see services/billing/relay.py.
+    usage_confirm_timeout_s: float = Field(default=10.0, gt=0)
 
     pricing: dict[str, ModelPriceSettings] = Field(default_factory=_default_pricing)
     tier_limits: dict[Tier, TierLimitSettings] = Field(default_factory=_default_tier_limits)

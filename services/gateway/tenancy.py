@@ -1,13 +1,15 @@
 """`TenantServices`: the gateway's per-tenant backends, and the two ways to build them (`BATON_AUTH_MODE`).
 
 Everything the gateway knows about tenants goes through this one object: who is calling (API keys),
-what they may use (RPM/TPM rate limits, monthly budgets), what they used (usage events to Kafka and
+what they may use (RPM/TPM rate limits, monthly budgets), what they used (the usage outbox and
 the `/v1/usage` report) and what they keep (conversations). Routes and services see it only through
 the small protocols below, so the two modes differ here and nowhere else:
 
 - `api_key` (default, `build_platform_tenancy`): API keys and budgets in Postgres, rate limits in
-  Redis, usage events to Kafka. Every client library (psycopg, redis, confluent-kafka) is imported
-  inside that factory, so a gateway in `none` mode runs without any of them installed.
+  Redis, usage events into the Postgres outbox (a local spool while Postgres is down), whose relay
+  publishes them to Kafka (services/billing/outbox.py, relay.py). Every client library (psycopg,
+  redis, confluent-kafka) is imported inside that factory, so a gateway in `none` mode runs without
+  any of them installed.
 - `none` (`build_open_tenancy`), for benchmarks and single-user development: no API key is checked
   (every request, with or without `Authorization`, is one anonymous organisation at a configured tier,
   whose SLO comes from `BATON_SLOS`), no rate limits, no budget, usage events are dropped, and
@@ -22,6 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import date
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from prometheus_client.registry import Collector
 
 from services.common.settings import BatonSettings, Tier
 from services.gateway.auth import Principal
@@ -80,6 +84,7 @@ class TenantServices:
     readiness: dict[str, Probe] = field(default_factory=dict)  # name -> probe, for /readyz
     on_start: Callable[[], Awaitable[None]] | None = None
     on_close: Callable[[], Awaitable[None]] | None = None
+    metrics: Collector | None = None  # extra gateway metrics (the billing outbox's backlog and lag)
 
     def conversation_store(self) -> ConversationStore:
         if self.conversations is None:
@@ -134,7 +139,7 @@ class DroppedUsage:
     def __init__(self) -> None:
         self.dropped = 0
 
-    def emit(self, event: UsageEvent) -> None:
+    async def record(self, event: UsageEvent) -> None:
         self.dropped += 1
 
     @property
@@ -166,13 +171,16 @@ class DatabaseUsageReports:
 
 
 def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
-    """API keys, budgets and conversations in Postgres, rate limits in Redis, usage to Kafka.
+    """API keys, budgets, conversations and the usage outbox in Postgres, rate limits in Redis.
 
     Call inside the running event loop (the Redis and database clients belong to it)."""
     from redis.asyncio import Redis
 
+    from services.billing.outbox import UsageOutbox
     from services.billing.producer import ProducerConfig, UsageProducer
+    from services.billing.relay import OutboxRelay, RelayConfig
     from services.billing.schema import migrate_billing
+    from services.billing.spool import UsageSpool
     from services.common.errors import ConfigError
     from services.gateway.auth import ApiKeyAuthenticator
     from services.gateway.budget import BudgetGuard
@@ -187,7 +195,10 @@ def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
     db = Database(DatabaseConfig.from_settings(settings))
     # Short timeouts: with Redis down a request is admitted or refused (ratelimit.py) within ~1 s.
     redis = Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=2)
-    usage = UsageProducer(ProducerConfig.from_settings(settings))
+    producer = UsageProducer(ProducerConfig.from_settings(settings))
+    spool = UsageSpool(settings.usage_spool_dir)
+    relay = OutboxRelay(db, producer, spool, RelayConfig.from_settings(settings, db.config.url))
+    usage = UsageOutbox(db, spool, relay)
 
     async def start() -> None:
         import asyncio
@@ -195,16 +206,18 @@ def build_platform_tenancy(settings: BatonSettings) -> TenantServices:
         await db.open()
         if db.config.migrate:  # the ledger /v1/usage reads (and the usage outbox) are billing's tables
             await asyncio.to_thread(migrate_billing, db.config.url)
-        usage.start()
+        producer.start()
+        relay.start()
 
     async def close() -> None:
         import asyncio
 
-        await asyncio.to_thread(usage.close)
+        await relay.close()  # publishes what is left (bounded); the rest waits in Postgres or the spool
+        await asyncio.to_thread(producer.close, 1.0)
         await redis.aclose()
         await db.close()
 
     return TenantServices(
         "api_key", ApiKeyAuthenticator(ApiKeyStore(db)), RateLimiter(redis, RateLimitConfig.from_settings(settings)),
         BudgetGuard(db), usage, ConversationStore(db), DatabaseUsageReports(db),
-        readiness={"database": db.ping, "redis": redis.ping}, on_start=start, on_close=close)
+        readiness={"database": db.ping, "redis": redis.ping}, on_start=start, on_close=close, metrics=usage)

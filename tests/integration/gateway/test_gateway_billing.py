@@ -1,4 +1,5 @@
-"""Usage: one row per request in Postgres (via Kafka and the billing consumer), `/v1/usage` reports it."""
+"""Usage: durable (outbox) when the response ends, then one row per request in Postgres (via Kafka and the
+billing consumer); `/v1/usage` reports it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _usage_rows(stack: GatewayStack, tenant: Tenant, expected: int, timeout_s: f
         time.sleep(0.2)
 
 
+def _durable(stack: GatewayStack, ids: set[str]) -> set[str]:
+    with psycopg.connect(stack.database_url) as conn:
+        rows = conn.execute("SELECT request_id FROM usage_outbox WHERE request_id = ANY(%(ids)s) UNION "
+                            "SELECT request_id FROM usage_events WHERE request_id = ANY(%(ids)s)",
+                            {"ids": list(ids)}).fetchall()
+    return {r[0] for r in rows}
+
+
 def test_each_request_is_one_usage_row_with_the_response_counts(client: OpenAI, stack: GatewayStack,
                                                                  tenant: Tenant) -> None:
     replies = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {w}"}],
@@ -32,6 +41,9 @@ def test_each_request_is_one_usage_row_with_the_response_counts(client: OpenAI, 
     streamed = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say maybe"}], max_tokens=3, temperature=0,
         stream=True, stream_options={"include_usage": True}))
+    # Durable the moment the response ended ([DONE] for the stream): in the outbox, or billed already.
+    ids = {r.id for r in replies} | {streamed[0].id}
+    assert _durable(stack, ids) == ids
     rows = _usage_rows(stack, tenant, 3)
     assert len(rows) == 3
     expected = {r.id: r.usage for r in replies} | {streamed[0].id: streamed[-1].usage}

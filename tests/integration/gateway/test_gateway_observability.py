@@ -33,6 +33,9 @@ def test_metrics_count_requests_tokens_and_latency(client: OpenAI, stack: Gatewa
     assert re.search(r'baton_gateway_tokens_total\{kind="completion",model="SmolLM2-135M-Instruct"\} [1-9]', text)
     assert re.search(r"baton_gateway_ttft_seconds_count\{model=\"SmolLM2-135M-Instruct\"\} [1-9]", text)
     assert "baton_gateway_e2e_seconds_bucket" in text
+    for billing in ("baton_billing_outbox_unsent ", "baton_billing_outbox_unbilled ",
+                    "baton_billing_outbox_lag_seconds ", "baton_billing_spool_bytes "):
+        assert billing in text  # the billing lag, from the gateway's outbox relay
 
 
 def test_the_callers_trace_continues_into_the_generation_span(stack: GatewayStack, tenant: Tenant) -> None:
