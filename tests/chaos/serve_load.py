@@ -38,7 +38,8 @@ class ServeProcess:
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", SERVE, "serve", "--port", str(self.port), "--model", str(model_dir),
-                 "--num-blocks", "128", "--no-safety"], stdout=out, stderr=subprocess.STDOUT, env=env)
+                 "--num-blocks", "128", "--no-safety", "--grpc-port", str(free_port())],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
         self.run_file: Path | None = None
 
     @property

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from services.client import BatonClient, Sampling
 from services.gateway.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.process import free_port
@@ -51,14 +52,15 @@ def _wait_for(log: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: 
 def test_serve_runs_the_cluster_and_stops_every_child(tmp_path: Path, postgres: EmbeddedPostgres,
                                                       redis_server: EmbeddedRedis, kafka_broker: EmbeddedKafka,
                                                       default_model_dir: Path) -> None:
-    key, port = generate_api_key(), free_port()
+    key, port, grpc_port = generate_api_key(), free_port(), free_port()
     env = {**os.environ, "BATON_API_KEY": key, "BATON_DATABASE_URL": postgres.create_database("baton_serve"),
            "BATON_REDIS_URL": redis_server.url, "BATON_KAFKA_BOOTSTRAP": kafka_broker.url,
            "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}", "BATON_SERVED_MODEL_NAME": MODEL}
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--port", str(port), "--workers-role", "both",
-                                 "--model", str(default_model_dir), "--num-blocks", "128"],
+                                 "--model", str(default_model_dir), "--num-blocks", "128",
+                                 "--grpc-port", str(grpc_port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_for(log, f"Baton is ready: http://127.0.0.1:{port}", proc, 180)
@@ -68,6 +70,9 @@ def test_serve_runs_the_cluster_and_stops_every_child(tmp_path: Path, postgres: 
         reply = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4)
         assert reply.choices[0].finish_reason in ("stop", "length", "content_filter")
+        assert f"gRPC API: 127.0.0.1:{grpc_port}" in log.read_text()
+        with BatonClient(f"127.0.0.1:{grpc_port}", key, model=MODEL) as client:  # the internal API, same key
+            assert client.chat("Name a colour.", sampling=Sampling(max_tokens=4)).usage is not None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
         assert not any(_is_live(pid) for pid in children)

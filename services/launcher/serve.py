@@ -1,0 +1,224 @@
+"""`baton serve`: the whole cluster on this machine with one command.
+
+Start order (each waits for the previous to be ready): Postgres, Redis and the Kafka-protocol broker
+(embedded unless BATON_DATABASE_URL / BATON_REDIS_URL / BATON_KAFKA_BOOTSTRAP are set), the schema
+and the first API key, the scheduler, one prefill and one decode worker (or one `both` worker with
+`--workers-role both`), safety, the billing consumer, and the gateway on `--host:--port`
+(127.0.0.1:8000). Prints the URL (and a newly created key, once) when everything is ready.
+
+Supervision: a child (or embedded Postgres/Redis/broker) that dies is restarted with backoff on the
+same ports while the rest keep serving (supervisor.py, cluster.py); its log tail is printed. The run
+file `<run dir>/run.json` lists the live pids and ports (fault injection reads it).
+
+Ctrl-C / SIGTERM stop everything in reverse order: the gateway drains first (and hands its last usage
+events to the broker), then the billing consumer drains the topic, infrastructure goes last. The run
+dir (a temp dir unless `--data-dir`) is removed on every exit path but SIGKILL; see rundir.py.
+
+API key: `BATON_API_KEY` (a `bt-...` key) is registered for the organisation "local" if it is not
+known yet; without it a key is created and printed once (with `--data-dir`, only on the first run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from services.billing.schema import migrate_billing
+from services.common.errors import BatonError, ConfigError, NotFoundError
+from services.common.settings import TIERS, BatonSettings, Tier
+from services.gateway.auth import KEY_PREFIX, display_prefix, hash_api_key
+from services.gateway.db.accounts import AccountStore
+from services.gateway.db.api_keys import ApiKeyStore
+from services.gateway.db.migrations import migrate_gateway
+from services.gateway.db.pool import Database, DatabaseConfig
+from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
+from services.launcher.infra import EmbeddedInfra, InfraConfig
+from services.launcher.models import ModelSpec, check_unique
+from services.launcher.process import reserve_port
+from services.launcher.rundir import RunDir
+from services.launcher.supervisor import Supervisor
+
+log = logging.getLogger("services.launcher.serve")
+LOCAL_ORG = "local"
+_KEY_RE = re.compile(r"^bt-[A-Za-z0-9_-]{43}$")
+__all__ = ["WORKER_READY", "ServeOptions", "register_serve_command", "serve"]
+
+
+class ServeInterrupted(BaseException):
+    """SIGINT/SIGTERM while starting: unwind and stop what was started."""
+
+
+def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve` to the `baton` console script (services/cli.py)."""
+    p = subparsers.add_parser("serve", help="run the whole cluster locally (gateway on http://127.0.0.1:8000)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--workers-role", choices=["disaggregated", "both"], default="disaggregated",
+                   help="one prefill + one decode worker (default), or one co-located 'both' worker")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="a served model: an HF dir, SmolLM2-135M-Instruct or baton-tiny-random, optionally named; "
+                        "repeat for several (workers for each; the first is the default; "
+                        "default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="keep Postgres data and logs here across runs (default: a temp dir, removed at exit)")
+    p.add_argument("--tier", choices=list(TIERS), default="enterprise", help="tier of the local organisation")
+    p.add_argument("--worker-threads", type=int, default=1, help="torch CPU threads per worker")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--no-safety", action="store_true", help="do not start the safety service (unchecked!)")
+    p.add_argument("--no-scheduler", action="store_true", help="route statically instead of via the scheduler")
+    p.add_argument("--grpc-port", type=int, default=8001, help="the gateway's internal gRPC API port")
+    p.add_argument("--no-grpc", action="store_true", help="do not serve the internal gRPC API")
+    p.set_defaults(func=run_serve_command)
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    models = check_unique(tuple(ModelSpec.parse(m) for m in args.model or ()))
+    if len(models) > 1 and args.no_scheduler:
+        raise ConfigError("several --model need the scheduler: it routes each model to its own workers")
+    return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, models=models,
+                        data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
+                        num_blocks=args.num_blocks, safety=not args.no_safety,
+                        scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"),
+                        grpc_port=None if args.no_grpc else args.grpc_port)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
+    try:
+        settings = BatonSettings()
+        options = options_from_args(args)
+        api_key = os.environ.get("BATON_API_KEY") or None
+        if api_key is not None and not _KEY_RE.match(api_key):
+            raise ConfigError(f"BATON_API_KEY must look like {KEY_PREFIX}<43 characters of [A-Za-z0-9_-]> "
+                              "(as `baton admin create-key` makes)")
+    except (BatonError, ValidationError, SettingsError) as e:
+        print(f"baton serve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(options, settings, api_key)
+
+
+def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -> int:
+    """Run until a signal (exit 0) or a child's death (exit 1); start failures exit 2."""
+    for port in (options.port, options.grpc_port):  # no child is ever handed the gateway's ports
+        if port is not None:
+            reserve_port(port)
+    stopping = _install_signal_handlers()
+    run_dir = RunDir(options.data_dir)
+    infra = EmbeddedInfra(InfraConfig.from_settings(settings, run_dir.path / "infra"))
+    supervisor = Supervisor(run_dir.path / "logs", cwd=Path.cwd())
+    try:
+        endpoints = infra.start()
+        issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
+        cluster = LocalCluster(options, endpoints, supervisor)
+        supervisor.on_change = lambda s: run_dir.write_run_file(
+            {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts(),
+             "database_url": endpoints.database_url, "redis_url": endpoints.redis_url,
+             "kafka_bootstrap": endpoints.kafka_bootstrap})
+        for name, service in infra.embedded_by_name().items():
+            supervisor.watch_service(name, service)
+        cluster.prepare_model()
+        cluster.start()
+        _announce(options, issued, supervisor.log_dir, run_dir)
+        dead = supervisor.watch(lambda: stopping.is_set)
+        if dead is not None:
+            print(f"baton serve: {dead} exited; stopping. Its log:\n{supervisor.log_tail(dead)}", file=sys.stderr)
+            return 1
+        return 0
+    except ServeInterrupted:
+        return 0
+    except BatonError as e:
+        print(f"baton serve: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        stopping.set()
+        print("baton serve: stopping...", file=sys.stderr, flush=True)
+        try:
+            supervisor.stop_all()
+            infra.stop()
+        finally:
+            run_dir.close()
+
+
+class _Flag:
+    def __init__(self) -> None:
+        self.is_set = False
+        self.watching = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+
+def _install_signal_handlers() -> _Flag:
+    flag = _Flag()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if flag.is_set:
+            return  # already stopping: a second Ctrl-C must not interrupt the ordered shutdown
+        flag.set()
+        raise ServeInterrupted()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return flag
+
+
+def _announce(options: ServeOptions, issued: str | None, log_dir: Path, run_dir: RunDir) -> None:
+    lines = [f"Baton is ready: {options.gateway_url}  (chat page at /, OpenAI API at /v1)",
+             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}"]
+    if options.grpc_target:
+        lines.insert(1, f"gRPC API: {options.grpc_target}  (baton api chat \"Hello\"; services.client.BatonClient)")
+    if issued:
+        lines.append(f"API key (shown once, store it now): {issued}")
+    print("\n".join(lines), flush=True)
+
+
+def _bootstrap_database(database_url: str, api_key: str | None, tier: Tier) -> str | None:
+    """Migrate, make sure the local organisation and a key exist; returns a newly created key."""
+    migrate_database(database_url)
+    return asyncio.run(ensure_api_key(database_url, api_key, tier))
+
+
+def migrate_database(database_url: str) -> None:
+    """Every owner's tables: the gateway's and billing's (each also migrates its own at start)."""
+    migrate_gateway(database_url)
+    migrate_billing(database_url)
+
+
+async def ensure_api_key(database_url: str, api_key: str | None, tier: Tier = "enterprise") -> str | None:
+    """Register `api_key` for the local organisation, or create one if it has none; returns a new key."""
+    from services.gateway.auth import ApiKeyAuthenticator
+
+    async with Database(DatabaseConfig(database_url, min_size=1, max_size=2, migrate=False)) as db:
+        accounts, keys = AccountStore(db), ApiKeyStore(db)
+        try:
+            org = await accounts.find_org(LOCAL_ORG)
+        except NotFoundError:
+            org = await accounts.create_org(LOCAL_ORG, tier)
+        if api_key is not None:
+            if await keys.find_by_hash(hash_api_key(api_key)) is None:
+                await keys.insert(org.id, hash_api_key(api_key), display_prefix(api_key), user_id=None,
+                                  name="BATON_API_KEY", rpm_limit=None, tpm_limit=None)
+            return None
+        if any(not k.revoked for k in await keys.list_for_org(org.id)):
+            log.info("the local organisation already has keys; make another with `baton admin create-key`")
+            return None
+        return (await ApiKeyAuthenticator(keys).issue(org.id, name="baton serve")).key
