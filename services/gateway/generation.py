@@ -6,8 +6,11 @@ cancellation and frees the sequence's KV blocks) and also sends an explicit `Abo
 worker that missed the cancellation (a proxy in between, a race with its own scheduling) frees them
 too. The W3C trace context of the current span rides in the call's metadata (`traceparent`).
 
-gRPC statuses become typed errors: INVALID_ARGUMENT -> 400, RESOURCE_EXHAUSTED -> 503 (retry later),
-anything else -> 502.
+gRPC statuses are classified (`FailureKind`) before they become typed errors: a worker that is gone
+(UNAVAILABLE: refused, reset, closed, draining; or a stream that ends without a finish reason) raises
+`WorkerLostError`, which the runner answers with a retry or a migration to another worker; the request's
+own faults (INVALID_ARGUMENT -> 400), a full worker (RESOURCE_EXHAUSTED -> 503, retry later) and the
+worker's failures (anything else -> 502) are never retried: re-running them elsewhere would not help.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import grpc
 
@@ -52,13 +56,15 @@ class SamplingSpec:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
     num_draft_tokens: int | None = None  # speculative decoding draft length; None: the worker's default
     guided: tuple[int, str] | None = None  # (worker_pb2.GuidedKind, spec): grammar-constrained output
+    prior_output_tokens: int = 0  # a migration's prompt ends with this many tokens generated before
 
     def to_proto(self) -> wpb.SamplingParams:
         params = wpb.SamplingParams(
             max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=self.top_p or 0.0, stop=list(self.stop),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            prior_output_tokens=self.prior_output_tokens)
         if self.seed is not None:
             params.seed = self.seed % _SEED_MOD
         if self.logprobs is not None:
@@ -102,12 +108,41 @@ def delta_from_proto(msg: wpb.GenerateResponse) -> GenerationDelta:
         num_cached_tokens=msg.num_cached_tokens, error=msg.error)
 
 
+class FailureKind(StrEnum):
+    """Why a worker call failed, which decides whether another worker may take the generation over."""
+
+    WORKER_LOST = "worker_lost"  # the worker is gone or going: retried / migrated elsewhere
+    BAD_REQUEST = "bad_request"  # the request itself is wrong: never retried
+    OVERLOADED = "overloaded"  # the worker is full: the client retries later (503)
+    WORKER_FAILED = "worker_failed"  # the worker failed this request (engine error): not retried
+
+    @classmethod
+    def of(cls, code: grpc.StatusCode) -> FailureKind:
+        return _FAILURES.get(code, cls.WORKER_FAILED)
+
+
+_FAILURES = {grpc.StatusCode.UNAVAILABLE: FailureKind.WORKER_LOST,
+             grpc.StatusCode.INVALID_ARGUMENT: FailureKind.BAD_REQUEST,
+             grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.OVERLOADED}
+
+
+class WorkerLostError(UpstreamError):
+    """The worker died, went away or broke the stream mid-generation (502 if nobody takes over)."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
 def error_from_status(e: grpc.aio.AioRpcError, address: str) -> BatonError:
     details = e.details() or e.code().name
-    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+    kind = FailureKind.of(e.code())
+    if kind is FailureKind.BAD_REQUEST:
         return BadRequestError(f"the worker refused the request: {details}")
-    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if kind is FailureKind.OVERLOADED:
         return OverloadedError(f"worker {address} is out of capacity: {details}", retry_after_s=1.0)
+    if kind is FailureKind.WORKER_LOST:
+        return WorkerLostError(f"worker {address} is unavailable: {details}", address)
     return UpstreamError(f"worker {address} failed: {e.code().name}: {details}")
 
 
@@ -146,6 +181,10 @@ class GenerationStream:
                 if delta.finish_reason is not None:
                     self.finished = True
                 yield delta
+            if not self.finished:  # closed "OK" without a finish reason: a broken stream, as a reset is
+                self.finished = True
+                address = self._target.decode_address
+                raise WorkerLostError(f"worker {address} ended the stream without finishing", address)
         except grpc.aio.AioRpcError as e:
             self.finished = True
             if e.code() == grpc.StatusCode.CANCELLED:

@@ -32,6 +32,8 @@ class GatewayMetrics:
         self.refusals = Counter("baton_gateway_refusals", "Requests refused before generating, by reason",
                                 ["reason"], registry=r)
         self.replays = Counter("baton_gateway_stream_resumes", "Last-Event-ID stream resumes", registry=r)
+        self.migrations = Counter("baton_request_migrations", "Generations whose worker was lost, by what the "
+                                  "gateway did: retried, migrated, limit_exceeded, no_worker", ["outcome"], registry=r)
 
     def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
                            ttft_s: float | None, e2e_s: float) -> None:

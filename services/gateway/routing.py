@@ -14,6 +14,10 @@ protobuf) from one of three sources:
 - STATIC: no scheduler configured: round-robin over `StaticWorkers.decode`, prefill on a static
   prefill worker for long prompts, else locally. With a scheduler configured, the static workers
   are the view until the first list arrives.
+
+A worker the gateway found dead (`report_unreachable`, from a lost Generate stream) is avoided for
+`suspect_s`: local routing skips it, and a scheduler answer that names it (the scheduler only learns of
+a death from missing heartbeats) is released and replaced by a last-view route without it.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class RouterConfig:
     view_refresh_s: float = 1.0
     retry_scheduler_after_s: float = 0.5
     min_remote_prefill_tokens: int = 256  # shorter prompts prefill locally without the scheduler
+    suspect_s: float = 10.0  # a worker found dead is avoided this long (the scheduler's heartbeat timeout)
 
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.view_refresh_s, self.retry_scheduler_after_s) <= 0:
@@ -141,9 +146,12 @@ class LastView:
         self._sent.clear()
         self._placed.clear()
 
-    def pick(self, summary: RequestSummary, min_remote_prefill_tokens: int) -> tuple[str, str | None] | None:
-        """(decode address, prefill address or None) or None when no worker serves the model."""
-        serving = [w for w in self.workers if not summary.model or w.model in ("", summary.model)]
+    def pick(self, summary: RequestSummary, min_remote_prefill_tokens: int,
+             avoid: frozenset[str] = frozenset()) -> tuple[str, str | None] | None:
+        """(decode address, prefill address or None) or None when no worker (but those in `avoid`)
+        serves the model."""
+        serving = [w for w in self.workers if (not summary.model or w.model in ("", summary.model))
+                   and w.address not in avoid]
         decode = self._least_loaded([w for w in serving if w.role.can_decode])
         if decode is None:
             return None
@@ -197,15 +205,30 @@ class RouterClient:
         self._view_at = -float("inf")
         self._refreshing: asyncio.Task[bool] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._suspects: dict[str, float] = {}  # address -> monotonic time until which it is avoided
 
     @property
     def scheduler_available(self) -> bool:
         """False while routing from the last view after a failure (for /readyz and logs)."""
         return self._stub is not None and time.monotonic() >= self._down_until
 
-    async def route(self, summary: RequestSummary) -> RoutingDecision:
+    def report_unreachable(self, address: str) -> None:
+        """A Generate call found `address` gone: avoid it for `suspect_s` (see the module docstring)."""
+        if address not in self._suspects:
+            log.warning("worker %s unreachable; avoiding it for %.0f s", address, self.config.suspect_s)
+        self._suspects[address] = time.monotonic() + self.config.suspect_s
+
+    def _avoided(self, avoid: frozenset[str]) -> frozenset[str]:
+        now = time.monotonic()
+        for address in [a for a, until in self._suspects.items() if until <= now]:
+            del self._suspects[address]
+        return avoid.union(self._suspects)
+
+    async def route(self, summary: RequestSummary, avoid: frozenset[str] = frozenset()) -> RoutingDecision:
+        """Place `summary` on workers other than those in `avoid` (and those reported unreachable)."""
+        avoid = self._avoided(avoid)
         if self._stub is None:
-            return self._route_locally(summary, RouteSource.STATIC)
+            return self._route_locally(summary, RouteSource.STATIC, avoid)
         if time.monotonic() >= self._down_until:
             try:
                 decision = await self._ask_scheduler(self._stub, summary)
@@ -224,8 +247,12 @@ class RouterClient:
                     log.warning("scheduler reachable again; routing through it")
                     self._in_outage = False
                 self._maybe_refresh_view()
-                return decision
-        return self._route_locally(summary, RouteSource.LAST_VIEW)
+                if decision.decode_address not in avoid:
+                    return decision
+                log.info("scheduler placed %s on avoided worker %s; routing it from the last view",
+                         summary.request_id, decision.decode_address)
+                self._spawn(self._send_finished(self._stub, summary.request_id))
+        return self._route_locally(summary, RouteSource.LAST_VIEW, avoid)
 
     async def finished(self, request_id: str) -> None:
         """Release the request's hold (fire and forget: never blocks or fails the caller)."""
@@ -278,8 +305,9 @@ class RouterClient:
             raise _NoAnswer("Route stream ended without a decision")
         return _decision_from_response(summary.request_id, response)
 
-    def _route_locally(self, summary: RequestSummary, source: RouteSource) -> RoutingDecision:
-        picked = self.view.pick(summary, self.config.min_remote_prefill_tokens)
+    def _route_locally(self, summary: RequestSummary, source: RouteSource,
+                       avoid: frozenset[str] = frozenset()) -> RoutingDecision:
+        picked = self.view.pick(summary, self.config.min_remote_prefill_tokens, avoid)
         if picked is None:
             return RoutingDecision(
                 summary.request_id, RouteKind.REJECT, source,
