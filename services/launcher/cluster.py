@@ -70,8 +70,10 @@ class ServeOptions:
 
 class LocalCluster:
     def __init__(self, options: ServeOptions, endpoints: InfraEndpoints, supervisor: Supervisor,
-                 restart: RestartPolicy | None = None) -> None:
+                 restart: RestartPolicy | None = None, usage_spool_dir: Path | None = None) -> None:
+        """`usage_spool_dir`: where the gateway spools usage while Postgres is down (None: its default)."""
         self.options = options
+        self.usage_spool_dir = usage_spool_dir
         self.endpoints = endpoints
         self.supervisor = supervisor
         self.restart = restart or RestartPolicy()
@@ -160,6 +162,8 @@ class LocalCluster:
                 env["BATON_SERVED_MODEL_NAME"] = o.models[0].name
         if o.models[1:]:
             env["BATON_EXTRA_MODELS"] = json.dumps({s.served_name: s.source for s in o.models[1:]})
+        if self.usage_spool_dir is not None:
+            env["BATON_USAGE_SPOOL_DIR"] = str(self.usage_spool_dir)
         self.ports["gateway"] = o.port
         argv = [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port)]
         if o.grpc_port is not None:

@@ -10,8 +10,11 @@ Supervision: a child (or embedded Postgres/Redis/broker) that dies is restarted 
 same ports while the rest keep serving (supervisor.py, cluster.py); its log tail is printed. The run
 file `<run dir>/run.json` lists the live pids and ports (fault injection reads it).
 
-Ctrl-C / SIGTERM stop everything in reverse order: the gateway drains first (and hands its last usage
-events to the broker), then the billing consumer drains the topic, infrastructure goes last. The run
+Ctrl-C / SIGTERM stop everything in reverse order: the gateway stops taking requests and drains its
+streams, then its outbox relay publishes the usage rows left (services/billing/relay.py); then the
+billing consumer drains the topic into the ledger; infrastructure (broker, Redis, Postgres) goes last.
+Usage not yet billed at that point stays in the outbox table (or the usage spool under the run dir)
+and is published by the next run's gateway when `--data-dir` keeps them. The run
 dir (a temp dir unless `--data-dir`) is removed on every exit path but SIGKILL; see rundir.py.
 
 API key: `BATON_API_KEY` (a `bt-...` key) is registered for the organisation "local" if it is not
@@ -128,7 +131,7 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
     try:
         endpoints = infra.start()
         issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
-        cluster = LocalCluster(options, endpoints, supervisor)
+        cluster = LocalCluster(options, endpoints, supervisor, usage_spool_dir=run_dir.path / "usage-spool")
         supervisor.on_change = lambda s: run_dir.write_run_file(
             {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts(),
              "database_url": endpoints.database_url, "redis_url": endpoints.redis_url,
