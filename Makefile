@@ -45,7 +45,7 @@ test: model system-deps
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy scheduler kvtransfer services
+	$(VENV)/bin/mypy scheduler kvtransfer services tokenization rpcgen
 	$(VENV)/bin/lint-imports --no-logo
 
 # One xdist worker: a test that hangs is killed by pytest-timeout (thread method) and xdist replaces the
