@@ -29,6 +29,7 @@ COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer
 COPY scheduler /src/scheduler
 COPY rpcgen /src/rpcgen
+COPY tokenization /src/tokenization
 COPY services /src/services
 COPY loadtest /src/loadtest
 RUN /opt/baton/venv/bin/pip install --no-deps /src

@@ -21,6 +21,7 @@ COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer
 COPY scheduler /src/scheduler
 COPY rpcgen /src/rpcgen
+COPY tokenization /src/tokenization
 COPY services /src/services
 COPY loadtest /src/loadtest
 # torch first (the CUDA build from the index), then Baton with NIXL; the default model is converted

