@@ -3,7 +3,7 @@
 Every streamed completion writes its events into an `EventLog`; the HTTP response only *follows* the
 log. So a client whose connection broke can reconnect (`GET /v1/streams/{stream_id}` or a re-POST,
 both with `Last-Event-ID: <stream_id>:<seq>`) and get the events after the last one it saw, then the
-live rest. With Redis, the log is also mirrored into a Redis Stream (stream_relay.py), so the
+live rest. With Redis, the log is also mirrored into a Redis Stream (redis_relay.py), so the
 reconnect may land on another gateway replica.
 
 Bounds: a log keeps its newest `replay_max_events` events (a resume from before them is 410 Gone) and
