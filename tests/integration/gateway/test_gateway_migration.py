@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
+import psycopg
 import pytest
 
 from rpcgen.baton.v1 import worker_pb2 as wpb
@@ -89,6 +90,18 @@ def migrations(url: str) -> dict[str, float]:
             for m in re.finditer(r'^baton_request_migrations_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
 
 
+def billed(stack: GatewayStack, request_id: str) -> list[tuple[int, int]]:
+    """The ledger's (prompt, completion) rows of one request, once the billing consumer wrote them."""
+    give_up = time.monotonic() + 30
+    while True:
+        with psycopg.connect(stack.database_url) as conn:
+            rows = conn.execute("SELECT prompt_tokens, completion_tokens FROM usage_events WHERE request_id = %s",
+                                (request_id,)).fetchall()
+        if rows or time.monotonic() > give_up:
+            return [tuple(r) for r in rows]
+        time.sleep(0.2)
+
+
 def stream_events(url: str, tenant: Tenant, on_event: object = None) -> list[Event]:
     """Every SSE event of one streamed request; `on_event(i)` runs after the i-th event arrived."""
     got: list[Event] = []
@@ -143,6 +156,8 @@ def test_a_worker_killed_mid_stream_is_migrated_and_the_greedy_text_is_unchanged
     assert [int(seq) for _, _, seq in ids] == list(range(first, first + len(evs)))  # no gap, no repeat
     # Usage counts what the client received, once: the re-prefilled prompt and tokens are not billed twice.
     assert chunks[-1]["usage"] == reference["usage"]
+    usage = reference["usage"]
+    assert billed(fleet.stack, chunks[0]["id"]) == [(usage["prompt_tokens"], usage["completion_tokens"])]
     assert migrations(url) == {"migrated": 1.0}
 
 
