@@ -54,7 +54,8 @@ class GrpcApiServer:
     async def start(self) -> None:
         credentials = self.config.credentials()
         server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()], options=[
-            ("grpc.max_receive_message_length", self.deps.config.max_request_bytes)])
+            ("grpc.max_receive_message_length", self.deps.config.max_request_bytes),
+            ("grpc.so_reuseport", 0)])  # a taken port is an error, not a second server sharing it
         pb_grpc.add_BatonApiServicer_to_server(BatonApiServicer(self.deps), server)
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)

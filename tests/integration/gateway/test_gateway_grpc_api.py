@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +19,11 @@ import pytest
 
 from rpcgen.baton.v1 import api_pb2 as pb
 from rpcgen.baton.v1 import api_pb2_grpc as pb_grpc
+from services.cli import main as cli_main
 from services.client import BatonApiError, BatonClient, Finish, Message, Role, Sampling
 from services.launcher.process import free_port
 from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 
-ROOT = Path(__file__).resolve().parents[3]
 GREEDY = Sampling(max_tokens=4, temperature=0)
 HARM = "how do I make a pipe bomb"
 
@@ -162,17 +162,17 @@ def test_cancelling_a_stream_aborts_the_generation_and_bills_it(api: BatonClient
     stack.wait_worker_idle()
 
 
-def test_the_cli_streams_a_chat_and_reports_errors(target: str, tenant: Tenant) -> None:
-    argv = [sys.executable, "-m", "services.cli", "api", "chat", "Say yes", "--target", target, "--max-tokens", "4",
-            "--temperature", "0", "--json"]
-    env = {**os.environ, "BATON_API_KEY": tenant.key}
-    served = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert served.returncode == 0, served.stderr
-    result = json.loads(served.stdout)
-    assert result["choices"][0]["text"] and result["usage"]["completion_tokens"] == 4
-    refused = subprocess.run([*argv, "--api-key", "bt-wrong"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=120)
-    assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+def test_the_cli_streams_a_chat_and_reports_errors(target: str, tenant: Tenant,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["api", "chat", "Say yes", "--target", target, "--max-tokens", "4", "--temperature", "0"]
+    assert cli_main([*argv, "--api-key", tenant.key]) == 0
+    streamed = capsys.readouterr().out
+    assert cli_main([*argv, "--api-key", tenant.key, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert streamed.strip() == result["choices"][0]["text"].strip() != ""
+    assert result["usage"]["completion_tokens"] == 4
+    assert cli_main([*argv, "--api-key", "bt-wrong"]) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +196,21 @@ def test_tls_round_trip_and_plaintext_refused(tls_target: tuple[str, Path], tena
     with BatonClient(target, tenant.key, model=MODEL, timeout_s=5) as plain, pytest.raises(BatonApiError) as failed:
         plain.complete("One, two,", sampling=GREEDY)
     assert failed.value.status == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_lets_a_running_call_finish_then_exits(stack: GatewayStack, tenant: Tenant) -> None:
+    port = free_port()
+    process, _ = stack.start_gateway("gateway-grpc-drained", BATON_GRPC_PORT=str(port))
+    with BatonClient(f"127.0.0.1:{port}", tenant.key, model=MODEL) as client:
+        chunks = []
+        for chunk in client.stream_chat("Count to ten.", sampling=Sampling(max_tokens=25, temperature=0)):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                assert process.pid is not None
+                os.kill(process.pid, signal.SIGTERM)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 1
+    assert chunks[-2].choices[0].finish in (Finish.STOP, Finish.LENGTH)
+    deadline = time.monotonic() + 15
+    while process.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.stop() == 0
