@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
+from engine.layers.rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,22 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
         """Scatter the new tokens' K and V into their slots of layer `layer`."""
+
+    def rotate_and_write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        layer: int,
+        query: torch.Tensor,  # [T, H_q, D]
+        key: torch.Tensor,  # [T, H_kv, D]
+        value: torch.Tensor,  # [T, H_kv, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D/2] in the activation dtype
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # [T, H_q, D]: the rotated query
+        """Apply RoPE to q and k, write k and v into the cache, return the rotated q. Backends with a
+        fused kernel override this; the result must equal this reference."""
+        query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
+        self.write_kv(kv_cache, layer, key, value, slot_mapping)
+        return query
 
     @abstractmethod
     def attend(

@@ -20,10 +20,12 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ConfigError
+from engine.kernels.dispatch import use_fused_kernels
 from engine.kernels.kv_store import store_kv
 from engine.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode
 from engine.kernels.paged_prefill import paged_prefill
 from engine.kernels.paged_prefill import warm_up as warm_up_prefill
+from engine.kernels.rope_kv_store import rope_and_store_kv
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,21 @@ class TritonAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,  # [T] int64, negative = padded row, skipped
     ) -> None:
         store_kv(kv_cache, layer, key, value, slot_mapping)
+
+    def rotate_and_write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """One fused RoPE + KV-store kernel (`BATON_FUSED_KERNELS=0`: the reference's separate ops)."""
+        if not use_fused_kernels(query):
+            return super().rotate_and_write_kv(kv_cache, layer, query, key, value, rope, slot_mapping)
+        return rope_and_store_kv(kv_cache, layer, query, key, value, *rope, slot_mapping)
 
     def attend(
         self,

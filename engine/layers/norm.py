@@ -1,13 +1,16 @@
 """RMSNorm, computed in float32 and cast back exactly as Hugging Face's LlamaRMSNorm does.
 
 The optional `residual` argument fuses the decoder's "add the residual, then normalize" into one
-call (vLLM's shape), which keeps the layer code short and lets a fused kernel replace it later.
+call (vLLM's shape). On CUDA that call is one Triton kernel (`engine/kernels/fused_norm.py`, same
+rounding); elsewhere, or with `BATON_FUSED_KERNELS=0`, the torch code below is the reference.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.kernels.dispatch import use_fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +24,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(norm(x + residual), x + residual)`; with no residual, `(norm(x), x)`."""
+        if use_fused_kernels(x) and x.dim() == 2:
+            from engine.kernels.fused_norm import fused_add_rmsnorm  # imports triton: CUDA only
+
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -31,7 +31,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, OutputShard, RowParallelLinear, copy_checked
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding
 from engine.parallel.group import TensorParallel, check_tensor_parallel, kv_head_start, local_kv_heads
 
 # HF projection name -> (merged module, shard index) for the projections we fuse.
@@ -82,8 +82,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        self.backend.write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
+        q = self.backend.rotate_and_write_kv(kv_cache, self.layer, q, k, v, rope, meta.slot_mapping)
         out = self.backend.attend(q, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
