@@ -18,6 +18,7 @@ weights is reported as skipped (128 x 4k is 64 GiB of KV: not on an 80 GB card).
   token read-back. Median of many steps.
 - replay_ms: the captured graph alone (do_bench median, CUDA events): the device's share of a step.
 - of_floor = floor_ms / step_ms: 1.0 is the memory floor; target >= 0.75 at batch 64, context 1k.
+`BATON_FUSED_KERNELS=0` measures the unfused decoder (torch elementwise ops) for a before/after.
 TP (`--tp 2`, skipped with fewer GPUs): batch 64 at 1k and 4k over 2 ranks (NCCL, NVLink multicast
 off); floor per rank (half the weights and KV), and speed-up = TP=1 step_ms / TP=2 step_ms.
 Prints a table last; writes every number to `--out` as JSON. The other GPU benchmarks import the
@@ -44,6 +45,7 @@ import torch
 
 from engine.batch import BatchPlan, ScheduledChunk
 from engine.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from engine.kernels.dispatch import fused_kernels_enabled
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 
@@ -128,6 +130,7 @@ def environment() -> dict:
         "gpus": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
         "host": platform.node(),
+        "fused_kernels": fused_kernels_enabled(),  # BATON_FUSED_KERNELS=0: the unfused "before"
     }
 
 
