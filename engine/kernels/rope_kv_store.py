@@ -22,9 +22,12 @@ def _rotate(x1, x2, c, s, like_ptr):
     """Rotate-half with the reference's per-op rounding to the element type of `like_ptr` (the
     activation dtype); returns both halves in that type."""
     dtype = like_ptr.dtype.element_ty
-    a = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    b = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    return a.to(dtype), b.to(dtype)
+    # Round to nearest even, as torch does: Triton's default fp32 -> bf16 downcast is not pinned.
+    a = (x1 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) \
+        - (x2 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    b = (x2 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) \
+        + (x1 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    return a.to(dtype, fp_downcast_rounding="rtne"), b.to(dtype, fp_downcast_rounding="rtne")
 
 
 @triton.jit

@@ -91,6 +91,28 @@ def test_rope_kv_store_matches_rotary_then_store(tokens: int) -> None:
     keep = slots >= 0  # the torch backend never sees padded rows: give it only the real ones
     ref_q = apply_rotary(q, *rope)
     TorchAttentionBackend().write_kv(ref_cache, 1, apply_rotary(k, *rope)[keep], v[keep], slots[keep])
-    assert_bf16_matches(out, ref_q)
+    exact = [apply_rotary(x.float(), *(t.float() for t in rope)) for x in (q, k)]
+    assert_rotation_as_accurate(out, ref_q, exact[0])
     assert torch.equal(cache[:, 0], ref_cache[:, 0])  # layer 0 untouched
-    assert_bf16_matches(cache, ref_cache)
+    blocks_of, offsets = slots[keep] // BLOCK, slots[keep] % BLOCK
+    assert torch.equal(cache[blocks_of, 1, 1, offsets], v[keep])  # V is stored as it came
+    assert_rotation_as_accurate(cache[blocks_of, 1, 0, offsets], ref_cache[blocks_of, 1, 0, offsets], exact[1][keep])
+    untouched = torch.ones(blocks * BLOCK, dtype=torch.bool, device=DEVICE)
+    untouched[slots[keep]] = False
+    assert torch.equal(cache[:, 1].transpose(1, 2).reshape(blocks * BLOCK, 2, -1)[untouched],
+                       ref_cache[:, 1].transpose(1, 2).reshape(blocks * BLOCK, 2, -1)[untouched])
+
+
+def assert_rotation_as_accurate(out: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> None:
+    """RoPE in bf16 is a difference of two rounded products; the compiled kernel and the torch ops do
+    not round at exactly the same points (on an H100, 2026-11-26: 1.5-21% of the elements differ by
+    an operand's last bit, and the kernel's mean error against the float32 rotation was the lower one).
+    The bar: within two bf16 ulps of the operands' scale from the torch result everywhere, and a mean
+    error against float32 no more than 5% above the torch ops' own (truncating instead of rounding
+    would double it)."""
+    assert not out.isnan().any(), "an output element was never written"
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=2 ** -6)
+    if out.numel() == 0:  # one token, and it is the padded row: nothing was stored
+        return
+    err_out, err_ref = (out.float() - exact).abs().mean().item(), (ref.float() - exact).abs().mean().item()
+    assert err_out <= err_ref * 1.05, (err_out, err_ref)
