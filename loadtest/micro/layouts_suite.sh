@@ -7,7 +7,7 @@
 #   PROFILE=.data/profile-8b.json bash loadtest/micro/layouts_suite.sh --configs 2p2d 3p1d ...  # reuse one
 #
 # Offline afterwards: `python -m loadtest.experiments.layout_check OUT...` compares `baton plan`'s choice,
-# from that profile, with the measured ranking. $OUT: profile-8b.json, profile.log + distserve_suite.sh's files.
+# from that profile, with the measured ranking. $OUT: profile-8b.json + distserve_suite.sh's 7 files (8: what the device tool returns).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$PWD/layouts-out}
@@ -26,9 +26,8 @@ a.build_model_dir(Path('$MODEL'), a.SHAPES['8b'][1])"
   CUDA_VISIBLE_DEVICES=0 timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-240}" $PY -m services.profiler \
     --model "$MODEL" --load-format dummy --seed 0 --device cuda:0 --dtype bfloat16 --attention-backend triton \
     --num-blocks 20480 --max-num-seqs 128 --max-model-len 4096 --no-prefix-caching \
-    --transfer-fixed-s 0.011 --model-name Llama-3.1-8B-dummy --out "$OUT/profile-8b.json" >"$OUT/profile.log" 2>&1
-  echo "profile rc=$? $((SECONDS - start))s" | tee -a "$OUT/profile.log"
-  tail -n 15 "$OUT/profile.log"
+    --transfer-fixed-s 0.011 --model-name Llama-3.1-8B-dummy --out "$OUT/profile-8b.json" 2>&1 | tail -n 25
+  echo "profile rc=${PIPESTATUS[0]} $((SECONDS - start))s"
   PROFILE=$OUT/profile-8b.json
 fi
 if [ -s "$PROFILE" ]; then

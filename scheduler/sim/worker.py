@@ -2,10 +2,12 @@
 
 It follows the real request path closely enough for routing to matter: a decode worker admits a
 sequence only when it can reserve KV blocks for prompt + max_tokens (decode-first: blocks before
-prefill), prefill runs whole prompts in batches up to a token budget, a prefill on the decode
+prefill), prefill runs whole prompts in batches up to a token budget (or, with `max_prefill_chunk`, the
+engine's chunked prefill: each step takes at most that many tokens of a prompt, prompts in arrival
+order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports samples and KV events
 that the next heartbeat carries to the scheduler. Step times are the profile's, times a noise
-factor. Not modelled: chunked prefill, preemption, transfer contention on the link.
+factor. Not modelled: preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class SimWorkerSpec:
     block_size: int = 16
     max_batch: int = 128  # sequences holding blocks here at once (prefilling, in transfer or decoding)
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step; one longer prompt runs alone
+    # Chunked prefill: a prompt's tokens per step (the engine's `max_prefill_chunk`), and then the
+    # step budget above is shared with the decode batch as the engine's is. None: whole prompts.
+    max_prefill_chunk: int | None = None
     cache_blocks: int = 4096  # prefix-cache capacity
     model: str = "sim"
 
@@ -61,11 +66,16 @@ class SimSequence:
         return self.arrival.prompt_tokens + self.generated
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PrefillJob:
     seq: SimSequence
     new_tokens: int
     cached_tokens: int
+    done_tokens: int = 0  # computed so far (chunked prefill)
+
+    @property
+    def remaining(self) -> int:
+        return self.new_tokens - self.done_tokens
 
 
 @dataclass
@@ -85,7 +95,7 @@ class SimWorker:
         self._holding = 0  # sequences holding blocks here
         self._prefill_queue: deque[PrefillJob] = deque()
         self._running: list[SimSequence] = []
-        self._step: tuple[list[PrefillJob], list[SimSequence]] | None = None
+        self._step: tuple[list[tuple[PrefillJob, int]], list[SimSequence]] | None = None  # (job, tokens)
         self._samples: list[StepSample] = []
 
     @property
@@ -153,14 +163,14 @@ class SimWorker:
     def start_step(self) -> float | None:
         """Plan one step from the queues; returns its duration, or None when there is nothing to do."""
         assert self._step is None, "a worker runs one step at a time"
-        jobs = self._take_prefill_jobs()
         decoding = list(self._running)
+        jobs = self._take_prefill_slices(len(decoding))
         if not jobs and not decoding:
             return None
         seconds = 0.0
         if jobs:
-            tokens = sum(j.new_tokens for j in jobs)
-            attention = sum(j.new_tokens * (j.new_tokens + 2 * j.cached_tokens) for j in jobs)
+            tokens = sum(t for _, t in jobs)
+            attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
             profile = self.spec.profile
             truth = profile.prefill_fixed_s + profile.prefill_per_token_s * tokens
             truth += profile.prefill_per_token_sq_s * attention
@@ -186,7 +196,12 @@ class SimWorker:
                 self._running.remove(seq)
                 self._release(seq, now)
                 outcome.finished.append(seq)
-        for job in jobs:
+        for job, tokens in jobs:
+            job.done_tokens += tokens
+            if job.remaining > 0:
+                continue
+            if self.spec.max_prefill_chunk is not None:
+                self._prefill_queue.remove(job)
             self.cache.store(job.seq.arrival.prefix_hashes)
             if job.seq.decode_worker != self.worker_id:
                 outcome.prefilled.append(job)
@@ -199,13 +214,25 @@ class SimWorker:
     def transfer_s(self, tokens: int) -> float:
         return self.spec.profile.transfer_s(tokens) * self._jitter()
 
-    def _take_prefill_jobs(self) -> list[PrefillJob]:
-        jobs: list[PrefillJob] = []
+    def _take_prefill_slices(self, decoding: int) -> list[tuple[PrefillJob, int]]:
+        """This step's prefill work: (job, tokens). Whole prompts leave the queue now; chunked ones
+        stay queued until their last chunk is computed."""
+        chunk = self.spec.max_prefill_chunk
         budget = self.spec.max_prefill_tokens
-        while self._prefill_queue and (not jobs or self._prefill_queue[0].new_tokens <= budget):
-            job = self._prefill_queue.popleft()
-            budget -= job.new_tokens
-            jobs.append(job)
+        jobs: list[tuple[PrefillJob, int]] = []
+        if chunk is None:
+            while self._prefill_queue and (not jobs or self._prefill_queue[0].new_tokens <= budget):
+                job = self._prefill_queue.popleft()
+                budget -= job.new_tokens
+                jobs.append((job, job.new_tokens))
+            return jobs
+        budget -= decoding  # one token per decoding sequence, as the engine counts them
+        for job in self._prefill_queue:
+            if budget <= 0:
+                break
+            tokens = min(chunk, job.remaining, budget)
+            budget -= tokens
+            jobs.append((job, tokens))
         return jobs
 
     def _jitter(self) -> float:
@@ -215,8 +242,8 @@ class SimWorker:
 
     def heartbeat(self, now: float) -> tuple[WorkerSnapshot, list[StepSample], list[KVEvent]]:
         """The snapshot, samples and KV events a real worker would send now."""
-        in_step = self._step[0] if self._step is not None else []
-        queued_tokens = sum(j.new_tokens for j in self._prefill_queue) + sum(j.new_tokens for j in in_step)
+        in_step = [job for job, _ in self._step[0]] if self._step is not None else []
+        queued_tokens = sum(j.remaining for j in {*self._prefill_queue, *in_step})
         # Like the engine's pending prefill tokens: prompts waiting for a slot here count too.
         queued_tokens += sum(s.arrival.prompt_tokens for s in self._waiting if s.prefill_worker is None)
         not_running = len(self._waiting) + self._holding - len(self._running)
