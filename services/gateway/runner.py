@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from scheduler.types import SLO, RequestSummary, Tier
 from services.billing.events import UsageEvent
 from services.common.errors import BatonError
+from services.gateway.choice_group import group_first_attempts
 from services.gateway.errors import OverloadedError, UpstreamError
 from services.gateway.generation import GenerateTarget, GenerationDelta, SamplingSpec, WorkerClient, WorkerLostError
 from services.gateway.metrics import GatewayMetrics
@@ -133,6 +134,9 @@ class Generation:
         self.screening = screening
         self.states = [ChoiceState(spec) for spec in plan.choices]
         self._usage_recorded = False
+        # n > 1: choices of one prompt on one worker share a call, so the prompt is prefilled once.
+        samplings = [_capped(s.sampling, d) for s, d in zip(plan.choices, decisions, strict=False)]  # none if refused
+        self._grouped = group_first_attempts(runner.workers, plan, decisions, samplings)
 
     @property
     def error(self) -> BatonError | None:
@@ -158,6 +162,8 @@ class Generation:
                     state.finish("error")
         finally:
             watcher.cancel()
+            for unclaimed in self._grouped.values():  # a choice cancelled before it called: leave the group
+                unclaimed.abort()
             metrics.inflight.dec(len(self.states))
             for state in self.states:
                 if state.finish_reason is None:
@@ -197,8 +203,9 @@ class Generation:
         with tracer.start_as_current_span("gateway.generate", attributes={
                 "baton.request_id": spec.request_id, "baton.decode_worker": target.decode_address,
                 "baton.prompt_tokens": len(attempt.prompt_token_ids), "baton.attempt": attempt.number}):
-            stream = self.runner.workers.generate(target, attempt.request_id, attempt.prompt_token_ids,
-                                                  attempt.sampling, plan.principal.tier)
+            grouped = self._grouped.pop(attempt.request_id, None) if attempt.number == 0 else None
+            stream = grouped or self.runner.workers.generate(target, attempt.request_id, attempt.prompt_token_ids,
+                                                             attempt.sampling, plan.principal.tier)
             try:
                 async for delta in stream:
                     if attempt.continuation is not None:

@@ -79,3 +79,26 @@ def test_a_long_prompt_is_prefilled_remotely_and_streamed(disaggregated: Disaggr
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert _remote_prefills(disaggregated.decode_metrics_port) == before + 1
+
+
+def test_n_choices_share_one_remote_prefill_with_the_co_located_logprobs(
+        disaggregated: Disaggregated, gateway_stack: GatewayStack, tenant: Tenant) -> None:
+    """n=3 through P/D: one remote prefill (the decode worker's metric), three choices, and each choice's
+    tokens and logprobs equal the co-located (`both` worker) gateway's for the same seed."""
+    prompt = "List three colours, then explain: " + "the sky over the quiet harbour is grey. " * 40
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, n=3, seed=77,
+               temperature=1.0, logprobs=True, top_logprobs=2)
+    pd = OpenAI(base_url=f"{disaggregated.url}/v1", api_key=tenant.key, max_retries=0, timeout=60)
+    before = _remote_prefills(disaggregated.decode_metrics_port)
+    reply = pd.chat.completions.create(**ask)  # type: ignore[call-overload]
+    assert _remote_prefills(disaggregated.decode_metrics_port) == before + 1  # one prefill for all three
+    with gateway_stack.openai(tenant.key) as co_located:
+        reference = co_located.chat.completions.create(**ask)  # type: ignore[call-overload]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for got, want in zip(reply.choices, reference.choices, strict=True):
+        lps, want_lps = got.logprobs.content, want.logprobs.content  # type: ignore[union-attr]
+        assert [lp.token for lp in lps] == [lp.token for lp in want_lps] and len(lps) == 6
+        for a, b in zip(lps, want_lps, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=2e-3) and len(a.top_logprobs) == 2
+            assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+    # That seeded choices differ is checked where the prompt leaves the model room to (tests/unit/engine).
