@@ -63,6 +63,11 @@ env:
   value: {{ .Values.tracing.otlpEndpoint | default "http://localhost:4317" | quote }}
 {{- end -}}
 
+{{/* Where the gateway reads its gRPC TLS Secret (gateway.grpc.tlsSecret). */}}
+{{- define "baton.grpcTlsDir" -}}
+/etc/baton/grpc-tls
+{{- end -}}
+
 {{- define "baton.modelVolumeMount" -}}
 {{- if .Values.model.volume -}}
 - name: model

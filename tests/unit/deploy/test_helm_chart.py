@@ -22,8 +22,10 @@ VALUES_FILES = ["default", *sorted(p.name for p in (CHART / "ci").glob("*-values
 KUBE_VERSION = "1.30.0"
 # Custom resources the chart may emit (Prometheus operator, KEDA): no schema ships for them.
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
-# Settings the chart fills in itself from other values (service addresses, model, metrics port).
-CHART_COMPUTED = {"scheduler_address", "safety_address", "model", "served_model_name", "billing_metrics_port"}
+# Settings the chart fills in itself from other values (service addresses, model, metrics port, the
+# gateway's gRPC port, TLS files and usage spool, which need ports and volumes beside the setting).
+CHART_COMPUTED = {"scheduler_address", "safety_address", "model", "served_model_name", "billing_metrics_port",
+                  "grpc_port", "grpc_tls_cert", "grpc_tls_key", "usage_spool_dir"}
 
 Manifest = dict[str, Any]
 
@@ -160,3 +162,47 @@ def test_observability_objects_are_optional(rendered: dict[str, list[Manifest]])
     assert {"BatonNoDecodeWorkers", "BatonKVCacheFull", "BatonBillingStalled"} <= {r["alert"] for r in rules}
     dashboard = _find(docs, "ConfigMap", "baton-dashboard")
     assert yaml.safe_load(dashboard["data"]["baton.json"])["uid"] == "baton-overview"
+
+
+def _gateway(docs: list[Manifest]) -> tuple[Manifest, Manifest, dict[str, str]]:
+    """The gateway's container, pod spec and the settings ConfigMap's data."""
+    deployment = _find(docs, "Deployment", "baton-gateway")
+    return _container(deployment), deployment["spec"]["template"]["spec"], \
+        _find(docs, "ConfigMap", "baton-settings")["data"]
+
+
+def _ports(spec: Manifest) -> dict[str, int]:
+    return {p["name"]: p.get("containerPort", p.get("port")) for p in spec["ports"]}
+
+
+def test_gateway_serves_grpc_and_spools_usage_on_an_empty_dir_by_default(rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["default"]
+    container, pod, data = _gateway(docs)
+    assert _ports(container)["grpc"] == 8001 and data["BATON_GRPC_PORT"] == "8001"
+    assert _ports(_find(docs, "Service", "baton-gateway")["spec"])["grpc"] == 8001
+    assert "BATON_GRPC_TLS_CERT" not in data and "BATON_GRPC_TLS_KEY" not in data
+    assert data["BATON_USAGE_SPOOL_DIR"] == "/var/lib/baton/usage-spool"
+    assert {"name": "usage-spool", "mountPath": "/var/lib/baton/usage-spool"} in container["volumeMounts"]
+    assert {"name": "usage-spool", "emptyDir": {}} in pod["volumes"]
+
+
+def test_gateway_grpc_tls_and_a_persistent_spool_come_from_values(rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["xpyd-tp-values.yaml"]
+    container, pod, data = _gateway(docs)
+    assert _ports(container)["grpc"] == 9443 and data["BATON_GRPC_PORT"] == "9443"
+    assert _ports(_find(docs, "Service", "baton-gateway")["spec"])["grpc"] == 9443
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["grpc-tls"]["readOnly"] is True
+    tls_dir = mounts["grpc-tls"]["mountPath"]
+    assert (data["BATON_GRPC_TLS_CERT"], data["BATON_GRPC_TLS_KEY"]) == (f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["grpc-tls"]["secret"] == {"secretName": "baton-grpc-tls"}
+    assert volumes["usage-spool"]["persistentVolumeClaim"] == {"claimName": "baton-usage-spool"}
+    assert "model" in volumes and "model" in mounts  # the model volume is still there beside them
+
+
+def test_gateway_grpc_can_be_turned_off(rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["cpu-values.yaml"]
+    container, _, data = _gateway(docs)
+    assert "grpc" not in _ports(container) and "BATON_GRPC_PORT" not in data
+    assert "grpc" not in _ports(_find(docs, "Service", "baton-gateway")["spec"])
