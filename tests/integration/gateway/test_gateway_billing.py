@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from itertools import islice
 
 import psycopg
 from openai import OpenAI
 
+from tests.integration.gateway.sse_events import Event, events
 from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 
 
@@ -73,20 +75,47 @@ def test_the_usage_endpoint_sums_the_rows(client: OpenAI, stack: GatewayStack, t
     assert bad.status_code == 400 and bad.json()["error"]["param"] is None
 
 
-def test_an_aborted_stream_is_billed_with_finish_reason_abort(stack: GatewayStack, tenant: Tenant) -> None:
-    essay = "Write a long, detailed essay about the history of lighthouses."
-    body = {"model": MODEL, "messages": [{"role": "user", "content": essay}], "max_tokens": 300,
-            "stream": True}
-    with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
-        data_lines = 0
-        for line in r.iter_lines():
-            data_lines += line.startswith("data:")
-            if data_lines == 3:
-                break
+ESSAY_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long, detailed essay about the "
+                                                                    "history of lighthouses."}],
+              "max_tokens": 300, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _assert_billed_as_aborted(stack: GatewayStack, tenant: Tenant, stream: list[Event]) -> None:
+    """`stream` (to its [DONE]) ended in an abort; its one usage row has finish reason abort and the usage
+    the stream reported: the tokens delivered before the abort, not `max_tokens`."""
+    reasons = [c["finish_reason"] for e in stream[:-1] for c in e.json["choices"] if c["finish_reason"]]
+    usage = stream[-2].json["usage"]
+    assert reasons == ["abort"] and stream[-1].data == "[DONE]"
     rows = _usage_rows(stack, tenant, 1)
     assert len(rows) == 1
-    _, prompt, _, completion, finish, *_ = rows[0]
-    assert finish == "abort" and prompt > 0 and 3 <= completion < 300
+    request_id, prompt, _, completion, finish, *_ = rows[0]
+    assert (request_id, finish) == (stream[0].json["id"], "abort")
+    assert (prompt, completion) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert prompt > 0 and 3 <= completion < 300
+
+
+def test_a_cancelled_stream_is_billed_with_finish_reason_abort(stack: GatewayStack, tenant: Tenant) -> None:
+    with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions", json=ESSAY_BODY) as r:
+        lines = r.iter_lines()
+        head = list(islice(events(lines), 3))
+        cancel = http.post(f"/v1/chat/completions/{head[0].json['id']}/cancel")
+        assert cancel.status_code == 200 and cancel.json()["cancelled"] is True
+        stream = head + list(events(lines))  # still attached: the rest arrives, ending in the abort
+    _assert_billed_as_aborted(stack, tenant, stream)
+
+
+def test_a_disconnect_without_detach_grace_is_billed_with_finish_reason_abort(stack: GatewayStack,
+                                                                             tenant: Tenant) -> None:
+    # This stack's gateway runs with no grace, so a disconnect aborts at once (with the default grace the
+    # stream would keep generating for a resume: tests/integration/gateway/test_gateway_stream_resume.py).
+    assert stack.gateway_env()["BATON_STREAM_DETACH_GRACE_S"] == "0"
+    with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions", json=ESSAY_BODY) as r:
+        head = list(islice(events(r.iter_lines()), 3))
+    stack.wait_worker_idle(timeout_s=20)  # the abort freed the sequence
+    with stack.http(tenant.key) as http, http.stream("GET", f"/v1/streams/{head[0].json['id']}",
+                                                     headers={"Last-Event-ID": head[-1].id}) as r:
+        rest = list(events(r.iter_lines()))  # the replay log, up to the abort and its usage
+    _assert_billed_as_aborted(stack, tenant, head + rest)
 
 
 def test_an_organisation_over_its_monthly_budget_is_refused(stack: GatewayStack) -> None:

@@ -1,4 +1,7 @@
-"""SSE done right: ids on every event, keep-alives, [DONE], disconnect aborts, Last-Event-ID replays."""
+"""SSE done right: ids on every event, keep-alives, [DONE], disconnect aborts, Last-Event-ID replays.
+
+The shared stack's gateway runs with BATON_STREAM_DETACH_GRACE_S=0, so here a disconnect aborts at once; the
+default grace (a disconnected stream keeps generating for a resume) is tested in test_gateway_stream_resume.py."""
 
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ def test_every_event_has_a_sequential_id_and_the_stream_ends_with_done(stack: Ga
 
 def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: GatewayStack,
                                                                       tenant: Tenant) -> None:
+    assert stack.gateway_env()["BATON_STREAM_DETACH_GRACE_S"] == "0"  # no grace: a disconnect is an abort
     _wait_idle(stack)
     with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
                                                      json=_body(1500, ESSAY)) as r:
