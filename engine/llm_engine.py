@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
@@ -67,6 +67,11 @@ class SpeculationStats:
     draft_tokens: int = 0  # proposed and verified
     accepted_tokens: int = 0  # drafts the target model kept
 
+    def add(self, other: SpeculationStats) -> None:
+        self.verify_chunks += other.verify_chunks
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
@@ -83,21 +88,23 @@ class StepStats:
 
     prefill_tokens: int  # tokens of prefill chunks
     attention_tokens_sq: int  # sum over prefill chunks of new * (new + 2 * cached)
-    decode_seqs: int  # sequences that decoded one token
+    decode_seqs: int  # sequences that decoded (one token, or a verify chunk of one token + its draft)
     decode_context_tokens: int  # their total context after the step
     seconds: float
+    speculation: SpeculationStats = field(default_factory=lambda: SpeculationStats())  # this step's drafts
 
     @classmethod
-    def of(cls, plan: BatchPlan, seconds: float) -> StepStats:
+    def of(cls, plan: BatchPlan, seconds: float, speculation: SpeculationStats | None = None) -> StepStats:
         prefill = attention = decodes = context = 0
         for c in plan.chunks:
-            if c.num_tokens == 1 and c.start_pos >= len(c.prompt_token_ids):
+            decoding = c.start_pos >= len(c.prompt_token_ids)
+            if decoding and (c.num_tokens == 1 or c.num_draft_tokens):  # a verify chunk is a decode, not a prefill
                 decodes += 1
                 context += c.context_len
             else:
                 prefill += c.num_tokens
                 attention += c.num_tokens * (c.num_tokens + 2 * c.start_pos)
-        return cls(prefill, attention, decodes, context, seconds)
+        return cls(prefill, attention, decodes, context, seconds, speculation or SpeculationStats())
 
 
 class LLMEngine:
@@ -285,9 +292,10 @@ class LLMEngine:
                 tracked.started_at = now
         start = time.perf_counter()
         result = self.runner.execute(plan)
-        self.last_step = StepStats.of(plan, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        drafts = self._count_drafts(plan, result)
+        self.last_step = StepStats.of(plan, seconds, drafts)
         self.batcher.postprocess(plan, result)
-        self._count_drafts(plan, result)
         outputs = []
         for request_id, sampled in result.sampled.items():
             tracked = self._requests.get(request_id)
@@ -296,12 +304,16 @@ class LLMEngine:
                                           result.choices.get(request_id, ())))
         return outputs
 
-    def _count_drafts(self, plan: BatchPlan, result: StepResult) -> None:
+    def _count_drafts(self, plan: BatchPlan, result: StepResult) -> SpeculationStats:
+        """This step's verify chunks, drafts and accepted drafts, also added to the running totals."""
+        step = SpeculationStats()
         for chunk in plan.chunks:
             if chunk.num_draft_tokens:
-                self.spec_stats.verify_chunks += 1
-                self.spec_stats.draft_tokens += chunk.num_draft_tokens
-                self.spec_stats.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
+                step.verify_chunks += 1
+                step.draft_tokens += chunk.num_draft_tokens
+                step.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
+        self.spec_stats.add(step)
+        return step
 
     def _emit(self, tracked: _Tracked, sampled: list[SampledToken],
               choice_first: tuple[SampledToken, ...] = ()) -> RequestOutput:

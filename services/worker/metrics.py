@@ -62,6 +62,15 @@ class WorkerMetrics:
                                         "KV hand-off phases (successful remote prefills), by phase",
                                         ["phase"], buckets=_PHASE_BUCKETS, registry=r)
 
+        # Speculative decoding (n-gram drafts): acceptance = accepted / draft tokens, tokens per verify =
+        # (accepted + verify chunks) / verify chunks.
+        self.spec_verify_chunks = Counter("baton_spec_verify_chunks", "Decodes that verified a draft",
+                                          registry=r)
+        self.spec_draft_tokens = Counter("baton_spec_draft_tokens", "Draft tokens proposed and verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("baton_spec_accepted_tokens", "Draft tokens the model kept",
+                                            registry=r)
+
     def handoff_phase(self, phase: HandoffPhase, seconds: float) -> None:
         self.handoff_phases.labels(phase.value).observe(seconds)
 
@@ -76,6 +85,11 @@ class WorkerMetrics:
         self.step_seconds.labels(kind).observe(stats.seconds)
         if stats.prefill_tokens:
             self.tokens.labels("prompt").inc(stats.prefill_tokens)
+        spec = stats.speculation
+        if spec.verify_chunks:
+            self.spec_verify_chunks.inc(spec.verify_chunks)
+            self.spec_draft_tokens.inc(spec.draft_tokens)
+            self.spec_accepted_tokens.inc(spec.accepted_tokens)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

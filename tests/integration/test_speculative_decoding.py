@@ -62,6 +62,39 @@ def test_greedy_with_speculation_equals_greedy_without(engine, prompts, baseline
     assert engine.spec_stats.accepted_tokens - before >= NEW_TOKENS // 2  # the copy task copies
 
 
+def test_each_steps_stats_carry_its_drafts_and_count_verify_chunks_as_decodes(engine, prompts) -> None:
+    """What the worker's `baton_spec_*` counters and the scheduler's step samples are fed from."""
+    totals = (engine.spec_stats.verify_chunks, engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
+    engine.add_request("stats", prompts[0], greedy(4))
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(engine.last_step)
+    per_step = [s.speculation for s in steps if s is not None]
+    summed = tuple(sum(getattr(x, f) for x in per_step) for f in ("verify_chunks", "draft_tokens", "accepted_tokens"))
+    after = (engine.spec_stats.verify_chunks, engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
+    assert summed == tuple(a - b for a, b in zip(after, totals, strict=True))
+    assert summed[0] > 0 and summed[2] > 0
+    verify_steps = [s for s in steps if s is not None and s.speculation.verify_chunks]
+    assert all(s.prefill_tokens == 0 and s.decode_seqs == 1 for s in verify_steps)  # not mistaken for prefill
+
+
+def test_worker_metrics_export_the_speculation_counters() -> None:
+    from prometheus_client import generate_latest
+
+    from engine.llm_engine import SpeculationStats, StepStats
+    from services.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("decode")
+    metrics.observe_step(StepStats(0, 0, 2, 300, 0.01, SpeculationStats(verify_chunks=2, draft_tokens=8,
+                                                                        accepted_tokens=5)))
+    metrics.observe_step(StepStats(0, 0, 2, 302, 0.01))  # no drafts this step
+    text = generate_latest(metrics.registry).decode()
+    for line in ("baton_spec_verify_chunks_total 2.0", "baton_spec_draft_tokens_total 8.0",
+                 "baton_spec_accepted_tokens_total 5.0"):
+        assert line in text
+
+
 def test_server_default_applies_to_requests_that_do_not_choose(default_model_dir, prompts, baseline) -> None:
     config = EngineConfig(model=str(default_model_dir), cache=CacheConfig(num_blocks=256),
                           speculative=SpeculativeConfig(num_draft_tokens=4))
