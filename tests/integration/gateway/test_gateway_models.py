@@ -29,6 +29,11 @@ from tests.support.scheduler_process import SchedulerProcess
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = "tiny"
+FREE_TTFT_MS = 150
+# ~400 tokens each: ~0.9 s of prefill for the 135M model on this CPU, ~2 ms for the tiny one. Two texts:
+# the measured request must not hit the big worker's prefix cache (a cached prompt prefills in ~0.1 s).
+WARMUP_PROMPT = "Count to ten, slowly. " * 60
+LONG_PROMPT = "List the colours of the rainbow, one per line. " * 40
 PROFILES = {
     MODEL: {"prefill_fixed_s": 0.09, "prefill_per_token_s": 3e-3, "decode_fixed_s": 0.06, "decode_per_seq_s": 5e-3},
     TINY: {"prefill_fixed_s": 0.002, "prefill_per_token_s": 2e-5, "decode_fixed_s": 0.002, "decode_per_seq_s": 1e-4},
@@ -77,16 +82,16 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
         _, enterprise = start_gateway(supervisor, "gateway-enterprise", env)
         _, free = start_gateway(supervisor, "gateway-free", {
             **env, "BATON_ANONYMOUS_TIER": "free",
-            "BATON_SLOS": json.dumps({"free": {"ttft_ms": 150, "tpot_ms": 1000}})})
+            "BATON_SLOS": json.dumps({"free": {"ttft_ms": FREE_TTFT_MS, "tpot_ms": 1000}})})
         yield TwoModels(enterprise, free, {m: f"http://127.0.0.1:{p}/metrics" for m, p in metrics.items()})
     finally:
         supervisor.stop_all()
         scheduler.kill()
 
 
-def _chat(url: str, model: str, max_tokens: int = 4) -> tuple[str, int]:
+def _chat(url: str, model: str, max_tokens: int = 4, prompt: str = "Count to ten.") -> tuple[str, int]:
     with OpenAI(base_url=f"{url}/v1", api_key="open", max_retries=0, timeout=120) as client:
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten."}],
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage is not None
     return reply.model, reply.usage.completion_tokens
@@ -117,8 +122,14 @@ def test_an_unknown_model_is_a_404_model_not_found(two_models: TwoModels) -> Non
 
 
 def test_a_free_request_the_big_model_cannot_serve_in_time_is_answered_by_the_tiny_one(two_models: TwoModels) -> None:
+    # The scheduler refits each worker's cost model from its real steps: both first prefill a long prompt
+    # (enterprise requests, never degraded), so neither is judged from short prompts alone. Before this,
+    # the test sent the short prompt of the tests above, which the big worker had cached: predicted in
+    # time, it answered the free request itself in ~1 run in 8.
+    for model in (MODEL, TINY, TINY):
+        assert _chat(two_models.enterprise_url, model, max_tokens=2, prompt=WARMUP_PROMPT)[0] == model
     before = two_models.generated()
-    answered_by, tokens = _chat(two_models.free_url, MODEL, max_tokens=6)
+    answered_by, tokens = _chat(two_models.free_url, MODEL, max_tokens=6, prompt=LONG_PROMPT)
     after = two_models.generated()
     assert (answered_by, tokens) == (TINY, 6)  # the response names the model that answered
     assert (after[TINY] - before[TINY], after[MODEL] - before[MODEL]) == (6, 0)
