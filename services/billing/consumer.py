@@ -16,12 +16,20 @@ Stopping drains: after `stop` is set the consumer keeps reading until the topic 
 it (one empty poll) or `drain_timeout_s` passes, so an ordered shutdown (gateway first, then billing,
 then the broker) bills everything the gateway handed over. `baton_billing_lag_seconds` is the age of
 the oldest event in the last batch written (0 while idle): how far billing is behind.
+
+Progress: at most once a second the consumer records in `billing_consumer_progress` that it is alive
+and, after an empty poll, that it had read everything the broker held for it. The outbox relay uses
+that to tell a message the broker lost (published before the consumer caught up, yet not in the
+ledger) from one still on its way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,6 +47,13 @@ from services.common.tracing import traced
 
 log = logging.getLogger(__name__)
 
+_PROGRESS_SQL = """
+INSERT INTO billing_consumer_progress (member, caught_up_at, seen_at)
+VALUES (%(member)s, CASE WHEN %(caught_up)s THEN now() END, now())
+ON CONFLICT (member) DO UPDATE SET seen_at = excluded.seen_at,
+    caught_up_at = COALESCE(excluded.caught_up_at, billing_consumer_progress.caught_up_at)
+"""
+
 EVENTS = Counter("baton_billing_events", "Usage events consumed, by outcome", ["outcome"])
 LAG = Gauge("baton_billing_lag_seconds", "Age of the oldest usage event in the last batch written (0: idle)")
 
@@ -52,6 +67,7 @@ class ConsumerConfig:
     poll_timeout_s: float = 0.5
     db_retry_backoff_s: float = 1.0
     drain_timeout_s: float = 10.0  # after stop: keep consuming until caught up, at most this long
+    progress_interval_s: float = 1.0  # how often `billing_consumer_progress` is updated
 
     @classmethod
     def from_settings(cls, settings: BatonSettings, database_url: str | None = None,
@@ -69,6 +85,8 @@ class UsageConsumer:
         self.config = config
         self._ledger = ledger
         self._conn: psycopg.Connection | None = None
+        self._member = f"{socket.gethostname()}:{os.getpid()}"
+        self._progress_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
         """Consume until `stop` is set; then leave the group cleanly."""
@@ -82,6 +100,7 @@ class UsageConsumer:
                     self._handle(consumer, messages, stop)
                 else:
                     LAG.set(0)
+                self._record_progress(caught_up=not messages)
             self._drain(consumer)
         finally:
             consumer.close()
@@ -143,6 +162,18 @@ class UsageConsumer:
                 log.error("postgres rejected a batch of %d, writing one by one: %s", len(events), e)
                 one_by_one = True
         return False
+
+    def _record_progress(self, caught_up: bool) -> None:
+        """Alive (and, after an empty poll, caught up) as of now; throttled, never fatal."""
+        now = time.monotonic()
+        if now - self._progress_at < self.config.progress_interval_s:
+            return
+        self._progress_at = now
+        try:
+            self._connection().execute(_PROGRESS_SQL, {"member": self._member, "caught_up": caught_up})
+        except psycopg.Error as e:  # Postgres down: the batch writes retry and log; progress just waits
+            log.debug("consumer progress not recorded: %s", e)
+            self._drop_connection()
 
     def _record(self, events: list[UsageEvent]) -> None:
         if not events:

@@ -10,10 +10,13 @@ One round (looped by the gateway while it runs; woken by each `UsageOutbox.recor
    that is down acknowledges nothing: the rows stay unsent and the next round tries again (the
    producer keeps re-sending the ones it holds meanwhile).
 3. Settle: delete sent rows whose request id is in `usage_events` (billed), and mark unsent again the
-   sent rows the ledger still lacks although it has ingested events for `confirm_timeout_s` since
-   they were sent. That is a broker that lost acknowledged messages (the embedded Tansu keeps them in
-   memory only, so a restart loses them). While billing is down the ledger makes no progress and
-   nothing is re-published.
+   sent rows the ledger still lacks although billing has moved on since they were sent: either every
+   live consumer has since read all the broker held for it (an empty poll, recorded in
+   `billing_consumer_progress` — services/billing/consumer.py), or the ledger has ingested events for
+   `confirm_timeout_s` since. That is a broker that lost acknowledged messages (the embedded Tansu
+   keeps them in memory only, so a restart loses them). While billing is down neither happens and
+   nothing is re-published. (Ledger progress alone left rows lost just before the load stopped
+   unbilled for good: nothing newer was ingested after them.)
 
 At-least-once: a crash between the broker's acknowledgement and the commit, a timed-out insert that
 also went to the spool, or a re-publish after a lost broker can each publish a request twice; the
@@ -53,7 +56,10 @@ DELETE FROM usage_outbox o USING usage_events e WHERE o.sent_at IS NOT NULL AND 
 _REPUBLISH_LOST_SQL = """
 UPDATE usage_outbox o SET sent_at = NULL, republished = republished + 1
 WHERE o.sent_at IS NOT NULL
-  AND o.sent_at < (SELECT max(ingested_at) FROM usage_events) - make_interval(secs => %(confirm_s)s)
+  AND (o.sent_at < (SELECT max(ingested_at) FROM usage_events) - make_interval(secs => %(confirm_s)s)
+       OR o.sent_at < (SELECT min(caught_up_at) FROM billing_consumer_progress
+                       WHERE seen_at > now() - make_interval(secs => %(live_s)s)
+                       HAVING count(*) = count(caught_up_at)) - make_interval(secs => %(margin_s)s))
   AND NOT EXISTS (SELECT 1 FROM usage_events e WHERE e.request_id = o.request_id)
 RETURNING request_id
 """
@@ -62,6 +68,12 @@ SELECT count(*) FILTER (WHERE sent_at IS NULL), count(*) FILTER (WHERE sent_at I
        COALESCE(extract(epoch FROM now() - min(recorded_at)), 0)
 FROM usage_outbox
 """
+
+
+# A consumer counts as live if it polled this recently; an empty poll counts as caught up with rows sent
+# this long before it (the broker had acknowledged them: a live broker would have delivered them).
+_CONSUMER_LIVE_S = 30.0
+_CAUGHT_UP_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,8 @@ class OutboxRelay:
     async def _settle(self) -> None:
         async with self._db.connection() as conn:
             await conn.execute(_DELETE_BILLED_SQL)
-            cur = await conn.execute(_REPUBLISH_LOST_SQL, {"confirm_s": self.config.confirm_timeout_s})
+            cur = await conn.execute(_REPUBLISH_LOST_SQL, {"confirm_s": self.config.confirm_timeout_s,
+                                                           "live_s": _CONSUMER_LIVE_S, "margin_s": _CAUGHT_UP_MARGIN_S})
             lost = len(await cur.fetchall())
             cur = await conn.execute(_STATS_SQL)
             row = await cur.fetchone()

@@ -166,6 +166,29 @@ async def test_broker_down_then_back_without_its_messages_loses_no_usage(
             kafka_broker.start()
 
 
+async def test_events_the_broker_lost_last_are_published_again_once_billing_has_caught_up(
+        db: Database, database_url: str, kafka_broker: EmbeddedKafka, tmp_path: Path) -> None:
+    """The chaos run's case: the broker loses the last events of a load, so the ledger ingests nothing
+    after them; the consumer's empty polls (billing_consumer_progress) show it has read everything the
+    broker holds, which is what lets the relay publish them again."""
+    topic = _topic(kafka_broker)
+    last = _events("last", 4)
+    try:
+        async with _gateway(db, topic, tmp_path) as (relay, outbox):
+            for event in last:
+                await outbox.record(event)
+            assert await relay.round() == 4  # acknowledged, then lost with the broker's memory
+            kafka_broker.stop()
+            kafka_broker.start()
+            with _billing(database_url, topic):
+                await _rounds_until([relay], _billed_once(database_url, _ids(last)),
+                                    "the lost events billed with nothing newer ingested")
+            assert relay.stats.republished >= 4
+    finally:
+        if not kafka_broker.alive():
+            kafka_broker.start()
+
+
 async def test_rows_of_a_dead_gateway_are_published_by_the_next_two_relays_billed_once(
         db: Database, database_url: str, kafka_broker: EmbeddedKafka, tmp_path: Path) -> None:
     topic = _topic(kafka_broker)
