@@ -70,9 +70,10 @@ FROM usage_outbox
 """
 
 
-# A consumer counts as live if it polled this recently; an empty poll counts as caught up with rows sent
-# this long before it (the broker had acknowledged them: a live broker would have delivered them).
-_CONSUMER_LIVE_S = 30.0
+# A consumer counts as live if it polled this recently (it records progress every second; a killed one
+# must drop out fast, or its stale row holds re-publishing back); an empty poll counts as caught up with
+# rows sent this long before it (the broker had acknowledged them: a live broker would have delivered them).
+_CONSUMER_LIVE_S = 5.0
 _CAUGHT_UP_MARGIN_S = 2.0
 
 
