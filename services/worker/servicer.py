@@ -19,14 +19,8 @@ from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
 from services.rpc import convert
-from services.worker.decode_service import (
-    DecodeService,
-    GenerateEvent,
-    GenerateJob,
-    JobChoice,
-    PrefillMode,
-    PrefillPath,
-)
+from services.worker.decode_jobs import GenerateEvent, GenerateJob, JobChoice, PrefillMode, PrefillPath
+from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_order import PrefillOrder

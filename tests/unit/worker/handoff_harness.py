@@ -30,7 +30,8 @@ from kvtransfer.memory import FABRIC, MemoryAgent
 from kvtransfer.transport import TransportKind
 from rpcgen.baton.v1 import worker_pb2 as pb
 from services.worker.config import DisaggPolicy, TransferConfig
-from services.worker.decode_service import DecodeService, GenerateEvent
+from services.worker.decode_jobs import GenerateEvent
+from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.kv_link import KVLink
 from services.worker.metrics import WorkerMetrics

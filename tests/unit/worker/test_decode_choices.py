@@ -25,14 +25,8 @@ from handoff_harness import (
 
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from services.worker.decode_service import (
-    DecodeService,
-    GenerateEvent,
-    GenerateJob,
-    JobChoice,
-    PrefillMode,
-    PrefillPath,
-)
+from services.worker.decode_jobs import GenerateEvent, GenerateJob, JobChoice, PrefillMode, PrefillPath
+from services.worker.decode_service import DecodeService
 
 TIMEOUT_S = 10.0
 PROMPT = [5, 17, 3, 88, 42, 7, 19, 60, 2, 9, 11, 13, 40, 41, 42, 99, 100, 7, 8, 21, 33]  # 5 blocks + 1 token

@@ -30,7 +30,8 @@ from handoff_harness import (
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.faults import Fault
-from services.worker.decode_service import DecodeService, GenerateEvent, GenerateJob, PrefillMode, PrefillPath
+from services.worker.decode_jobs import GenerateEvent, GenerateJob, PrefillMode, PrefillPath
+from services.worker.decode_service import DecodeService
 from services.worker.faults import DELAY_PREFILL
 from services.worker.prefill_service import PrefillService
 from services.worker.remote_prefill import FallbackReason

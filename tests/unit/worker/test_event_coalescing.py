@@ -6,7 +6,7 @@ from collections import deque
 
 from engine.batch import TokenLogprobs
 from engine.outputs import FinishReason, RequestOutput
-from services.worker.decode_service import GenerateEvent, PrefillPath, _coalesce
+from services.worker.decode_jobs import GenerateEvent, PrefillPath, coalesce
 
 
 def _event(token: int, finish: FinishReason | None = None) -> GenerateEvent:
@@ -17,7 +17,7 @@ def _event(token: int, finish: FinishReason | None = None) -> GenerateEvent:
 def test_queued_outputs_merge_into_one_event_in_order() -> None:
     first = GenerateEvent(_event(1).output, PrefillPath.REMOTE)
     backlog: deque = deque([_event(2), _event(3, FinishReason.LENGTH)])
-    merged = _coalesce(first, backlog)
+    merged = coalesce(first, backlog)
     out = merged.output
     assert (out.new_token_ids, out.new_text, [lp.token_id for lp in out.logprobs]) == ((1, 2, 3), "t1t2t3", [1, 2, 3])
     assert (out.finish_reason, out.num_prompt_tokens) == (FinishReason.LENGTH, 9)
@@ -28,13 +28,13 @@ def test_queued_outputs_merge_into_one_event_in_order() -> None:
 def test_an_error_or_the_end_marker_stays_for_the_caller() -> None:
     error = RuntimeError("engine failed")
     backlog: deque = deque([_event(2), error, _event(3)])
-    assert _coalesce(_event(1), backlog).output.new_token_ids == (1, 2)
+    assert coalesce(_event(1), backlog).output.new_token_ids == (1, 2)
     assert list(backlog)[0] is error
     backlog = deque([None])
-    assert _coalesce(_event(1), backlog).output.new_token_ids == (1,) and list(backlog) == [None]
+    assert coalesce(_event(1), backlog).output.new_token_ids == (1,) and list(backlog) == [None]
 
 
 def test_nothing_is_merged_after_a_finished_output() -> None:
     backlog: deque = deque([_event(2)])
-    assert _coalesce(_event(1, FinishReason.STOP), backlog).output.new_token_ids == (1,)
+    assert coalesce(_event(1, FinishReason.STOP), backlog).output.new_token_ids == (1,)
     assert len(backlog) == 1
