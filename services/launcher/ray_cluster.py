@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,17 +93,21 @@ class ServiceProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (each service drains on it), then SIGKILL after `timeout_s`; the exit code."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
+        """SIGTERM (each service drains on it), then SIGKILL after `timeout_s`; the exit code. The log's
+        temp dir goes with a clean exit and stays (named in a warning) after a failed one, to be read."""
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        return self._proc.returncode
+        code = None if self._proc is None else self._proc.returncode
+        if code in (None, 0, -signal.SIGTERM):
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
+        else:
+            log.warning("%s exited with %s; its log stays at %s", self.name, code, self.log_path)
+        return code
 
 
 def _http_ok(url: str) -> bool:

@@ -108,13 +108,19 @@ def test_one_request_is_prefilled_remotely_through_ray_placed_services(cluster: 
     assert cluster.dead() == []
 
 
+def _service_log_dirs() -> set[str]:
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("baton-ray-*")}
+
+
 def test_down_stops_every_service_process(ray_head: str, default_model_dir: Path) -> None:
+    log_dirs_before = _service_log_dirs()
     ray_cluster = RayCluster(RayClusterConfig(address=ray_head, prefill_workers=0, gateway=False,
                                               worker_args=("--num-blocks=64", "--torch-threads=1")))
     try:
         endpoints = ray_cluster.up()
     finally:
         ray_cluster.down()
+    assert _service_log_dirs() - log_dirs_before == set()  # a clean stop leaves no temp dir behind
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
