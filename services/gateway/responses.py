@@ -206,23 +206,24 @@ class ResponsesService:
         return await self._remote_body(response_id, principal)
 
     async def _remote_body(self, response_id: str, principal: Principal) -> Body:
-        """The cancelled response run by another replica, folded from its stream up to its end."""
+        """The cancelled response run by another replica (or by no reader here), folded from its stream up
+        to its end; one that ended otherwise before the cancel landed is a 400 as a finished one is."""
         source = (await self.completions.resume(response_id, -1, principal)).event_log
-        draft: ResponseDraft | None = None
+        draft = ResponseDraft(ResponsesRequest.model_construct(model="", input=""), response_id,
+                              stored=await self._is_stored(response_id, principal))
         finish = None
-        async with asyncio.timeout(SETTLE_TIMEOUT_S):
-            async for item in source.follow(-1, self.completions.config.stream.keepalive_s):
-                if item is None or item.data == "[DONE]":
-                    continue
-                chunk = json.loads(item.data)
-                if draft is None:
-                    request = ResponsesRequest.model_construct(model=chunk.get("model", ""), input="")
-                    draft = ResponseDraft(request, response_id, stored=await self._is_stored(response_id, principal),
-                                          created_at=chunk.get("created", 0))
-                finish = draft.absorb(chunk)[1] or finish
-        if draft is None:
+        with contextlib.suppress(TimeoutError):  # the abort was sent: a slow end still ends cancelled
+            async with asyncio.timeout(SETTLE_TIMEOUT_S):
+                async for item in source.follow(-1, self.completions.config.stream.keepalive_s):
+                    if item is None or item.data == "[DONE]":
+                        continue
+                    chunk = json.loads(item.data)
+                    draft.request.model = chunk.get("model", draft.request.model)
+                    draft.created_at = chunk.get("created", draft.created_at)
+                    finish = draft.absorb(chunk)[1] or finish
+        draft.finish(finish or "abort")
+        if draft.status != "cancelled":
             raise ResponseFinishedError(response_id)
-        draft.finish(finish)
         return draft.body()
 
     async def _is_stored(self, response_id: str, principal: Principal) -> bool:
