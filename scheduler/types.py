@@ -53,6 +53,13 @@ class Reason(StrEnum):
     QUEUE_TIMEOUT = "admission_queue_timeout"
 
 
+class WorkerFailure(StrEnum):
+    """How a gateway saw a worker fail mid-request (its report makes the worker unroutable)."""
+
+    UNAVAILABLE = "unavailable"  # the call was refused or the worker was unreachable
+    STREAM_BROKEN = "stream_broken"  # the stream ended without finishing
+
+
 class KVEventKind(StrEnum):
     STORED = "stored"
     EVICTED = "evicted"

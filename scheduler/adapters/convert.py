@@ -27,6 +27,7 @@ from scheduler.types import (
     StepSample,
     SwitchState,
     Tier,
+    WorkerFailure,
     WorkerRole,
     WorkerSnapshot,
 )
@@ -39,6 +40,11 @@ _KIND_TO_PROTO = {
     DecisionKind.DEGRADE: pb.RouteResponse.KIND_DEGRADE,
     DecisionKind.REJECT: pb.RouteResponse.KIND_REJECT,
 }
+_FAILURES = {
+    WorkerFailure.UNAVAILABLE: pb.ReportWorkerFailureRequest.REASON_UNAVAILABLE,
+    WorkerFailure.STREAM_BROKEN: pb.ReportWorkerFailureRequest.REASON_STREAM_BROKEN,
+}
+_FAILURES_FROM_PROTO = {v: k for k, v in _FAILURES.items()}
 _KV_KINDS = {pb.KVEvent.KIND_STORED: KVEventKind.STORED, pb.KVEvent.KIND_EVICTED: KVEventKind.EVICTED}
 
 
@@ -197,3 +203,16 @@ def role_switch_to_proto(switch: RoleSwitch) -> pb.RoleSwitch:
         to_role=switch.to_role.value,
         state=_SWITCH_STATES[switch.state],
     )
+
+
+def failure_report_to_proto(address: str, reason: WorkerFailure, detail: str) -> pb.ReportWorkerFailureRequest:
+    return pb.ReportWorkerFailureRequest(worker_address=address, reason=_FAILURES[reason], detail=detail)
+
+
+def failure_from_proto(report: pb.ReportWorkerFailureRequest) -> WorkerFailure:
+    if not report.worker_address:
+        raise InvalidMessageError("worker_address is empty")
+    reason = _FAILURES_FROM_PROTO.get(report.reason)
+    if reason is None:
+        raise InvalidMessageError(f"reason {report.reason} is not REASON_UNAVAILABLE or REASON_STREAM_BROKEN")
+    return reason

@@ -82,6 +82,15 @@ class SchedulerMetrics:
             "baton_scheduler_prefill_sites", "Placed requests by prefill site (local, remote) and reason.",
             ["site", "reason"], registry=r,
         )
+        self.failure_reports = Counter(
+            "baton_scheduler_worker_failure_reports",
+            "Worker failures reported by gateways, by reason and outcome (marked: made unroutable; unknown: no "
+            "live worker at that address).", ["reason", "outcome"], registry=r,
+        )
+        self.failures_cleared = Counter(
+            "baton_scheduler_worker_failures_cleared",
+            "Workers reported failed that heartbeated again (routable again).", registry=r,
+        )
         self._slack: dict[str, float] = {}
         self.workers_expired = Counter(
             "baton_scheduler_workers_expired", "Workers dropped after missing their heartbeat deadline.",

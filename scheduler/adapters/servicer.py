@@ -34,6 +34,7 @@ from rpcgen.baton.v1 import worker_pb2
 from scheduler.adapters.clock import Clock
 from scheduler.adapters.convert import (
     InvalidMessageError,
+    failure_from_proto,
     kv_event_from_proto,
     response_from_decision,
     role_from_proto,
@@ -131,6 +132,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except InvalidMessageError as e:
             self._metrics.heartbeats.labels("invalid").inc()
             await _abort(context, str(e))
+        if self._core.is_failed(worker_id):
+            log.warning("worker %s heartbeats again after a failure report; routable", worker_id)
+            self._metrics.failures_cleared.inc()
         self._core.on_heartbeat(snapshot, samples, events, now)
         self._workers[worker_id] = snapshot
         self._metrics.heartbeats.labels("applied").inc()
@@ -141,8 +145,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkersResponse:
-        live = self._core.live_worker_ids(self._clock.now())
-        workers = [self._workers[w] for w in live if w in self._workers]
+        routable = self._core.routable_worker_ids(self._clock.now())
+        workers = [self._workers[w] for w in routable if w in self._workers]
         switches = {s.worker_id: role_switch_to_proto(s) for s in self._core.role_switches()}
         return pb.ListWorkersResponse(
             workers=[
@@ -161,6 +165,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     switch.to_role.value, switch.state.value)
         self._metrics.role_switches.labels(switch.to_role.value).inc()
         return pb.SetRoleResponse(role_switch=role_switch_to_proto(switch))
+
+    async def ReportWorkerFailure(
+        self, request: pb.ReportWorkerFailureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportWorkerFailureResponse:
+        """A gateway lost the worker at `worker_address`: unroutable (and unlisted) until it heartbeats."""
+        reason = await _converted(context, lambda: failure_from_proto(request))
+        now = self._clock.now()
+        ids = [w for w, s in self._workers.items() if s.address == request.worker_address]
+        marked = [w for w in ids if self._core.report_failure(w, now)]
+        self._metrics.failure_reports.labels(reason.value, "marked" if marked else "unknown").inc()
+        if marked:
+            log.warning("worker %s at %s reported failed (%s: %s); not routed to until it heartbeats",
+                        ", ".join(marked), request.worker_address, reason.value, request.detail)
+        return pb.ReportWorkerFailureResponse(known=bool(marked))
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -5,6 +5,11 @@ clock cannot keep a dead worker alive. A worker silent for longer than `heartbea
 dropped on the next call that passes a `now` — it is never routed to again unless it heartbeats
 again, when it comes back as a new registration.
 
+Failure reports: a gateway that lost a worker mid-request reports it (`mark_failed`); the worker stays
+registered but is unroutable until a heartbeat received after the report clears the mark. So a wrong
+report (a gateway's own network trouble) costs a healthy worker one heartbeat interval, never more,
+while a dead worker leaves every gateway's routing at once instead of after the timeout.
+
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
 `now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
 covers the gateway-to-worker hop), and those are dropped. Counting a request twice for one
@@ -39,6 +44,7 @@ class _WorkerRecord:
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
         self.tpot_targets: Counter[float] = Counter()  # TPOT targets (ms) of unfinished requests here
+        self.failed = False  # reported failed by a gateway since its last heartbeat: not routable
         self._load: WorkerLoad | None = None  # built on demand; every change below clears it
 
     def changed(self) -> None:
@@ -88,6 +94,7 @@ class WorkerRegistry:
             return True
         record.snapshot = snapshot
         record.last_seen = now
+        record.failed = False  # alive after all (or again): routable
         record.changed()
         cutoff = now - self._grace_s
         while record.reservations and record.reservations[0][0] <= cutoff:
@@ -96,6 +103,14 @@ class WorkerRegistry:
         for _, reservation in record.reservations:
             record.reserved = record.reserved.plus(reservation)
         return False
+
+    def mark_failed(self, worker_id: str) -> None:
+        """A gateway saw the worker fail: unroutable until its next heartbeat (KeyError: unknown)."""
+        self._workers[worker_id].failed = True
+
+    def is_failed(self, worker_id: str) -> bool:
+        record = self._workers.get(worker_id)
+        return record is not None and record.failed
 
     def expire(self, now: float) -> list[str]:
         """Drop workers silent for longer than the timeout; returns their ids."""

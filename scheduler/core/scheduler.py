@@ -103,6 +103,23 @@ class Scheduler:
         self._expire(now)
         return self._registry.worker_ids()
 
+    def report_failure(self, worker_id: str, now: float) -> bool:
+        """A gateway lost the worker mid-request: route nothing there until it heartbeats again
+        (registry.py: why a heartbeat clears it). False when the worker is not live."""
+        self._expire(now)
+        if worker_id not in self._registry:
+            return False
+        self._registry.mark_failed(worker_id)
+        return True
+
+    def is_failed(self, worker_id: str) -> bool:
+        """Reported failed since its last heartbeat (unroutable, not listed)."""
+        return self._registry.is_failed(worker_id)
+
+    def routable_worker_ids(self, now: float) -> list[str]:
+        """Live workers not reported failed since their last heartbeat (draining ones included)."""
+        return [w for w in self.live_worker_ids(now) if not self._registry.is_failed(w)]
+
     def cost_model(self, worker_id: str) -> CostModel:
         return self._costs[worker_id]
 
@@ -198,7 +215,8 @@ class Scheduler:
             self._version += 1
 
     def _view(self) -> ClusterView:
-        loads = [w for w in self._registry.loads() if w.worker_id not in self._switches]
+        loads = [w for w in self._registry.loads()
+                 if w.worker_id not in self._switches and not self._registry.is_failed(w.worker_id)]
         return ClusterView(loads, self._costs, self._prefix, self._conversations)
 
     def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from rpcgen.baton.v1 import worker_pb2 as wpb
+from scheduler.types import WorkerFailure
 from services.common.errors import BatonError
 from services.gateway.generation import (
     GenerateTarget,
@@ -109,7 +110,8 @@ class ChoiceGroup:
                 if stream is not None and not stream.finished:
                     stream.queue.put_nowait(delta_from_proto(msg))
             address = self._target.decode_address
-            end = WorkerLostError(f"worker {address} ended the stream without finishing every choice", address)
+            end = WorkerLostError(f"worker {address} ended the stream without finishing every choice", address,
+                                  WorkerFailure.STREAM_BROKEN)
         except grpc.aio.AioRpcError as e:
             end = None if e.code() == grpc.StatusCode.CANCELLED else error_from_status(e, self._target.decode_address)
         except BatonError as e:

@@ -25,6 +25,7 @@ from services.gateway.generation import WorkerClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy
 from services.gateway.prompt import PromptBuilder
+from services.gateway.responses import ResponsesService
 from services.gateway.routing import RouterClient
 from services.gateway.runner import CompletionRunner
 from services.gateway.safety_gate import SafetyGate
@@ -61,6 +62,7 @@ class GatewayDeps:
                                        t.conversations, self.metrics, self.config.slos,
                                        MigrationPolicy(self.tokenizer, self.config.max_migrations))
         self.completions = CompletionService(self.config, self.models, self.runner, t, self.streams, self.relay)
+        self.responses = ResponsesService(self.completions)
         if t.metrics is not None:
             self.metrics.registry.register(t.metrics)
         self.draining = False
@@ -117,6 +119,13 @@ def completion_service(deps: Deps) -> CompletionService:
 
 
 Completions = Annotated[CompletionService, Depends(completion_service)]
+
+
+def responses_service(deps: Deps) -> ResponsesService:
+    return deps.responses
+
+
+Responses = Annotated[ResponsesService, Depends(responses_service)]
 
 
 def conversation_store(deps: Deps) -> ConversationStore:

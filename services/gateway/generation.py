@@ -26,6 +26,7 @@ import grpc
 
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
+from scheduler.types import WorkerFailure
 from services.common.errors import BatonError
 from services.gateway.errors import BadRequestError, OverloadedError, UpstreamError
 from services.gateway.tracing import grpc_trace_metadata
@@ -129,9 +130,10 @@ _FAILURES = {grpc.StatusCode.UNAVAILABLE: FailureKind.WORKER_LOST,
 class WorkerLostError(UpstreamError):
     """The worker died, went away or broke the stream mid-generation (502 if nobody takes over)."""
 
-    def __init__(self, message: str, address: str) -> None:
+    def __init__(self, message: str, address: str, reason: WorkerFailure) -> None:
         super().__init__(message)
         self.address = address
+        self.reason = reason  # reported to the scheduler (routing.py)
 
 
 def error_from_status(e: grpc.aio.AioRpcError, address: str) -> BatonError:
@@ -142,7 +144,7 @@ def error_from_status(e: grpc.aio.AioRpcError, address: str) -> BatonError:
     if kind is FailureKind.OVERLOADED:
         return OverloadedError(f"worker {address} is out of capacity: {details}", retry_after_s=1.0)
     if kind is FailureKind.WORKER_LOST:
-        return WorkerLostError(f"worker {address} is unavailable: {details}", address)
+        return WorkerLostError(f"worker {address} is unavailable: {details}", address, WorkerFailure.UNAVAILABLE)
     return UpstreamError(f"worker {address} failed: {e.code().name}: {details}")
 
 
@@ -184,7 +186,8 @@ class GenerationStream:
             if not self.finished:  # closed "OK" without a finish reason: a broken stream, as a reset is
                 self.finished = True
                 address = self._target.decode_address
-                raise WorkerLostError(f"worker {address} ended the stream without finishing", address)
+                raise WorkerLostError(f"worker {address} ended the stream without finishing", address,
+                                      WorkerFailure.STREAM_BROKEN)
         except grpc.aio.AioRpcError as e:
             self.finished = True
             if e.code() == grpc.StatusCode.CANCELLED:

@@ -15,9 +15,10 @@ protobuf) from one of three sources:
   prefill worker for long prompts, else locally. With a scheduler configured, the static workers
   are the view until the first list arrives.
 
-A worker the gateway found dead (`report_unreachable`, from a lost Generate stream) is avoided for
-`suspect_s`: local routing skips it, and a scheduler answer that names it (the scheduler only learns of
-a death from missing heartbeats) is released and replaced by a last-view route without it.
+A worker the gateway found dead (`report_lost`, from a lost Generate stream) is avoided for
+`suspect_s`: local routing skips it, and a scheduler answer that names it is released and replaced by a
+last-view route without it. The loss is also reported to the scheduler (`ReportWorkerFailure`, once per
+suspect period), which stops routing there for every gateway until the worker heartbeats again.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import grpc
 
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler.adapters.convert import summary_to_proto
-from scheduler.types import Reason, RequestSummary, WorkerRole
+from scheduler.adapters.convert import failure_report_to_proto, summary_to_proto
+from scheduler.types import Reason, RequestSummary, WorkerFailure, WorkerRole
 from services.common.errors import BatonError
 from services.common.tracing import client_interceptors
 
@@ -212,10 +213,13 @@ class RouterClient:
         """False while routing from the last view after a failure (for /readyz and logs)."""
         return self._stub is not None and time.monotonic() >= self._down_until
 
-    def report_unreachable(self, address: str) -> None:
-        """A Generate call found `address` gone: avoid it for `suspect_s` (see the module docstring)."""
-        if address not in self._suspects:
-            log.warning("worker %s unreachable; avoiding it for %.0f s", address, self.config.suspect_s)
+    def report_lost(self, address: str, reason: WorkerFailure, detail: str = "") -> None:
+        """A Generate call lost `address`: avoid it for `suspect_s` and tell the scheduler (see the module
+        docstring); never blocks or fails the caller."""
+        if address not in self._avoided(frozenset()):
+            log.warning("worker %s lost (%s); avoiding it for %.0f s", address, reason.value, self.config.suspect_s)
+            if self._stub is not None:
+                self._spawn(self._send_failure(self._stub, address, reason, detail))
         self._suspects[address] = time.monotonic() + self.config.suspect_s
 
     def _avoided(self, avoid: frozenset[str]) -> frozenset[str]:
@@ -339,6 +343,15 @@ class RouterClient:
             # Lost: the scheduler drops the request's reservations at the worker's next heartbeat
             # anyway; only its TPOT target lingers until the scheduler restarts or the worker dies.
             log.debug("Finished(%s) not delivered: %s", request_id, e.code().name)
+
+    async def _send_failure(self, stub: pb_grpc.SchedulerStub, address: str, reason: WorkerFailure,
+                            detail: str) -> None:
+        try:
+            await stub.ReportWorkerFailure(failure_report_to_proto(address, reason, detail),
+                                           timeout=self.config.call_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            # Lost: the scheduler drops the worker at its heartbeat deadline anyway; this gateway avoids it.
+            log.debug("ReportWorkerFailure(%s) not delivered: %s", address, e.code().name)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.create_task(coroutine)

@@ -184,7 +184,7 @@ class Generation:
                     return
                 except WorkerLostError as e:
                     lost.add(e.address)
-                    self.runner.router.report_unreachable(e.address)
+                    self.runner.router.report_lost(e.address, e.reason, str(e))
                     attempt = await self._take_over(slot, state, attempt, base, frozenset(lost), e)
         except BatonError as e:
             state.error = e

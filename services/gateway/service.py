@@ -105,7 +105,9 @@ class CompletionService:
 
     # ---- the two endpoints -------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
+    async def chat(self, body: ChatCompletionRequest, principal: Principal, client_gone: ClientGone,
+                   completion_id: str | None = None) -> Outcome:
+        """`completion_id`: the id to answer under (and stream as) instead of a new `chatcmpl-` one."""
         model = self.models.get(body.model)
         template = model.prompts.tokenizer.chat_template
         tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, template)
@@ -127,7 +129,7 @@ class CompletionService:
             body.include_usage, body.logprobs, tuple(m["content"] for m in new),
             user=body.user, conversation_id=body.conversation_id, conversation_messages=tuple(new),
             safety_history=tuple(m["content"] for m in history), tools=tools, model=model.name)
-        return await self._serve(request, principal, client_gone)
+        return await self._serve(request, principal, client_gone, completion_id)
 
     async def text(self, body: CompletionRequest, principal: Principal, client_gone: ClientGone) -> Outcome:
         model = self.models.get(body.model)
@@ -181,8 +183,9 @@ class CompletionService:
         return [{"role": m.role, "content": m.content} for m in messages]
 
     def _plan(self, request: _Request, principal: Principal, lease: RateLimitLease,
-              started_at: float) -> GenerationPlan:
-        completion_id = ("chatcmpl-" if request.kind == "chat" else "cmpl-") + secrets.token_urlsafe(18)
+              started_at: float, completion_id: str | None = None) -> GenerationPlan:
+        if completion_id is None:
+            completion_id = ("chatcmpl-" if request.kind == "chat" else "cmpl-") + secrets.token_urlsafe(18)
         choices = []
         for p, prompt in enumerate(request.prompts):
             for i in range(request.n):
@@ -202,14 +205,15 @@ class CompletionService:
         estimate = sum(len(p.token_ids) + p.max_tokens for p in request.prompts) * request.n
         return await self.rate_limiter.acquire(principal, estimate)
 
-    async def _serve(self, request: _Request, principal: Principal, client_gone: ClientGone) -> Outcome:
+    async def _serve(self, request: _Request, principal: Principal, client_gone: ClientGone,
+                     completion_id: str | None = None) -> Outcome:
         started_at = time.monotonic()
         span = trace.get_current_span()
         span.set_attribute("baton.org_id", str(principal.org_id))
         if request.user:
             span.set_attribute("enduser.id", request.user)  # OpenAI's `user`: recorded, not interpreted
         lease = await self._admit(request, principal)
-        plan = self._plan(request, principal, lease, started_at)
+        plan = self._plan(request, principal, lease, started_at, completion_id)
         headers = plan.lease.headers()
         try:
             screened, screening, decisions = await self._screen_and_place(plan, request)

@@ -212,6 +212,30 @@ class SetRoleResponse(_message.Message):
     role_switch: RoleSwitch
     def __init__(self, role_switch: _Optional[_Union[RoleSwitch, _Mapping]] = ...) -> None: ...
 
+class ReportWorkerFailureRequest(_message.Message):
+    __slots__ = ("worker_address", "reason", "detail")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[ReportWorkerFailureRequest.Reason]
+        REASON_UNAVAILABLE: _ClassVar[ReportWorkerFailureRequest.Reason]
+        REASON_STREAM_BROKEN: _ClassVar[ReportWorkerFailureRequest.Reason]
+    REASON_UNSPECIFIED: ReportWorkerFailureRequest.Reason
+    REASON_UNAVAILABLE: ReportWorkerFailureRequest.Reason
+    REASON_STREAM_BROKEN: ReportWorkerFailureRequest.Reason
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    reason: ReportWorkerFailureRequest.Reason
+    detail: str
+    def __init__(self, worker_address: _Optional[str] = ..., reason: _Optional[_Union[ReportWorkerFailureRequest.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportWorkerFailureResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
     WORKERS_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.ReportWorkerFailure = channel.unary_unary(
+                '/baton.v1.Scheduler/ReportWorkerFailure',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -112,6 +117,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorkerFailure(self, request, context):
+        """A gateway saw the worker fail: not routed to (nor listed) until it heartbeats again.
+        INVALID_ARGUMENT: empty address or unspecified reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'ReportWorkerFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorkerFailure,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +326,33 @@ class Scheduler:
             '/baton.v1.Scheduler/SetRole',
             baton_dot_v1_dot_scheduler__pb2.SetRoleRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorkerFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/ReportWorkerFailure',
+            baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureRequest.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.ReportWorkerFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,11 +67,13 @@ class ConversationStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def create(self, org_id: uuid.UUID, user_id: uuid.UUID | None, title: str = "") -> Conversation:
+    async def create(self, org_id: uuid.UUID, user_id: uuid.UUID | None, title: str = "",
+                     conversation_id: uuid.UUID | None = None) -> Conversation:
+        """A new conversation; `conversation_id` (a stored response's, known before it is stored) or a new one."""
         async with self._db.connection() as conn:
             cur = await conn.execute(
-                f"INSERT INTO conversations (org_id, user_id, title) VALUES (%s, %s, %s) "
-                f"RETURNING {_CONV_COLUMNS}", (org_id, user_id, title))
+                f"INSERT INTO conversations (id, org_id, user_id, title) VALUES (%s, %s, %s, %s) "
+                f"RETURNING {_CONV_COLUMNS}", (conversation_id or uuid.uuid4(), org_id, user_id, title))
             return Conversation(*returned(await cur.fetchone()))
 
     async def get(self, org_id: uuid.UUID, conversation_id: uuid.UUID, *, user: User = ORG_WIDE) -> Conversation:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
-import psycopg
 import pytest
 
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
+from tests.integration.gateway.migration_checks import billed, content, migrations
 from tests.integration.gateway.sse_events import Event, events
 from tests.support.gateway_stack import MODEL, GatewayStack, Tenant, start_worker
 
@@ -84,24 +83,6 @@ def complete(url: str, tenant: Tenant) -> httpx.Response:
         return http.post("/v1/chat/completions", json=body(False))
 
 
-def migrations(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^baton_request_migrations_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
-
-
-def billed(stack: GatewayStack, request_id: str) -> list[tuple[int, int]]:
-    """The ledger's (prompt, completion) rows of one request, once the billing consumer wrote them."""
-    give_up = time.monotonic() + 30
-    while True:
-        with psycopg.connect(stack.database_url) as conn:
-            rows = conn.execute("SELECT prompt_tokens, completion_tokens FROM usage_events WHERE request_id = %s",
-                                (request_id,)).fetchall()
-        if rows or time.monotonic() > give_up:
-            return [tuple(r) for r in rows]
-        time.sleep(0.2)
-
-
 def stream_events(url: str, tenant: Tenant, on_event: object = None) -> list[Event]:
     """Every SSE event of one streamed request; `on_event(i)` runs after the i-th event arrived."""
     got: list[Event] = []
@@ -113,11 +94,6 @@ def stream_events(url: str, tenant: Tenant, on_event: object = None) -> list[Eve
             if callable(on_event):
                 on_event(len(got))
     return got
-
-
-def content(evs: list[Event]) -> str:
-    return "".join(c["delta"].get("content") or "" for e in evs if e.data != "[DONE]"
-                   for c in e.json.get("choices", []))
 
 
 def test_a_request_the_worker_refuses_is_not_retried(fleet: Fleet, tenant: Tenant) -> None:

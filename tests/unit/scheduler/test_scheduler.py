@@ -166,3 +166,29 @@ def test_prefill_workers_are_never_decode_targets(make_snapshot, make_request) -
     scheduler.register(make_snapshot("d"), now=0.0)
     decisions = [scheduler.route(make_request(f"r{i}", prompt=2048), now=0.0) for i in range(3)]
     assert {(d.decode_worker_id, d.prefill_worker_id) for d in decisions} == {("d", "p")}
+
+
+def test_a_worker_reported_failed_is_not_routed_to_until_it_heartbeats_again(make_snapshot, make_request) -> None:
+    scheduler = scheduler_with(RoundRobinPolicy(), make_snapshot, "dead", "alive")
+    assert scheduler.report_failure("dead", now=0.5)
+    decisions = [scheduler.route(make_request(f"r{i}"), now=0.5 + 0.01 * i) for i in range(4)]
+    assert {d.decode_worker_id for d in decisions} == {"alive"}  # at once, long before the heartbeat deadline
+    assert scheduler.live_worker_ids(now=1.0) == ["alive", "dead"]  # still registered: its heartbeat is known
+    assert scheduler.routable_worker_ids(now=1.0) == ["alive"]
+    scheduler.on_heartbeat(make_snapshot("dead"), [], [], now=1.2)  # a wrong report costs one heartbeat, no more
+    assert scheduler.routable_worker_ids(now=1.2) == ["alive", "dead"]
+    assert {scheduler.route(make_request(f"s{i}"), now=1.3).decode_worker_id for i in range(2)} == {"alive", "dead"}
+
+
+def test_a_failure_report_on_an_unknown_or_expired_worker_changes_nothing(make_snapshot, make_request) -> None:
+    scheduler = scheduler_with(RoundRobinPolicy(), make_snapshot, "w")
+    assert not scheduler.report_failure("never-registered", now=0.5)
+    assert not scheduler.report_failure("w", now=TIMEOUT_S + 1)  # expired already
+    scheduler.register(make_snapshot("w"), now=TIMEOUT_S + 2)  # a restart is a heartbeat: not failed
+    assert scheduler.route(make_request("r"), now=TIMEOUT_S + 2).decode_worker_id == "w"
+
+
+def test_when_the_only_worker_is_reported_failed_requests_find_no_worker(make_snapshot, make_request) -> None:
+    scheduler = scheduler_with(RoundRobinPolicy(), make_snapshot, "w")
+    scheduler.report_failure("w", now=0.1)
+    assert scheduler.route(make_request("r"), now=0.2).reason == Reason.NO_WORKERS

@@ -14,7 +14,7 @@ from scheduler_harness import StartCluster, address
 
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler.types import SLO, RequestSummary, Tier
+from scheduler.types import SLO, RequestSummary, Tier, WorkerFailure
 from services.gateway.routing import (
     RouteKind,
     RouterClient,
@@ -75,6 +75,27 @@ async def test_the_scheduler_answers_with_addresses_and_its_workers_become_the_v
     assert await client.refresh_view()
     assert sorted(w.address for w in client.view.workers) == [address("a"), address("b")]
     await client.close()
+
+
+async def test_a_lost_worker_reported_by_one_gateway_is_avoided_by_every_gateway(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster("round_robin")
+    await cluster.register("a")
+    await cluster.register("b")
+    reporter, other = RouterClient(cluster.address), RouterClient(cluster.address)
+    reporter.report_lost(address("a"), WorkerFailure.UNAVAILABLE, "connection refused")
+    reporter.report_lost(address("a"), WorkerFailure.STREAM_BROKEN)  # the same loss seen twice: one report
+    await cluster.until(lambda: cluster.service.scheduler.is_failed("a"))
+    decisions = [await other.route(summary(f"r{i}")) for i in range(3)]
+    assert {(d.source, d.decode_address) for d in decisions} == {(RouteSource.SCHEDULER, address("b"))}
+    assert await other.refresh_view()
+    assert [w.address for w in other.view.workers] == [address("b")]  # its fallback view drops it too
+    reports = cluster.service.metrics.failure_reports
+    assert reports.labels("unavailable", "marked")._value.get() == 1
+    assert reports.labels("stream_broken", "marked")._value.get() == 0
+    await reporter.close()
+    await other.close()
 
 
 async def test_a_queued_request_waits_past_the_call_timeout_for_its_placement(

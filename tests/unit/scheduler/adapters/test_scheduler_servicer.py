@@ -259,3 +259,35 @@ async def test_set_role_refuses_unknown_workers_and_roles(
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await cluster.stub.SetRole(pb.SetRoleRequest(worker_id=worker_id, role=role), timeout=5)
     assert raised.value.code() == code
+
+
+async def test_a_reported_failure_unlists_the_worker_until_its_next_heartbeat(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster("round_robin", metrics=True)
+    await cluster.register("a")
+    await cluster.register("b")
+    report = pb.ReportWorkerFailureRequest(worker_address=address("a"), detail="connection refused",
+                                           reason=pb.ReportWorkerFailureRequest.REASON_UNAVAILABLE)
+    assert (await cluster.stub.ReportWorkerFailure(report, timeout=5)).known
+    listed = await cluster.stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    assert [w.status.worker_id for w in listed.workers] == ["b"]
+    assert {(await cluster.route(route_request(f"r{i}"))).decode_worker_id for i in range(3)} == {"b"}
+    assert await cluster.heartbeat("a")  # alive after all: routable and listed again
+    listed = await cluster.stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    assert sorted(w.status.worker_id for w in listed.workers) == ["a", "b"]
+    unknown = pb.ReportWorkerFailureRequest(worker_address="10.0.0.9:1",
+                                            reason=pb.ReportWorkerFailureRequest.REASON_STREAM_BROKEN)
+    assert not (await cluster.stub.ReportWorkerFailure(unknown, timeout=5)).known
+    url = f"http://127.0.0.1:{cluster.service.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    assert 'baton_scheduler_worker_failure_reports_total{outcome="marked",reason="unavailable"} 1.0' in text
+    assert 'baton_scheduler_worker_failure_reports_total{outcome="unknown",reason="stream_broken"} 1.0' in text
+    assert "baton_scheduler_worker_failures_cleared_total 1.0" in text
+
+
+async def test_a_failure_report_without_address_or_reason_is_invalid(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    for bad in (pb.ReportWorkerFailureRequest(reason=pb.ReportWorkerFailureRequest.REASON_UNAVAILABLE),
+                pb.ReportWorkerFailureRequest(worker_address=address("a"))):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await cluster.stub.ReportWorkerFailure(bad, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
