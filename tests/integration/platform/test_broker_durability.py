@@ -2,7 +2,7 @@
 
 Set up as `baton serve --data-dir` does (`EmbeddedInfra` with a work dir; Postgres and Redis are the
 session's, given by URL): produce with the usage topic's own client settings (idempotent, acks=all),
-SIGKILL the broker, restart it as the supervisor does, and read every acknowledged message back; a
+SIGKILL the broker, let `baton serve`'s supervisor restart it, and read every acknowledged message back; a
 consumer group's committed offsets must survive too. Then the same with the broker and
 its store both killed and a new `EmbeddedInfra` on the same directory (`baton serve` started again).
 The group's offsets are committed and read back without joining the group (a join takes ~20 s here).
@@ -21,6 +21,7 @@ from services.billing.topic import UsageTopic
 from services.launcher.infra import EmbeddedInfra, InfraConfig
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.redis_server import EmbeddedRedis
+from services.launcher.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +113,7 @@ def _topic(infra: EmbeddedInfra) -> UsageTopic:
     return topic
 
 
-def test_sigkilled_broker_restarts_with_every_acknowledged_message(infra: EmbeddedInfra) -> None:
+def test_sigkilled_broker_restarts_with_every_acknowledged_message(infra: EmbeddedInfra, tmp_path: Path) -> None:
     assert infra.kafka is not None and infra.kafka_store is not None
     topic = _topic(infra)
     first = _produce(topic, 60)
@@ -121,9 +122,16 @@ def test_sigkilled_broker_restarts_with_every_acknowledged_message(infra: Embedd
     committed = _commit_after(topic, read)
     second = _produce(topic, 40, start=60)
 
+    supervisor = Supervisor(tmp_path / "logs")  # as `baton serve` watches its infrastructure
+    for name, service in infra.embedded_by_name().items():
+        supervisor.watch_service(name, service)
     infra.kafka.kill()  # SIGKILL: no shutdown, nothing flushed on the way out
     assert not infra.kafka.alive()
-    infra.kafka.start()  # as the supervisor restarts it: same port, same storage
+    deadline = time.monotonic() + 20
+    while supervisor.restarts().get("kafka", 0) == 0 and time.monotonic() < deadline:
+        supervisor.poll_restarts()  # restarts it after its backoff: same port, same storage
+        time.sleep(0.1)
+    assert infra.kafka.alive() and supervisor.restarts()["kafka"] == 1
 
     assert set(_read_all(topic, expected=100)) == first | second
     assert _committed(topic) == committed
