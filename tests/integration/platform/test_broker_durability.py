@@ -156,3 +156,29 @@ def test_new_run_on_the_same_data_dir_reads_what_the_killed_one_acknowledged(
     finally:
         second_run.stop()
     assert (infra_config.work_dir / "kafka-store" / "data" / "tansu").is_dir()  # type: ignore[operator]
+
+
+def test_broker_waits_out_a_sigkilled_store(infra: EmbeddedInfra) -> None:
+    """Messages sent while the store is down are acknowledged once it is back, and none is lost."""
+    assert infra.kafka is not None and infra.kafka_store is not None
+    topic = _topic(infra)
+    before = _produce(topic, 20)
+    infra.kafka_store.kill()
+    acked: set[bytes] = set()
+    failed: list[object] = []
+
+    def on_delivery(err: object, msg: object) -> None:
+        if err is not None:
+            failed.append(err)
+        else:
+            acked.add(msg.value())  # type: ignore[attr-defined]
+
+    producer = Producer({**topic.producer_config(delivery_timeout_ms=20_000), "log_level": 0})
+    for i in range(20, 40):
+        producer.produce(topic.name, key=str(i % 5).encode(), value=f"event-{i}".encode(), on_delivery=on_delivery)
+    producer.poll(2.0)  # the broker cannot write them yet
+    assert not acked
+    infra.kafka_store.start()  # from this (the main) thread: a child dies with the thread that started it
+    assert producer.flush(30) == 0
+    assert not failed and len(acked) == 20
+    assert set(_read_all(topic, expected=40)) == before | acked
