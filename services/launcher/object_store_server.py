@@ -7,8 +7,8 @@ renamed into place) with the two things Tansu's `s3://` engine relies on and loc
   state with compare-and-swap writes (object_store's `PutMode::Update`, sent as `If-Match: "<etag>"`);
   localbucket ignores that header, so a lost race would silently overwrite.
 - Atomic conditional writes: the precondition check and the write happen under one lock, so two
-  writers racing on a key cannot both pass the check. All writes take it, so an unconditional
-  overwrite cannot slip between another request's check and its write either.
+  writers racing on a key cannot both pass the check. All writes and deletes take it, so an
+  unconditional overwrite cannot slip between another request's check and its write either.
 
 Each object is fsync'ed before it is renamed into place: a written object survives a crash of this
 server, of the broker and of the machine.
@@ -52,6 +52,10 @@ class DurableS3Handler(localbucket.S3Handler):
                 self._check_if_match(self._object_path(bucket, key), if_match)
             etag: str = super()._write_object(bucket, key, _fsynced(write))
             return etag
+
+    def _delete_object(self, bucket: str, key: str) -> None:
+        with _WRITE_LOCK:  # nor can a delete slip between a conditional write's check and its write
+            super()._delete_object(bucket, key)
 
     def _check_if_match(self, target: Path, if_match: str) -> None:
         if not target.is_file():  # as S3 answers a conditional write to a missing key

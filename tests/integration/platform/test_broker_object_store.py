@@ -58,6 +58,12 @@ def test_if_match_on_a_missing_key_is_no_such_key(client: httpx.Client) -> None:
     assert response.status_code == 404 and b"NoSuchKey" in response.content
 
 
+def test_delete_removes_the_object(client: httpx.Client) -> None:
+    assert client.put("/groups/gone.json", content=b"x").status_code == 200
+    assert client.delete("/groups/gone.json").status_code == 204
+    assert client.get("/groups/gone.json").status_code == 404
+
+
 def test_racing_compare_and_swaps_have_exactly_one_winner(store: EmbeddedObjectStore, client: httpx.Client) -> None:
     etag = client.put("/topics/race/watermark.json", content=b"start").headers["ETag"]
 
