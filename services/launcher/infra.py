@@ -2,8 +2,10 @@
 
 Each service runs embedded unless its URL is given (`BATON_DATABASE_URL`, `BATON_REDIS_URL`,
 `BATON_KAFKA_BOOTSTRAP`, read by main into `InfraConfig`): given URLs are used as they are and nothing
-is started for them. Start order is Postgres, Redis, broker; stop is the reverse. A failure part-way
-stops what was already started before raising.
+is started for them. The embedded broker keeps its data in an embedded S3-compatible store
+(`kafka-store`, under `<work_dir>/kafka-store`), so a broker restart loses no acknowledged message.
+Start order is Postgres, Redis, broker store, broker; stop is the reverse. A failure part-way stops what
+was already started before raising.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from types import TracebackType
 
 from services.common.settings import BatonSettings
 from services.launcher.embedded import EmbeddedService
+from services.launcher.object_store import EmbeddedObjectStore, ObjectStoreConfig
 from services.launcher.postgres import EmbeddedPostgres, PostgresConfig
 from services.launcher.redis_server import EmbeddedRedis, RedisConfig
 from services.launcher.tansu import EmbeddedKafka, KafkaBrokerConfig
@@ -24,7 +27,7 @@ class InfraConfig:
     database_url: str | None = None
     redis_url: str | None = None
     kafka_bootstrap: str | None = None
-    work_dir: Path | None = None  # None: temp dirs (data gone at stop); set: Postgres data persists
+    work_dir: Path | None = None  # None: temp dirs (data gone at stop); set: Postgres and broker data persist
 
     @classmethod
     def from_settings(cls, settings: BatonSettings, work_dir: Path | None = None) -> InfraConfig:
@@ -48,12 +51,14 @@ class EmbeddedInfra:
 
         self.postgres = None if config.database_url else EmbeddedPostgres(PostgresConfig(work_dir=sub("pg")))
         self.redis = None if config.redis_url else EmbeddedRedis(RedisConfig(work_dir=sub("redis")))
-        self.kafka = (None if config.kafka_bootstrap
-                      else EmbeddedKafka(KafkaBrokerConfig(work_dir=sub("kafka"))))
+        self.kafka_store = (None if config.kafka_bootstrap
+                            else EmbeddedObjectStore(ObjectStoreConfig(work_dir=sub("kafka-store"))))
+        self.kafka = (None if self.kafka_store is None
+                      else EmbeddedKafka(KafkaBrokerConfig(work_dir=sub("kafka")), self.kafka_store))
         self._endpoints: InfraEndpoints | None = None
 
     def _embedded(self) -> list[EmbeddedService]:
-        return [s for s in (self.postgres, self.redis, self.kafka) if s is not None]
+        return [s for s in (self.postgres, self.redis, self.kafka_store, self.kafka) if s is not None]
 
     def embedded_by_name(self) -> dict[str, EmbeddedService]:
         """The services started here (not the external ones), for the supervisor to restart."""

@@ -2,13 +2,14 @@
 SIGKILLed one after another under a steady load of streaming chats.
 
 Killed in turn: the prefill worker (decode prefills locally meanwhile), the billing consumer, the
-Kafka-protocol broker (its memory storage is lost: the gateway's outbox relay publishes again what the
-ledger never got), Redis (rate limits fail open) and the gateway. (Safety is off to keep the test short
-on two cores; it is restarted like any other gRPC child.) Asserted: no request hangs; after each kill a
-request started after it completes within RECOVERY_S; every completed request is billed exactly once
-(one `usage_events` row per request id), including those that finished just before the gateway's
-SIGKILL (their usage was in the Postgres outbox before the client saw `[DONE]`; the restarted
-gateway's relay publishes it) and those the broker lost; `baton serve` still exits 0 on SIGTERM.
+Kafka-protocol broker (it restarts with every message it acknowledged: its data is in its on-disk
+store), the broker's store (the broker's writes wait for it), Redis (rate limits fail open) and the
+gateway. (Safety is off to keep the test short on two cores; it is restarted like any other gRPC
+child.) Asserted: no request hangs; after each kill a request started after it completes within
+RECOVERY_S; every completed request is billed exactly once (one `usage_events` row per request id) —
+among them those published while billing was down and the broker was killed right after, and those
+that finished just before the gateway's SIGKILL (their usage was in the Postgres outbox before the
+client saw `[DONE]`; the restarted gateway's relay publishes it); `baton serve` still exits 0 on SIGTERM.
 The kills go through loadtest's `ServeRunController`, i.e. the run file `baton serve` writes.
 Figures (requests lost per kill, recovery time) are printed; docs/benchmarks.md records them.
 """
@@ -24,7 +25,7 @@ from loadtest.faults import ServeRunController
 from tests.chaos.serve_load import Outcome, ServeProcess, SteadyLoad
 from tests.support.gateway_stack import MODEL
 
-VICTIMS = ("worker-prefill", "billing", "kafka", "redis", "gateway")
+VICTIMS = ("worker-prefill", "billing", "kafka", "kafka-store", "redis", "gateway")
 RECOVERY_S = 30.0  # a kill must be followed by a completed request within this long
 BILLING_S = 30.0  # every completed request is billed within this long after the load stops
 
@@ -91,11 +92,17 @@ def test_children_killed_in_turn_lose_no_billing_and_the_cluster_recovers(tmp_pa
         unbilled = [o for o in load.outcomes if o.result == "completed" and o.request_id not in billed]
         just_before_kill = [o for o in load.outcomes if o.result == "completed"
                             and killed["gateway"] - 2.0 <= o.ended <= killed["gateway"]]
+        # Usage published while the billing consumer was down is still in the broker killed right after
+        # (its storage is on disk): with the broker in memory, 6-19 such requests went unbilled in about
+        # half the runs.
+        in_gap = [o for o in load.outcomes if o.result == "completed"
+                  and killed["billing"] <= o.ended <= killed["kafka"] + 1.0]
         assert not unbilled, (f"{len(unbilled)} completed requests unbilled: "
                               f"{_diagnose(run['database_url'], unbilled, killed)}")
         assert set(billed.values()) == {1}  # never twice
-        print(f"\nchaos: {len(load.outcomes)} requests, {len(completed)} completed, {len(billed)} billed once "
-              f"({len(just_before_kill)} finished < 2 s before the gateway's SIGKILL)")
+        print(f"\nchaos: {len(load.outcomes)} requests, {len(completed)} completed, {len(billed)} billed once, "
+              f"{len(in_gap)} finished between the billing and broker kills and "
+              f"{len(just_before_kill)} < 2 s before the gateway's SIGKILL, all billed)")
         print(f"  cluster ready after {ready_s:.1f}s; everything billed {billing_s:.1f}s after the load stopped")
         for victim, recovery, lost, refused in figures:
             print(f"  kill -9 {victim:15s} serving again after {recovery:5.1f}s; in-flight requests lost: {lost}; "
