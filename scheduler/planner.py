@@ -14,9 +14,11 @@ and ranks them by goodput, DistServe's way: the highest arrival rate at which at
 workload's arrival times (doubling, then bisecting); with `search_rate` off, by requests/s within
 SLO at the workload's own rate.
 
-What the simulation leaves out (so close calls deserve a real run): preemption, contention on the
-KV link; the hand-off is priced at the measured overhead (`handoff_s`, default
-the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token transfer cost.
+Steps cost the profile's time plus the serving cost the profile does not time (`serving`:
+scheduler/sim/serving.py); the scheduler inside is seeded with the profile alone, as `baton
+scheduler --profile` is. What the simulation leaves out (so close calls deserve a real run):
+preemption, contention on the KV link; the hand-off is priced at the measured overhead (`handoff_s`,
+default the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token transfer cost.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy
 from scheduler.replay import ReplayConfig, replay
 from scheduler.sim.results import ReplayResult
+from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -74,6 +77,9 @@ class PlanConfig:
     max_prefill_tokens: int = 2048
     max_prefill_chunk: int | None = 512
     handoff_s: float = DEFAULT_HANDOFF_S
+    # Per-step and per-sequence cost of a served step beyond the profile's runner time
+    # (scheduler/sim/serving.py); without it decode-bound layouts looked ~2x roomier than served.
+    serving: ServingCost = MEASURED_H100
     seed: int = 0
     attainment_target: float = 0.9
     search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
@@ -129,7 +135,7 @@ def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: P
         return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * tp,
                              block_size=config.block_size, max_batch=config.max_batch,
                              max_prefill_tokens=config.max_prefill_tokens, max_prefill_chunk=config.max_prefill_chunk,
-                            cache_blocks=config.kv_blocks_per_gpu * tp)
+                             cache_blocks=config.kv_blocks_per_gpu * tp, serving=config.serving)
 
     if layout.colocated:
         return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_tp) for i in range(layout.decode_workers)]

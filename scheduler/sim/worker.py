@@ -6,8 +6,9 @@ prefill), prefill runs whole prompts in batches up to a token budget (or, with `
 engine's chunked prefill: each step takes at most that many tokens of a prompt, prompts in arrival
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports samples and KV events
-that the next heartbeat carries to the scheduler. Step times are the profile's, times a noise
-factor. Not modelled: preemption, transfer contention on the link.
+that the next heartbeat carries to the scheduler. Step times are the profile's plus the serving
+cost the profile does not see (`SimWorkerSpec.serving`), times a noise factor. Not modelled:
+preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.prefix_cache import SimPrefixCache
+from scheduler.sim.serving import NONE, ServingCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import (
     SLO,
@@ -45,6 +47,9 @@ class SimWorkerSpec:
     max_prefill_chunk: int | None = None
     cache_blocks: int = 4096  # prefix-cache capacity
     model: str = "sim"
+    # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
+    # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
+    serving: ServingCost = NONE
 
 
 @dataclass(eq=False)
@@ -182,6 +187,8 @@ class SimWorker:
             decode_s = self.spec.profile.decode_step_s(len(decoding), context) * self._jitter()
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
+        sequences = len(decoding) + sum(1 for j, t in jobs if t >= j.remaining)  # those that sample
+        seconds += self.spec.serving.step_s(sequences) * self._jitter()
         self._step = (jobs, decoding)
         return seconds
 
