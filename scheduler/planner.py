@@ -80,14 +80,17 @@ class PlanConfig:
     # Per-step and per-sequence cost of a served step beyond the profile's runner time
     # (scheduler/sim/serving.py); without it decode-bound layouts looked ~2x roomier than served.
     serving: ServingCost = MEASURED_H100
+    # How often workers report to the scheduler: the interval `baton scheduler` tells them by default
+    # (scheduler/adapters/servicer.py), so the simulated scheduler decides on equally stale views.
+    heartbeat_s: float = 0.2
     seed: int = 0
     attainment_target: float = 0.9
     search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
     search_steps: int = 4  # bisection steps after the doubling phase
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0:
-            raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1 and handoff_s >= 0")
+        if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0 or self.heartbeat_s <= 0:
+            raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1, handoff_s >= 0 and heartbeat_s > 0")
         if not 0.0 < self.attainment_target <= 1.0:
             raise ValueError(f"attainment_target must be in (0, 1], got {self.attainment_target}")
 
@@ -156,7 +159,7 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
 def _replay(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
             config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
-                  ReplayConfig(seed=config.seed))
+                  ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
 
 
 def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],

@@ -79,3 +79,23 @@ def test_the_fit_recovers_a_known_per_sequence_cost_from_token_gaps() -> None:
 def test_the_fit_needs_two_batch_sizes() -> None:
     with pytest.raises(ValueError, match="2 batch buckets"):
         fit([Bucket(8.0, 100.0, 0.01, 0.002)])
+
+
+def test_the_planner_simulates_the_heartbeat_the_scheduler_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import scheduler.planner as planner
+    from scheduler.adapters.servicer import ServicerConfig
+    from scheduler.planner import LengthDistribution, simulate, synthetic_trace
+
+    seen: list[float] = []
+    real_replay = planner.replay
+
+    def spy(trace, workers, policy, slo, config):  # type: ignore[no-untyped-def]
+        seen.append(config.heartbeat_interval_s)
+        return real_replay(trace, workers, policy, slo, config)
+
+    monkeypatch.setattr(planner, "replay", spy)
+    trace = synthetic_trace(LengthDistribution("fixed", 64), LengthDistribution("fixed", 4), rate=5.0, requests=5)
+    simulate(trace, Layout(0, 1), {1: PROFILE}, PlanConfig(gpus=1, slo=SLO(500, 50), search_rate=False))
+    assert seen == [ServicerConfig().heartbeat_interval_s] == [PlanConfig.heartbeat_s]
+    with pytest.raises(ValueError, match="heartbeat_s > 0"):
+        PlanConfig(gpus=1, slo=SLO(500, 50), heartbeat_s=0.0)
