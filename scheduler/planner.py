@@ -148,7 +148,7 @@ def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: P
 
 def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
              config: PlanConfig) -> LayoutResult:
-    result = _replay(trace, layout, profiles, config)
+    result = replay_layout(trace, layout, profiles, config)
     found = LayoutResult(layout, result.goodput, _goodput_rps(trace, result),
                          result.percentile_ms("ttft_s", 90), result.percentile_ms("tpot_s", 90))
     if not config.search_rate:
@@ -156,7 +156,7 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
     return replace(found, capacity_rps=_capacity(trace, layout, profiles, config, result.goodput))
 
 
-def _replay(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
             config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
                   ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
@@ -169,7 +169,7 @@ def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, W
     def holds(factor: float) -> bool:
         if factor == 1.0:
             return attainment_at_1 >= config.attainment_target
-        return _replay(scaled_trace(trace, factor), layout, profiles, config).goodput >= config.attainment_target
+        return replay_layout(scaled_trace(trace, factor), layout, profiles, config).goodput >= config.attainment_target
 
     lo, hi = (1.0, 2.0) if holds(1.0) else (0.1, 1.0)
     if lo == 0.1 and not holds(lo):
