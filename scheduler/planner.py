@@ -157,7 +157,7 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
 
 
 def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
-            config: PlanConfig) -> ReplayResult:
+                  config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
                   ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
 

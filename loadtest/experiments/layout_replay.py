@@ -13,7 +13,6 @@ simulator gets wrong, and at which load. Writes DIR/replay.json; prints the tabl
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -116,22 +115,10 @@ def _num(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.layout_replay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("outs", type=Path, nargs="+", help="layouts_suite.sh outputs")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--profile", type=Path, default=None, help="default: the first OUT's profile-8b.json")
-    p.add_argument("--slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"))
-    args = p.parse_args(argv)
-    profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
-                                         if (o / "profile-8b.json").exists()), None)
-    if profile_path is None:
-        p.error("no profile-8b.json in the outputs: give --profile")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args, profile_path = layout_check.parse_args("loadtest.experiments.layout_replay", __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="layout-replay-") as tmp:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
-        stored = meta.get("slo") or {}
-        slo = SLO(*args.slo) if args.slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
+        slo = layout_check.run_slo(args, meta)
         config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
                             handoff_s=layout_check.HANDOFF_S)
         rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
