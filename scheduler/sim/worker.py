@@ -102,6 +102,7 @@ class SimWorker:
         self._running: list[SimSequence] = []
         self._step: tuple[list[tuple[PrefillJob, int]], list[SimSequence]] | None = None  # (job, tokens)
         self._samples: list[StepSample] = []
+        self._landed: list[SimSequence] = []  # remote KV that arrived mid-step, committed when it ends
 
     @property
     def busy(self) -> bool:
@@ -145,6 +146,15 @@ class SimWorker:
             self._release(seq, now)
             return seq
         self._running.append(seq)
+        return None
+
+    def land(self, seq: SimSequence, now: float) -> SimSequence | None:
+        """A remote prefill's KV is here. The engine commits it between steps (the decode worker's
+        notice_to_commit phase), so mid-step it waits for the step to end; the client sees the first
+        token at the commit. Returns seq if it is done at once."""
+        if self._step is None:
+            return self.join(seq, now)
+        self._landed.append(seq)
         return None
 
     def _release(self, seq: SimSequence, now: float) -> None:
@@ -216,6 +226,8 @@ class SimWorker:
             done = self.join(job.seq, now)
             if done is not None:
                 outcome.finished.append(done)
+        landed, self._landed = self._landed, []
+        outcome.finished.extend(seq for seq in landed if self.join(seq, now) is not None)
         return outcome
 
     def transfer_s(self, tokens: int) -> float:

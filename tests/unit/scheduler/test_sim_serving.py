@@ -99,3 +99,22 @@ def test_the_planner_simulates_the_heartbeat_the_scheduler_asks_for(monkeypatch:
     assert seen == [ServicerConfig().heartbeat_interval_s] == [PlanConfig.heartbeat_s]
     with pytest.raises(ValueError, match="heartbeat_s > 0"):
         PlanConfig(gpus=1, slo=SLO(500, 50), heartbeat_s=0.0)
+
+
+def test_remote_kv_landing_mid_step_is_committed_when_the_step_ends() -> None:
+    worker = SimWorker(SimWorkerSpec("d", WorkerRole.DECODE, PROFILE), random.Random(0), noise=0.0)
+
+    def remote(i: int) -> SimSequence:
+        arrival = Arrival(0.0, f"r{i}", 64, 8, extend_chain((), 4, label=i), Tier.FREE)
+        seq = SimSequence(arrival, SLO(1000, 100), 8, 8, decode_worker="d", prefill_worker="p")
+        worker.admit(seq)
+        worker.allocate_waiting()
+        return seq
+
+    first, second = remote(0), remote(1)
+    assert worker.land(first, 0.0) is None and first.first_token_at == 0.0  # idle: committed at once
+    step = worker.start_step()
+    assert step is not None
+    assert worker.land(second, step / 2) is None and second.first_token_at is None  # mid-step: waits
+    worker.finish_step(step)
+    assert second.first_token_at == step
