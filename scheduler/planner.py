@@ -14,9 +14,11 @@ and ranks them by goodput, DistServe's way: the highest arrival rate at which at
 workload's arrival times (doubling, then bisecting); with `search_rate` off, by requests/s within
 SLO at the workload's own rate.
 
-What the simulation leaves out (so close calls deserve a real run): preemption, contention on the
-KV link; the hand-off is priced at the measured overhead (`handoff_s`, default
-the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token transfer cost.
+Steps cost the profile's time plus the serving cost the profile does not time (`serving`:
+scheduler/sim/serving.py); the scheduler inside is seeded with the profile alone, as `baton
+scheduler --profile` is. What the simulation leaves out (so close calls deserve a real run):
+preemption, contention on the KV link; the hand-off is priced at the measured overhead (`handoff_s`,
+default the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token transfer cost.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy
 from scheduler.replay import ReplayConfig, replay
 from scheduler.sim.results import ReplayResult
+from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -74,14 +77,20 @@ class PlanConfig:
     max_prefill_tokens: int = 2048
     max_prefill_chunk: int | None = 512
     handoff_s: float = DEFAULT_HANDOFF_S
+    # Per-step and per-sequence cost of a served step beyond the profile's runner time
+    # (scheduler/sim/serving.py); without it decode-bound layouts looked ~2x roomier than served.
+    serving: ServingCost = MEASURED_H100
+    # How often workers report to the scheduler: the interval `baton scheduler` tells them by default
+    # (scheduler/adapters/servicer.py), so the simulated scheduler decides on equally stale views.
+    heartbeat_s: float = 0.2
     seed: int = 0
     attainment_target: float = 0.9
     search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
     search_steps: int = 4  # bisection steps after the doubling phase
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0:
-            raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1 and handoff_s >= 0")
+        if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0 or self.heartbeat_s <= 0:
+            raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1, handoff_s >= 0 and heartbeat_s > 0")
         if not 0.0 < self.attainment_target <= 1.0:
             raise ValueError(f"attainment_target must be in (0, 1], got {self.attainment_target}")
 
@@ -129,7 +138,7 @@ def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: P
         return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * tp,
                              block_size=config.block_size, max_batch=config.max_batch,
                              max_prefill_tokens=config.max_prefill_tokens, max_prefill_chunk=config.max_prefill_chunk,
-                            cache_blocks=config.kv_blocks_per_gpu * tp)
+                             cache_blocks=config.kv_blocks_per_gpu * tp, serving=config.serving)
 
     if layout.colocated:
         return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_tp) for i in range(layout.decode_workers)]
@@ -139,7 +148,7 @@ def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: P
 
 def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
              config: PlanConfig) -> LayoutResult:
-    result = _replay(trace, layout, profiles, config)
+    result = replay_layout(trace, layout, profiles, config)
     found = LayoutResult(layout, result.goodput, _goodput_rps(trace, result),
                          result.percentile_ms("ttft_s", 90), result.percentile_ms("tpot_s", 90))
     if not config.search_rate:
@@ -147,10 +156,10 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
     return replace(found, capacity_rps=_capacity(trace, layout, profiles, config, result.goodput))
 
 
-def _replay(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
-            config: PlanConfig) -> ReplayResult:
+def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+                  config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
-                  ReplayConfig(seed=config.seed))
+                  ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
 
 
 def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
@@ -160,7 +169,7 @@ def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, W
     def holds(factor: float) -> bool:
         if factor == 1.0:
             return attainment_at_1 >= config.attainment_target
-        return _replay(scaled_trace(trace, factor), layout, profiles, config).goodput >= config.attainment_target
+        return replay_layout(scaled_trace(trace, factor), layout, profiles, config).goodput >= config.attainment_target
 
     lo, hi = (1.0, 2.0) if holds(1.0) else (0.1, 1.0)
     if lo == 0.1 and not holds(lo):

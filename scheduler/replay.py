@@ -134,7 +134,7 @@ class _Replay:
 
     def _on_transfer_done(self, seq: SimSequence) -> None:
         worker = self.workers[seq.decode_worker]
-        done = worker.join(seq, self.now)
+        done = worker.land(seq, self.now)
         if done is not None:
             self._finish([done])
             self._allocate(worker)

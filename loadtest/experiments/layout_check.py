@@ -104,8 +104,9 @@ def print_check(verdicts: dict[str, Any], slo: SLO) -> None:
               f"recommended at {v['recommended_of_best']} of the best -> {'PASS' if v['passes'] else 'FAIL'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.layout_check", description=__doc__,
+def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, Path]:
+    """The outputs, --out (created), --profile (default: the first OUT's profile-8b.json) and --slo."""
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outs", type=Path, nargs="+", help="layouts_suite.sh outputs")
     p.add_argument("--out", type=Path, required=True)
@@ -117,12 +118,22 @@ def main(argv: list[str] | None = None) -> int:
     if profile_path is None:
         p.error("no profile-8b.json in the outputs: give --profile")
     args.out.mkdir(parents=True, exist_ok=True)
+    return args, profile_path
+
+
+def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:
+    """--slo, else the runs' own."""
+    stored = meta.get("slo") or {}
+    return SLO(*args.slo) if args.slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, profile_path = parse_args("loadtest.experiments.layout_check", __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="layout-check-") as tmp:
         meta = merge_runs(args.outs, Path(tmp))
         for run in (Path(tmp) / "runs").glob("*.json"):
             parse_layout(run.stem.split("__")[0])  # an unknown name fails here, not mid-report
-        stored = meta.get("slo", {})
-        slo = SLO(*args.slo) if args.slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
+        slo = run_slo(args, meta)
         summary = report.summarize(Path(tmp) / "runs", meta, BenchSLO(slo.ttft_ms, slo.tpot_ms))
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         report.print_tables(summary)

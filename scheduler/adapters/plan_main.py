@@ -27,6 +27,7 @@ from scheduler.planner import (
     synthetic_trace,
     trace_from_rows,
 )
+from scheduler.sim.serving import ServingCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import SLO
 
@@ -50,6 +51,12 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--no-search", action="store_true", help="rank by goodput at the workload's rate only")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_S * 1e3,
                    help="KV hand-off overhead per remote prefill (default: measured p50, docs/benchmarks.md)")
+    serving = PlanConfig.serving
+    p.add_argument("--serving-step-ms", type=float, default=serving.per_step_s * 1e3,
+                   help="a served step's cost beyond the profile, per step (default: measured on 4xH100, "
+                        "docs/benchmarks.md; fit your own with loadtest/experiments/serving_cost.py)")
+    p.add_argument("--serving-seq-us", type=float, default=serving.per_seq_s * 1e6,
+                   help="the same, per sequence in the step")
     p.add_argument("--kv-blocks-per-gpu", type=int, default=PlanConfig.kv_blocks_per_gpu)
     p.add_argument("--block-size", type=int, default=PlanConfig.block_size)
     p.add_argument("--max-batch", type=int, default=PlanConfig.max_batch, help="max_num_seqs per worker")
@@ -66,6 +73,7 @@ def run_plan(args: argparse.Namespace) -> int:
             gpus=args.gpus, slo=SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms),
             kv_blocks_per_gpu=args.kv_blocks_per_gpu, block_size=args.block_size, max_batch=args.max_batch,
             handoff_s=args.handoff_ms / 1e3, seed=args.seed, attainment_target=args.attainment,
+            serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6),
             search_rate=not args.no_search,
         )
         result = plan(_trace(args), profiles, config)

@@ -6,8 +6,9 @@ prefill), prefill runs whole prompts in batches up to a token budget (or, with `
 engine's chunked prefill: each step takes at most that many tokens of a prompt, prompts in arrival
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports samples and KV events
-that the next heartbeat carries to the scheduler. Step times are the profile's, times a noise
-factor. Not modelled: preemption, transfer contention on the link.
+that the next heartbeat carries to the scheduler. Step times are the profile's plus the serving
+cost the profile does not see (`SimWorkerSpec.serving`), times a noise factor. Not modelled:
+preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.prefix_cache import SimPrefixCache
+from scheduler.sim.serving import NONE, ServingCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import (
     SLO,
@@ -45,6 +47,9 @@ class SimWorkerSpec:
     max_prefill_chunk: int | None = None
     cache_blocks: int = 4096  # prefix-cache capacity
     model: str = "sim"
+    # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
+    # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
+    serving: ServingCost = NONE
 
 
 @dataclass(eq=False)
@@ -97,6 +102,7 @@ class SimWorker:
         self._running: list[SimSequence] = []
         self._step: tuple[list[tuple[PrefillJob, int]], list[SimSequence]] | None = None  # (job, tokens)
         self._samples: list[StepSample] = []
+        self._landed: list[SimSequence] = []  # remote KV that arrived mid-step, committed when it ends
 
     @property
     def busy(self) -> bool:
@@ -142,6 +148,15 @@ class SimWorker:
         self._running.append(seq)
         return None
 
+    def land(self, seq: SimSequence, now: float) -> SimSequence | None:
+        """A remote prefill's KV is here. The engine commits it between steps (the decode worker's
+        notice_to_commit phase), so mid-step it waits for the step to end; the client sees the first
+        token at the commit. Returns seq if it is done at once."""
+        if self._step is None:
+            return self.join(seq, now)
+        self._landed.append(seq)
+        return None
+
     def _release(self, seq: SimSequence, now: float) -> None:
         seq.finished_at = now
         self._free_blocks += seq.reserved_blocks
@@ -182,6 +197,8 @@ class SimWorker:
             decode_s = self.spec.profile.decode_step_s(len(decoding), context) * self._jitter()
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
+        sequences = len(decoding) + sum(1 for j, t in jobs if t >= j.remaining)  # those that sample
+        seconds += self.spec.serving.step_s(sequences) * self._jitter()
         self._step = (jobs, decoding)
         return seconds
 
@@ -209,6 +226,8 @@ class SimWorker:
             done = self.join(job.seq, now)
             if done is not None:
                 outcome.finished.append(done)
+        landed, self._landed = self._landed, []
+        outcome.finished.extend(seq for seq in landed if self.join(seq, now) is not None)
         return outcome
 
     def transfer_s(self, tokens: int) -> float:

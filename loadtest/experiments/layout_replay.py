@@ -1,0 +1,132 @@
+"""Each measured layout run against `baton plan`'s simulator, request stream for request stream.
+
+    python -m loadtest.experiments.layout_replay OUT_A [OUT_B ...] --out DIR [--profile F] [--slo T P]
+
+OUT_*: outputs of `loadtest/micro/layouts_suite.sh` (as for layout_check.py). Every run (layout x workload x
+rate) is replayed through the simulator `baton plan` uses (scheduler/planner.py: the same workers, profile,
+KV pool, batch limit, hand-off price and serving cost) on its own arrivals and lengths, and the two are put
+side by side: attainment, TTFT and TPOT p50/p90, requests refused (HTTP 503 measured, admission timeouts
+simulated) and how many prompts went to a prefill worker (measured: the decode workers' hand-off count,
+when the OUT has a summary.json). Where the planner's ranking goes wrong, this says which phase the
+simulator gets wrong, and at which load. Writes DIR/replay.json; prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.experiments import layout_check
+from loadtest.experiments.layouts import parse_layout
+from loadtest.metrics import SLO as BenchSLO
+from loadtest.metrics import request_tpot
+from loadtest.records import RequestRecord
+from loadtest.report import load_result
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.planner import Layout, PlanConfig, replay_layout, trace_from_rows
+from scheduler.sim.results import ReplayResult
+from scheduler.types import SLO
+
+
+@dataclass(frozen=True)
+class Side:
+    attainment: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p90_ms: float | None
+    refused: int  # measured: failed requests (503s); simulated: admission rejections
+    remote: int | None  # prompts prefilled on a prefill worker; None: not known
+
+
+@dataclass(frozen=True)
+class Row:
+    run: str
+    measured: Side
+    simulated: Side
+
+
+def planner_layout(name: str) -> Layout:
+    layout = parse_layout(name)
+    return Layout(layout.prefill, layout.decode) if layout.disaggregated else Layout(0, layout.both)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values) * 1e3, q)) if values else None
+
+
+def measured_side(records: Sequence[RequestRecord], slo: SLO, remote: int | None) -> Side:
+    ttft = [r.ttft for r in records if r.ok and r.ttft is not None]
+    tpot = [t for r in records if (t := request_tpot(r)) is not None]
+    met = sum(BenchSLO(slo.ttft_ms, slo.tpot_ms).met(r) for r in records)
+    return Side(met / len(records), _pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90),
+                sum(not r.ok for r in records), remote)
+
+
+def simulated_side(result: ReplayResult) -> Side:
+    ttft = [o.ttft_s for o in result.outcomes if o.ttft_s is not None]
+    tpot = [o.tpot_s for o in result.outcomes if o.tpot_s is not None]
+    return Side(result.goodput, _pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90), result.rejected,
+                sum(o.prefill_worker_id is not None for o in result.outcomes))
+
+
+def measured_remote(meta: dict[str, Any], run: str) -> int | None:
+    """Hand-offs the run's decode workers committed (a summary.json's per-run hand-off phases)."""
+    for config in (meta.get("configurations") or {}).values():
+        for entry in config.get("runs", []):
+            if entry.get("run") == run:
+                phases = entry.get("handoff_phases") or {}
+                return sum(int(p.get("handoff", {}).get("count", 0)) for p in phases.values())
+    return None
+
+
+def compare_run(path: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> Row:
+    records = [r for run in load_result(path).runs for r in run.records]
+    rows = [{"time_s": r.send_time, "prompt_tokens": r.prompt_tokens or r.prompt_len, "output_tokens": r.max_tokens}
+            for r in records]
+    layout = planner_layout(path.stem.split("__")[0])
+    result = replay_layout(trace_from_rows(rows, config.block_size), layout, {1: profile}, config)
+    return Row(path.stem, measured_side(records, config.slo, measured_remote(meta, path.stem)), simulated_side(result))
+
+
+def print_rows(rows: Sequence[Row], slo: SLO) -> None:
+    print(f"TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms; each cell measured / simulated")
+    print(f"{'run':26} {'attainment':>12} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'TPOT p50 ms':>12} "
+          f"{'TPOT p90 ms':>12} {'refused':>9} {'remote':>9}")
+    for r in rows:
+        m, s = r.measured, r.simulated
+        cells = [f"{m.attainment:.2f}/{s.attainment:.2f}"]
+        for a, b in ((m.ttft_p50_ms, s.ttft_p50_ms), (m.ttft_p90_ms, s.ttft_p90_ms), (m.tpot_p50_ms, s.tpot_p50_ms),
+                     (m.tpot_p90_ms, s.tpot_p90_ms)):
+            cells.append(f"{_num(a)}/{_num(b)}")
+        cells += [f"{m.refused}/{s.refused}", f"{'-' if m.remote is None else m.remote}/{s.remote}"]
+        print(f"{r.run:26} " + " ".join(f"{c:>12}" for c in cells[:5]) + " " + " ".join(f"{c:>9}" for c in cells[5:]))
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, profile_path = layout_check.parse_args("loadtest.experiments.layout_replay", __doc__, argv)
+    with tempfile.TemporaryDirectory(prefix="layout-replay-") as tmp:
+        meta = layout_check.merge_runs(args.outs, Path(tmp))
+        slo = layout_check.run_slo(args, meta)
+        config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
+                            handoff_s=layout_check.HANDOFF_S)
+        rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
+                for path in sorted((Path(tmp) / "runs").glob("*.json"))]
+    (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    print_rows(rows, slo)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
