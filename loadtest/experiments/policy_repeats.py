@@ -1,0 +1,124 @@
+"""Repeats of `policy_compare`: mean and spread per run, and the policy-quality verdicts over all of them.
+
+    .venv/bin/python -m loadtest.experiments.policy_repeats results/pcq1 results/pcq2 results/pcq3
+
+Each argument is one `policy_compare --out` directory (its `summary.json`). Per experiment and run it
+prints the real goodput fraction, the enterprise TTFT p90, the simulator's error (simulated minus real
+goodput, percentage points) and its TTFT p90 ratio, each as mean [min-max] over the repeats. Then the
+verdicts the scheduler issue asks for:
+- in every repeat and experiment, `goodput` is at least `least_loaded` and `round_robin` (a tie counts);
+- in every overload repeat (`exp3_overload`), enterprise TTFT p90 is within its SLO under `goodput`;
+- over every run of every repeat, the simulator's mean |error| is at most 5 pp, and its TTFT p90 is
+  within 20% of the real one in every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.experiments.policy_compare import SLO_ENTERPRISE
+
+GOODPUT, BASELINES = "goodput", ("least_loaded", "round_robin")
+OVERLOAD = "exp3_overload"
+MAX_MEAN_ABS_ERROR_PP = 5.0
+MAX_TTFT_RATIO_ERROR = 0.20
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run (experiment x policy) of one repeat."""
+
+    experiment: str
+    run: str
+    good: float  # real goodput fraction
+    enterprise_ttft_p90_ms: float | None  # None: the run had no enterprise requests
+    sim_error_pp: float
+    sim_ttft_ratio: float  # simulated / real TTFT p90
+
+
+def load(summary: dict) -> list[RunResult]:
+    results = []
+    for experiment, data in summary.items():
+        for run, result in data["runs"].items():
+            real, sim = result["real"], result["sim"]
+            enterprise = real.get("by_tier", {}).get("enterprise")
+            results.append(RunResult(
+                experiment, run, real["goodput_fraction"],
+                enterprise["ttft_p90_ms"] if enterprise else None,
+                100.0 * (sim["goodput_fraction"] - real["goodput_fraction"]),
+                sim["ttft_p90_ms"] / real["ttft_p90_ms"] if real["ttft_p90_ms"] else float("inf")))
+    return results
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    return f"{format(statistics.fmean(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def table(repeats: Sequence[list[RunResult]]) -> list[str]:
+    keys = dict.fromkeys((r.experiment, r.run) for rs in repeats for r in rs)
+    lines = ["| experiment | run | repeats | real good % | enterprise TTFT p90 ms | sim error pp | sim/real TTFT p90 |",
+             "|---|---|---|---|---|---|---|"]
+    for experiment, run in keys:
+        rows = [r for rs in repeats for r in rs if (r.experiment, r.run) == (experiment, run)]
+        ttfts = [r.enterprise_ttft_p90_ms for r in rows if r.enterprise_ttft_p90_ms is not None]
+        lines.append(f"| {experiment} | {run} | {len(rows)} | {_spread([100 * r.good for r in rows], '.1f')} | "
+                     f"{_spread(ttfts, '.0f') if ttfts else '-'} | {_spread([r.sim_error_pp for r in rows], '+.1f')} | "
+                     f"{_spread([r.sim_ttft_ratio for r in rows], '.2f')} |")
+    return lines
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    passed: bool
+    detail: str
+
+
+def verdicts(repeats: Sequence[list[RunResult]]) -> list[Verdict]:
+    losses = []
+    for i, results in enumerate(repeats, 1):
+        by_key = {(r.experiment, r.run): r for r in results}
+        for (experiment, run), r in by_key.items():
+            ours = by_key.get((experiment, GOODPUT))
+            if run in BASELINES and ours is not None and ours.good < r.good:
+                losses.append(f"repeat {i} {experiment}: goodput {100 * ours.good:.1f}% < {run} {100 * r.good:.1f}%")
+    overload = [r for rs in repeats for r in rs if (r.experiment, r.run) == (OVERLOAD, GOODPUT)]
+    ttft_slo = SLO_ENTERPRISE[0]
+    within = [r for r in overload if r.enterprise_ttft_p90_ms is not None and r.enterprise_ttft_p90_ms <= ttft_slo]
+    every = [r for rs in repeats for r in rs]
+    mean_abs = statistics.fmean(abs(r.sim_error_pp) for r in every) if every else float("inf")
+    off = [r for r in every if abs(r.sim_ttft_ratio - 1) > MAX_TTFT_RATIO_ERROR]
+    return [
+        Verdict("goodput >= least_loaded and round_robin, every repeat and load", not losses,
+                "; ".join(losses) or "no loss"),
+        Verdict(f"enterprise TTFT p90 <= {ttft_slo:.0f} ms in every overload repeat",
+                bool(overload) and len(within) == len(overload),
+                f"{len(within)}/{len(overload)}: " + ", ".join(f"{r.enterprise_ttft_p90_ms:.0f}" for r in overload)),
+        Verdict(f"simulator mean |error| <= {MAX_MEAN_ABS_ERROR_PP:.0f} pp", mean_abs <= MAX_MEAN_ABS_ERROR_PP,
+                f"{mean_abs:.1f} pp over {len(every)} runs"),
+        Verdict(f"simulated TTFT p90 within {100 * MAX_TTFT_RATIO_ERROR:.0f}% in every run", not off,
+                f"{len(every) - len(off)}/{len(every)} within; off: " +
+                ", ".join(f"{r.experiment}/{r.run} x{r.sim_ttft_ratio:.2f}" for r in off)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.experiments.policy_repeats", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="policy_compare --out directories, one per repeat")
+    args = parser.parse_args(argv)
+    repeats = [load(json.loads((d / "summary.json").read_text())) for d in args.runs]
+    print("\n".join(table(repeats)))
+    print()
+    for v in verdicts(repeats):
+        print(f"{'PASS' if v.passed else 'FAIL'}  {v.name}: {v.detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

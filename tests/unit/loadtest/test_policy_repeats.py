@@ -1,0 +1,45 @@
+"""policy_repeats: the spread table and the policy-quality verdicts over repeats of policy_compare."""
+
+from __future__ import annotations
+
+from loadtest.experiments.policy_repeats import load, table, verdicts
+
+
+def _run(good: float, sim_good: float, ttft: float, sim_ttft: float, enterprise_ttft: float) -> dict:
+    return {"real": {"goodput_fraction": good, "ttft_p90_ms": ttft,
+                     "by_tier": {"enterprise": {"ttft_p90_ms": enterprise_ttft}}},
+            "sim": {"goodput_fraction": sim_good, "ttft_p90_ms": sim_ttft}}
+
+
+def _summary(goodput_good: float, ll_good: float, enterprise_ttft: float) -> dict:
+    return {
+        "exp1_random": {"runs": {"least_loaded": _run(ll_good, ll_good + 0.02, 1000, 1100, 1000),
+                                 "round_robin": _run(0.5, 0.52, 3000, 3100, 3000),
+                                 "goodput": _run(goodput_good, goodput_good - 0.03, 900, 950, 900)}},
+        "exp3_overload": {"runs": {"round_robin": _run(0.4, 0.41, 9000, 9500, 9000),
+                                   "goodput": _run(0.8, 0.78, 2000, 2100, enterprise_ttft)}},
+    }
+
+
+def test_a_repeat_where_goodput_loses_or_misses_the_slo_fails_its_verdicts() -> None:
+    repeats = [load(_summary(1.0, 0.9, 2000)), load(_summary(0.85, 0.9, 2600))]
+    by_name = {v.name.split()[0]: v for v in verdicts(repeats)}
+    assert not by_name["goodput"].passed and "repeat 2 exp1_random" in by_name["goodput"].detail
+    assert not by_name["enterprise"].passed and by_name["enterprise"].detail.startswith("1/2")
+    assert by_name["simulator"].passed  # errors of 1-3 pp
+    assert by_name["simulated"].passed  # TTFT ratios within 10%
+
+
+def test_when_every_repeat_holds_every_verdict_passes_and_the_table_has_mean_and_spread() -> None:
+    repeats = [load(_summary(1.0, 0.9, 2000)), load(_summary(0.95, 0.95, 2400))]
+    assert all(v.passed for v in verdicts(repeats))
+    row = next(line for line in table(repeats) if line.startswith("| exp1_random | goodput"))
+    assert "| 2 | 97.5 [95.0-100.0] | 900 [900-900] | -3.0 [-3.0--3.0] |" in row
+
+
+def test_a_simulator_far_off_fails_the_error_verdicts() -> None:
+    summary = _summary(1.0, 0.9, 2000)
+    summary["exp3_overload"]["runs"]["goodput"]["sim"] = {"goodput_fraction": 0.5, "ttft_p90_ms": 6000}
+    checks = {v.name.split()[0]: v for v in verdicts([load(summary)])}
+    assert not checks["simulated"].passed and "exp3_overload/goodput x3.00" in checks["simulated"].detail
+    assert checks["simulator"].detail.startswith("7.6 pp")  # (2+2+3+1+30)/5
