@@ -29,7 +29,8 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
 from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
-from services.gateway.routing import RouterClient, StaticWorkers
+from services.gateway.last_view import StaticWorkers
+from services.gateway.routing import RouterClient
 from services.gateway.safety_gate import SafetyGate
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import TenantServices, build_open_tenancy, build_platform_tenancy

@@ -24,11 +24,9 @@ suspect period), which stops routing there for every gateway until the worker he
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -38,9 +36,10 @@ import grpc
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.convert import failure_report_to_proto, summary_to_proto
-from scheduler.types import Reason, RequestSummary, WorkerFailure, WorkerRole
+from scheduler.types import Reason, RequestSummary, WorkerFailure
 from services.common.errors import BatonError
 from services.common.tracing import client_interceptors
+from services.gateway.last_view import StaticWorkers, known_worker, static_view
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +99,6 @@ class RoutingDecision:
 
 
 @dataclass(frozen=True)
-class StaticWorkers:
-    decode: tuple[str, ...]  # host:port of decode (or both-role) workers
-    prefill: tuple[str, ...] = ()
-    model: str = ""  # the model they serve; empty: any
-
-    def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("static routing needs at least one decode worker address")
-
-
-@dataclass(frozen=True)
 class RouterConfig:
     call_timeout_s: float = 0.2  # to an answer or "queued"; longer counts as unreachable
     max_queue_wait_s: float = 11.0  # the scheduler's longest tier wait (10 s) plus its margin
@@ -122,66 +110,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.view_refresh_s, self.retry_scheduler_after_s) <= 0:
             raise ValueError("call_timeout_s, view_refresh_s and retry_scheduler_after_s must be positive")
-
-
-@dataclass(frozen=True)
-class KnownWorker:
-    address: str
-    role: WorkerRole
-    model: str = ""  # empty: unknown (static workers), serves any model
-    load: int = 0  # running + queued sequences at the last view
-
-
-class LastView:
-    """Workers as last seen, plus what this client sent to each since; not thread-safe (one loop)."""
-
-    def __init__(self, workers: Sequence[KnownWorker] = ()) -> None:
-        self.workers: tuple[KnownWorker, ...] = tuple(workers)
-        self._sent: Counter[str] = Counter()  # address -> requests routed here since the view
-        self._placed: dict[str, tuple[str, ...]] = {}  # request id -> addresses it was charged to
-        self._turn = itertools.count()
-
-    def replace(self, workers: Sequence[KnownWorker]) -> None:
-        # The new loads already include what was sent before: start counting afresh.
-        self.workers = tuple(workers)
-        self._sent.clear()
-        self._placed.clear()
-
-    def pick(self, summary: RequestSummary, min_remote_prefill_tokens: int,
-             avoid: frozenset[str] = frozenset()) -> tuple[str, str | None] | None:
-        """(decode address, prefill address or None) or None when no worker (but those in `avoid`)
-        serves the model."""
-        serving = [w for w in self.workers if (not summary.model or w.model in ("", summary.model))
-                   and w.address not in avoid]
-        decode = self._least_loaded([w for w in serving if w.role.can_decode])
-        if decode is None:
-            return None
-        prefill = None
-        if summary.num_prompt_tokens >= min_remote_prefill_tokens:
-            prefill = self._least_loaded([w for w in serving if w.role is WorkerRole.PREFILL])
-        chosen = (decode,) if prefill is None else (decode, prefill)
-        self._sent.update(chosen)
-        self._placed[summary.request_id] = chosen
-        return decode, prefill
-
-    def done(self, request_id: str) -> None:
-        self._sent.subtract(self._placed.pop(request_id, ()))
-
-    def _least_loaded(self, workers: list[KnownWorker]) -> str | None:
-        if not workers:
-            return None
-        # Rotate the start so equal loads take turns (round-robin when nothing else differs).
-        start = next(self._turn) % len(workers)
-        rotated = workers[start:] + workers[:start]
-        return min(rotated, key=lambda w: w.load + self._sent[w.address]).address
-
-
-def _static_view(static: StaticWorkers | None) -> LastView:
-    if static is None:
-        return LastView()
-    workers = [KnownWorker(a, WorkerRole.DECODE, static.model) for a in static.decode]
-    workers += [KnownWorker(a, WorkerRole.PREFILL, static.model) for a in static.prefill]
-    return LastView(workers)
 
 
 class RouterClient:
@@ -196,7 +124,7 @@ class RouterClient:
         if scheduler_address is None and static_workers is None:
             raise ValueError("RouterClient needs a scheduler address, static workers, or both")
         self.config = config or RouterConfig()
-        self.view = _static_view(static_workers)
+        self.view = static_view(static_workers)
         self._channel = None if scheduler_address is None else grpc.aio.insecure_channel(
             scheduler_address, options=_CHANNEL_OPTIONS, interceptors=client_interceptors()
         )
@@ -279,7 +207,7 @@ class RouterClient:
             log.debug("listing workers failed: %s", e.code().name)
             return False
         self._view_at = time.monotonic()
-        workers = [w for w in map(_known_worker, response.workers) if w is not None]
+        workers = [w for w in map(known_worker, response.workers) if w is not None]
         if workers:
             self.view.replace(workers)
         return True
@@ -359,19 +287,6 @@ class RouterClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
-
-
-def _known_worker(worker: pb.LiveWorker) -> KnownWorker | None:
-    status = worker.status
-    if status.role not in {r.value for r in WorkerRole}:
-        log.warning("ignoring listed worker %s with unknown role %r", status.worker_id, status.role)
-        return None
-    return KnownWorker(
-        address=worker.address,
-        role=WorkerRole(status.role),
-        model=status.model,
-        load=status.running_seqs + status.queue_depth,
-    )
 
 
 _KINDS = {

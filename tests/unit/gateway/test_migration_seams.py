@@ -11,8 +11,8 @@ import pytest
 
 from scheduler.types import SLO, RequestSummary, Tier, WorkerRole
 from services.gateway.generation import FailureKind, GenerationDelta, SamplingSpec
+from services.gateway.last_view import KnownWorker, LastView
 from services.gateway.migration import Continuation, first_attempt, next_attempt
-from services.gateway.routing import KnownWorker, LastView
 from tokenization.detokenizer import IncrementalDetokenizer
 from tokenization.tokenizer import Tokenizer
 
