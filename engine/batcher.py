@@ -8,9 +8,10 @@ A step's plan, under a token budget of `max_num_batched_tokens` and at most `max
 1. decodes (running sequences with one pending token), oldest first; a decode that needs a new block
    when the pool is empty preempts the newest running sequence (possibly itself) by recompute;
 2. chunks of running sequences still prefilling, oldest first, at most `max_prefill_chunk` each;
-3. admission of waiting sequences in FIFO order (preempted ones first), each only when blocks for all
-   its tokens plus one generated token are available; skipped in a step that preempted, so a
-   preempted sequence never bounces straight back in.
+3. admission of waiting sequences, preempted ones first, then by `sampling.priority` (lower first, FIFO
+   within one priority; strict, so a stream of high-priority work can hold lower work back), each only
+   when blocks for all its tokens plus one generated token are available; skipped in a step that
+   preempted, so a preempted sequence never bounces straight back in.
 Admission allocates blocks for every known token, so prefill chunks never allocate: only decodes do.
 
 Speculative decoding: with a `DraftProposer`, a decode of a sequence that asks for drafts
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 def _arrival(seq: Sequence) -> int:
     """Sort key of the running list: oldest first, so preemption victims come from the end."""
     return seq.arrival_order
+
+
+def _outranks(seq: Sequence, other: Sequence) -> bool:
+    return seq.sampling.priority < other.sampling.priority
 
 
 class Batcher:
@@ -118,7 +123,7 @@ class Batcher:
         """Queue a new sequence. Raises InvalidRequestError, changing nothing, on bad input."""
         self._check_new(seq)
         self._track(seq, SequenceStatus.WAITING)
-        self._waiting.append(seq)
+        self._enqueue(seq)
 
     def reserve_remote(self, seq: Sequence) -> tuple[list[int], int]:
         """Decode side of disaggregation: allocate the prompt's blocks for a remote prefill to write.
@@ -314,7 +319,7 @@ class Batcher:
         return budget
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        """Admit waiting sequences FIFO while budget, sequence slots and blocks last."""
+        """Admit waiting sequences in queue order while budget, sequence slots and blocks last."""
         while self._waiting and budget > 0 and len(chunks) < self.config.max_num_seqs:
             if len(self._running) + len(self._remote) >= self.config.max_num_seqs:
                 return
@@ -360,6 +365,13 @@ class Batcher:
             choice_samplings=seq.choice_samplings if start + n == seq.num_tokens and not seq.output_token_ids
             else (),
         )
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Behind every preempted sequence and every waiting one of the same or a lower priority value."""
+        i = len(self._waiting)
+        while i and self._waiting[i - 1].status is SequenceStatus.WAITING and _outranks(seq, self._waiting[i - 1]):
+            i -= 1
+        self._waiting.insert(i, seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the blocks, keep the tokens, requeue at the front."""

@@ -35,6 +35,9 @@ class SamplingParams:
     # request generated on another worker. Seeded noise continues at their position and presence /
     # frequency penalties count them as output, so the continuation samples as one run would have.
     prior_output_tokens: int = 0
+    # Admission order among the requests waiting on this worker: lower first, first come first served
+    # within one priority (vLLM's convention). The worker sets it from the request's tier.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -56,6 +59,7 @@ class SamplingParams:
                f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         _check(self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         _check(self.prior_output_tokens >= 0, f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        _check(self.priority >= 0, f"priority must be >= 0, got {self.priority}")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,15 @@ class Tier(StrEnum):
     PLUS = "plus"
     ENTERPRISE = "enterprise"
 
+    @property
+    def priority(self) -> int:
+        """A worker's admission priority for the tier's requests: lower is admitted first (the engine's
+        `SamplingParams.priority`). Requests without a tier (internal callers) get 0, like enterprise."""
+        return _TIER_PRIORITY[self]
+
+
+_TIER_PRIORITY = {Tier.ENTERPRISE: 0, Tier.PLUS: 1, Tier.FREE: 2}
+
 
 class DecisionKind(StrEnum):
     ROUTE = "route"  # placed as asked

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.prefix_cache import SimPrefixCache
@@ -31,6 +33,8 @@ from scheduler.types import (
     WorkerRole,
     WorkerSnapshot,
 )
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,11 @@ class SimWorker:
     # ---- decode side ---------------------------------------------------------------------------
 
     def admit(self, seq: SimSequence) -> None:
-        self._waiting.append(seq)
+        _insert_by_priority(self._waiting, seq, lambda other: _priority(other) > _priority(seq))
 
     def allocate_waiting(self) -> list[SimSequence]:
-        """Reserve blocks for waiting sequences in FIFO order; returns those now ready to prefill."""
+        """Reserve blocks for waiting sequences in queue order (the engine's: by the tier's priority, then
+        first come first served); returns those now ready to prefill."""
         ready: list[SimSequence] = []
         while self._waiting and self._holding < self.spec.max_batch:
             seq = self._waiting[0]
@@ -171,7 +176,10 @@ class SimWorker:
             cached = seq.decode_cached_tokens
         else:
             cached = min(self.cache.match(seq.arrival.prefix_hashes) * self.spec.block_size, prompt - 1)
-        self._prefill_queue.append(PrefillJob(seq, prompt - cached, cached))
+        job = PrefillJob(seq, prompt - cached, cached)
+        # A prompt part-way through its chunks is the engine's running prefill: it keeps its place.
+        _insert_by_priority(self._prefill_queue, job,
+                            lambda other: not other.done_tokens and _priority(other.seq) > _priority(seq))
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -285,3 +293,17 @@ class SimWorker:
         )
         samples, self._samples = self._samples, []
         return snapshot, samples, self.cache.drain_events()
+
+
+
+def _insert_by_priority(queue: deque[_T], item: _T, outranked: Callable[[_T], bool]) -> None:
+    """Insert `item` ahead of the trailing entries it outranks: the engine batcher's order (by
+    `Tier.priority`, first come first served within one)."""
+    i = len(queue)
+    while i and outranked(queue[i - 1]):
+        i -= 1
+    queue.insert(i, item)
+
+
+def _priority(seq: SimSequence) -> int:
+    return seq.arrival.tier.priority

@@ -63,6 +63,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         guided=guided_from_proto(msg.guided) if msg.HasField("guided") else None,
         num_draft_tokens=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
         prior_output_tokens=msg.prior_output_tokens,
+        priority=msg.priority,
     )
 
 
@@ -91,6 +92,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
         prior_output_tokens=params.prior_output_tokens,
+        priority=params.priority,
     )
     if params.seed is not None:
         msg.seed = params.seed

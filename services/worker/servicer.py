@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
 
 from engine.errors import EngineError, InvalidRequestError
+from engine.sampling_params import SamplingParams
 from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
+from scheduler.types import Tier
 from services.rpc import convert
 from services.worker.decode_jobs import GenerateEvent, GenerateJob, JobChoice, PrefillMode, PrefillPath
 from services.worker.decode_service import DecodeService
@@ -59,11 +62,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                               "this is a prefill worker: Generate is served by decode and both workers")
         assert self._decode is not None
         try:
+            priority = _tier_priority(request.tier)
             job = GenerateJob(request.request_id or _missing("request_id"),
                               convert.prompt_from_proto(request.prompt_token_ids),
-                              convert.sampling_from_proto(request.sampling),
+                              _sampling(request.sampling, priority),
                               _MODES.get(request.prefill_mode, PrefillMode.AUTO), request.prefill_worker,
-                              _traceparent(context), tuple(_choice(c) for c in request.choices))
+                              _traceparent(context), tuple(_choice(c, priority) for c in request.choices))
             async for event in self._decode.generate(job):
                 yield _response(event, event.request_id or job.request_id)
         except InvalidRequestError as e:
@@ -152,8 +156,25 @@ def _traceparent(context: grpc.aio.ServicerContext) -> str:
     return next((str(v) for k, v in context.invocation_metadata() or () if k == "traceparent"), "")
 
 
-def _choice(msg: pb.Choice) -> JobChoice:
-    return JobChoice(msg.request_id or _missing("choices.request_id"), convert.sampling_from_proto(msg.sampling))
+def _choice(msg: pb.Choice, priority: int | None) -> JobChoice:
+    return JobChoice(msg.request_id or _missing("choices.request_id"), _sampling(msg.sampling, priority))
+
+
+def _sampling(msg: pb.SamplingParams, priority: int | None) -> SamplingParams:
+    params = convert.sampling_from_proto(msg)
+    return params if priority is None else replace(params, priority=priority)
+
+
+def _tier_priority(tier: str) -> int | None:
+    """The admission priority of a Generate request's tier (None: no tier, the sampling's own applies):
+    under overload a worker's waiting queue holds several tiers, and an enterprise request must not wait
+    behind free ones that the scheduler placed a moment earlier."""
+    if not tier:
+        return None
+    try:
+        return Tier(tier).priority
+    except ValueError:
+        raise InvalidRequestError(f"tier must be one of {[t.value for t in Tier]}, got {tier!r}") from None
 
 
 def _missing(field: str) -> str:

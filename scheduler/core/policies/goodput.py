@@ -1,4 +1,4 @@
-"""Place each request where its predicted TTFT and TPOT meet its tier's SLO with the most slack.
+"""Place each request where its predicted TTFT and TPOT most likely meet its tier's SLO.
 
 Goodput counts requests that meet both targets, so a placement that serves one request late is
 worth nothing and one that pushes a worker's step time past the TPOT target of requests already
@@ -7,10 +7,13 @@ there costs several. The policy therefore:
    is cheapest (a prefill worker, or the decode worker itself: core/prefill_site.py);
 2. keeps candidates that fit in KV memory, meet the request's targets and keep the tightest TPOT
    target already on the decode worker, and, for a lighter tier, leave room somewhere for a
-   heavier-tier request of the same size (trunk reservation, see `_leaves_room`: under overload
-   free requests otherwise fill every batch, and enterprise, arriving later, is the one that
-   waits); a conversation's later turn prefers the worker that
-   served the previous one (its prefix is there), otherwise the candidate with the most slack wins;
+   heavier-tier request of the same size, room it would meet its targets in by at least one
+   expected prediction error (trunk reservation, see `_leaves_room`: under overload free requests
+   otherwise fill every batch, and enterprise, arriving later, is the one that waits); a
+   conversation's later turn prefers the worker that
+   served the previous one (its prefix is there), otherwise the candidate most likely to meet both
+   targets wins: the most headroom in units of each prediction's expected error
+   (`Placement.confidence`: a queue wait is far less certain than a computed step);
 3. when no candidate qualifies, for a degradable tier: serve it on its model's smaller fallback
    model (`degrade_models`) if that fleet qualifies, else with a shorter max_tokens if configured
    and that qualifies;
@@ -147,7 +150,7 @@ class GoodputPolicy(Policy):
             qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, sites)]
         if not qualifying:
             return None
-        return max(qualifying, key=lambda p: (self._affinity(request, view, p), p.slack(request)))
+        return max(qualifying, key=lambda p: (self._affinity(request, view, p), p.confidence(request)))
 
     @staticmethod
     def _affinity(request: RequestSummary, view: ClusterView, placement: Placement) -> bool:
@@ -259,6 +262,12 @@ class GoodputPolicy(Policy):
 
 
 _TIER_ORDER = (Tier.FREE, Tier.PLUS, Tier.ENTERPRISE)  # lightest first
+# How sure the room kept for a heavier tier must be, in expected prediction errors
+# (`Placement.confidence`). At 0 (the predicted targets just met) lighter requests filled the batching
+# worker until an enterprise request would wait ~2 s for a slot against a 2.5 s TTFT target; the slot
+# wait is a guess about the running sequences' remaining lives, and on the CPU policy runs enterprise
+# TTFT p90 then overshot (2.1-3.9 s real for 1.7-2.5 s predicted; docs/benchmarks.md, scheduler policies).
+RESERVED_CONFIDENCE = 1.0
 _MAX_CACHED_SCORES = 4096
 
 
@@ -268,10 +277,12 @@ class _ProbeSites:
     pool: list[WorkerLoad]  # the probe's prefill workers, ranked once
 
     def serves(self, probe: RequestSummary, view: ClusterView, decode: WorkerLoad) -> bool:
-        """Whether the heavier-tier probe would meet its latency targets on `decode`. KV room is not
-        reserved: a lighter request held back for blocks alone would idle capacity that nothing needs
-        yet, and heavier requests already waiting get freed blocks first through the admission queue."""
-        return self.siting.choose(probe, view, decode, self.pool).placement.slack(probe) >= 0.0
+        """Whether the heavier-tier probe would meet its latency targets on `decode`, by at least
+        `RESERVED_CONFIDENCE` expected errors. KV room is not reserved: a lighter request held back
+        for blocks alone would idle capacity that nothing needs yet, and heavier requests already
+        waiting get freed blocks first through the admission queue."""
+        placement = self.siting.choose(probe, view, decode, self.pool).placement
+        return placement.confidence(probe) >= RESERVED_CONFIDENCE
 
 
 def _open_now(

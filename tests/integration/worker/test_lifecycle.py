@@ -101,10 +101,14 @@ def test_a_both_worker_refuses_prefill_and_handshake(worker):
     assert "not a prefill worker" in info.value.details()
 
 
-def test_bad_input_is_invalid_argument_and_changes_nothing(worker):
-    with pytest.raises(grpc.RpcError) as info:
-        list(worker.stub.Generate(request([10**7], 4), timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+def test_bad_input_is_invalid_argument_and_changes_nothing(worker, prompt):
+    unknown_tier = request(prompt, 4)
+    unknown_tier.tier = "gold"
+    for bad in (request([10**7], 4), unknown_tier):
+        with pytest.raises(grpc.RpcError) as info:
+            list(worker.stub.Generate(bad, timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tier must be one of" in info.value.details()
     assert worker.status().free_blocks == 64
 
 

@@ -76,6 +76,40 @@ def test_max_num_seqs_caps_running_sequences() -> None:
     assert [c.request_id for c in step(b).chunks] == ["b", "c"]
 
 
+def prioritized(rid: str, priority: int, start: int) -> Sequence:
+    return Sequence(request_id=rid, prompt_token_ids=list(range(start, start + 4)),
+                    sampling=SamplingParams(priority=priority))
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_first_come_first_served() -> None:
+    b = make(max_num_seqs=1)
+    b.add(prioritized("running", 2, 100))
+    step(b)
+    for rid, priority, start in [("free1", 2, 200), ("ent1", 0, 300), ("plus", 1, 400), ("ent2", 0, 500),
+                                 ("free2", 2, 600)]:
+        b.add(prioritized(rid, priority, start))
+    admitted = []
+    for rid in ["running", "ent1", "ent2", "plus", "free1"]:
+        b.finish(rid, FinishReason.STOP)
+        admitted.append(step(b).chunks[0].request_id)
+    assert admitted == ["ent1", "ent2", "plus", "free1", "free2"]
+
+
+def test_a_preempted_sequence_stays_ahead_of_higher_priority_newcomers() -> None:
+    b = make(num_blocks=6, max_model_len=24)  # as `preempting_batcher`, the victim "b" of the lowest priority
+    b.add(Sequence(request_id="a", prompt_token_ids=list(range(100, 107)), sampling=SamplingParams(priority=0)))
+    b.add(Sequence(request_id="b", prompt_token_ids=list(range(300, 307)), sampling=SamplingParams(priority=2)))
+    assert step_until_preemption(b).preempted == ("b",)
+    b.add(prioritized("urgent", 0, 700))
+    b.finish("a", FinishReason.STOP)
+    assert step(b).chunks[0].request_id == "b"  # it held blocks before: it resumes first
+
+
+def test_a_negative_priority_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="priority"):
+        SamplingParams(priority=-1)
+
+
 def test_admission_waits_until_blocks_for_all_tokens_plus_one_are_free() -> None:
     b = make(num_blocks=8, max_model_len=32)
     b.add(seq("a", 16))  # 17 slots: 5 blocks

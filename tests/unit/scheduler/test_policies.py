@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from scheduler.core.placement import DisaggregationRule, evaluate
@@ -9,7 +11,8 @@ from scheduler.core.policies import (
     RoundRobinPolicy,
     make_policy,
 )
-from scheduler.types import SLO, DecisionKind, Reason, Tier, WorkerRole
+from scheduler.types import SLO, DecisionKind, Reason, Tier, WorkerRole, WorkerSnapshot
+from tests.unit.scheduler.conftest import snapshot
 
 PREFILL = WorkerRole.PREFILL
 
@@ -276,3 +279,46 @@ def test_goodput_keeps_room_for_a_heavier_tier_seen_before(make_request, make_lo
     busy = make_view([make_load("d0", batch=0)])
     assert policy.route(make_request("free", tier=Tier.FREE, slo=loose), busy, 1.0).kind is DecisionKind.QUEUE
     assert GoodputPolicy().route(make_request("free", tier=Tier.FREE, slo=loose), busy, 1.0).is_placed
+
+
+def test_goodput_keeps_a_heavier_tier_room_it_can_count_on_not_a_guessed_slot_wait(make_request, make_load,
+                                                                                   make_view) -> None:
+    """Trunk reservation with a margin: a two-slot worker running one sequence. A free request taking the
+    last slot would leave an enterprise request a predicted ~0.44 s wait for a slot against a 0.6 s TTFT
+    target: within target (the reservation at zero margin lets the free request in), but the wait is a
+    guess about the running sequences' remaining lives, under one expected error of headroom. The free
+    request is held back; with the enterprise target at 2 s the same placement is allowed."""
+    two_slots = make_load("d0", batch=1, snapshot=make_snapshot_with_slots("d0", slots=2, running=1))
+    view = make_view([two_slots])
+
+    def free_after_enterprise(enterprise_ttft_ms: float) -> DecisionKind:
+        policy = GoodputPolicy()
+        enterprise_slo = SLO(ttft_ms=enterprise_ttft_ms, tpot_ms=100)
+        assert policy.route(make_request("ent", tier=Tier.ENTERPRISE, slo=enterprise_slo, max_tokens=128), view,
+                            0.0).is_placed
+        free = make_request("free", tier=Tier.FREE, slo=SLO(ttft_ms=6000, tpot_ms=500), max_tokens=128)
+        return policy.route(free, view, 1.0).kind
+
+    assert free_after_enterprise(600) is DecisionKind.QUEUE
+    assert free_after_enterprise(2000) is DecisionKind.ROUTE
+
+
+def test_goodput_weighs_a_queue_wait_as_less_certain_than_a_computed_step(make_request, make_load, make_view,
+                                                                          fast_profile) -> None:
+    """A one-slot worker busy with one sequence (TTFT = mostly the wait for its slot) against a batching
+    worker whose TPOT is half the target: by relative slack the one-slot worker wins (TTFT slack ~0.66
+    vs TPOT slack ~0.50), but its TTFT is a guess about the running sequence's remaining life, so the
+    policy takes the batching worker, whose margin is ~5 expected errors against ~2."""
+    batching = replace(fast_profile, decode_per_seq_s=0.0044)  # 9 sequences: a 49.6 ms step
+    one_slot = make_load("one-slot", batch=1, snapshot=make_snapshot_with_slots("one-slot", slots=1, running=1))
+    loads = [make_load("batching", batch=8), one_slot]
+    view = make_view(loads, profiles={"batching": batching, "one-slot": fast_profile})
+    req = make_request(prompt=128, max_tokens=128)
+    placements = {p.decode.worker_id: p for p in (evaluate(req, view, w, None) for w in loads)}
+    assert placements["one-slot"].slack(req) > placements["batching"].slack(req) > 0
+    assert placements["batching"].confidence(req) > placements["one-slot"].confidence(req)
+    assert GoodputPolicy().route(req, view, 0.0).decode_worker_id == "batching"
+
+
+def make_snapshot_with_slots(worker_id: str, slots: int, running: int) -> WorkerSnapshot:
+    return snapshot(worker_id, running_seqs=running, max_num_seqs=slots)

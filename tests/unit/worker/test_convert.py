@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
 from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc import convert
+from services.worker.servicer import _sampling, _tier_priority
 
 LAYOUT = KVLayoutInfo(protocol_version=1, model_id="m", dtype="float32", layout="block_major_v1", block_size=16,
                       num_layers=2, num_kv_heads=2, head_dim=64, tp_size=1, tp_rank=0)
@@ -23,6 +24,18 @@ def test_sampling_params_round_trip() -> None:
                             presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
                             stop_token_ids=(1, 2), stop=("x",), ignore_eos=True, logprobs=3)
     assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
+
+
+def test_priority_round_trips_to_the_prefill_worker() -> None:
+    assert convert.sampling_from_proto(convert.sampling_to_proto(SamplingParams(priority=2))).priority == 2
+
+
+def test_a_generate_request_tier_sets_its_admission_priority() -> None:
+    assert [_tier_priority(t) for t in ("enterprise", "plus", "free", "")] == [0, 1, 2, None]
+    with pytest.raises(InvalidRequestError, match="tier must be one of"):
+        _tier_priority("gold")
+    assert _sampling(pb.SamplingParams(priority=1), _tier_priority("free")).priority == 2
+    assert _sampling(pb.SamplingParams(priority=1), _tier_priority("")).priority == 1
 
 
 def test_proto_zero_values_mean_defaults_but_temperature_zero_is_greedy() -> None:
