@@ -175,7 +175,7 @@ class _Replay:
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.busy:
-            seconds = worker.start_step()
+            seconds = worker.start_step(self.now)
             if seconds is not None:
                 self.push(self.now + seconds, _Event.STEP_DONE, worker.worker_id)
 
@@ -207,6 +207,7 @@ class _Replay:
             queued=arrival.request_id in self.queued,
             decode_worker_id=None if seq is None else seq.decode_worker,
             prefill_worker_id=None if seq is None else seq.prefill_worker,
+            prefill_compute_s=_prefill_compute_s(seq),
         )
 
     def result(self, policy_name: str) -> ReplayResult:
@@ -216,6 +217,12 @@ class _Replay:
         start = min((a.time_s for a in self.trace.values()), default=0.0)
         ordered = tuple(self.outcomes[rid] for rid in self.trace)
         return ReplayResult(policy_name, ordered, self.now - start)
+
+
+def _prefill_compute_s(seq: SimSequence | None) -> float | None:
+    if seq is None or seq.prefill_worker is None or seq.prefill_started_at is None or seq.prefilled_at is None:
+        return None
+    return seq.prefilled_at - seq.prefill_started_at
 
 
 def replay(

@@ -87,12 +87,17 @@ def measured_remote(meta: dict[str, Any], run: str) -> int | None:
     return None
 
 
-def compare_run(path: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> Row:
+def replay_run(path: Path, profile: WorkerProfile, config: PlanConfig) -> tuple[list[RequestRecord], ReplayResult]:
+    """A measured run's records, and its own request stream replayed on its layout."""
     records = [r for run in load_result(path).runs for r in run.records]
     rows = [{"time_s": r.send_time, "prompt_tokens": r.prompt_tokens or r.prompt_len, "output_tokens": r.max_tokens}
             for r in records]
     layout = planner_layout(path.stem.split("__")[0])
-    result = replay_layout(trace_from_rows(rows, config.block_size), layout, {1: profile}, config)
+    return records, replay_layout(trace_from_rows(rows, config.block_size), layout, {1: profile}, config)
+
+
+def compare_run(path: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> Row:
+    records, result = replay_run(path, profile, config)
     return Row(path.stem, measured_side(records, config.slo, measured_remote(meta, path.stem)), simulated_side(result))
 
 

@@ -28,7 +28,7 @@ def _decode_step_s(batch: int, serving: ServingCost) -> float:
         worker.admit(seq)
         worker.allocate_waiting()
         worker.join(seq, 0.0)
-    duration = worker.start_step()
+    duration = worker.start_step(0.0)
     assert duration is not None
     return duration
 
@@ -42,7 +42,7 @@ def test_a_decode_step_costs_the_profile_plus_the_serving_cost_per_step_and_sequ
 
 
 def test_an_idle_step_costs_nothing_and_negative_costs_are_refused() -> None:
-    assert ServingCost(0.001, 1e-4).step_s(0) == 0.0
+    assert ServingCost(0.001, 1e-4).step_s(0, 0, prefill=False) == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         ServingCost(per_seq_s=-1e-6)
 
@@ -113,7 +113,7 @@ def test_remote_kv_landing_mid_step_is_committed_when_the_step_ends() -> None:
 
     first, second = remote(0), remote(1)
     assert worker.land(first, 0.0) is None and first.first_token_at == 0.0  # idle: committed at once
-    step = worker.start_step()
+    step = worker.start_step(0.0)
     assert step is not None
     assert worker.land(second, step / 2) is None and second.first_token_at is None  # mid-step: waits
     worker.finish_step(step)
