@@ -163,7 +163,11 @@ class _Replay:
         self.sequences[arrival.request_id] = seq
         worker = self.workers[seq.decode_worker]
         worker.admit(seq)
-        self._allocate(worker)
+        if not worker.busy:
+            # The engine takes a request between steps (an engine-thread command: a decode worker's
+            # remote reservation waits for the step in flight, docs/benchmarks.md's hand-off phases);
+            # mid-step, the step's end allocates it (`_on_step_done`).
+            self._allocate(worker)
         self._kick(worker)
 
     def _allocate(self, worker: SimWorker) -> None:

@@ -48,4 +48,4 @@ NONE = ServingCost()
 # The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1): see the module docstring. The
 # prefill terms were fitted against that run's profile refitted with its floor (21.9 ms up to 512
 # tokens, then 1.04 ms + 30.9 us/token); against a floorless profile they would be different.
-MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.4e-3, per_prefill_done_s=10.0e-3)
+MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.7e-3, per_prefill_done_s=10.9e-3)
