@@ -159,6 +159,7 @@ class _Replay:
             max_tokens=max_tokens,
             decode_worker=decision.decode_worker_id,
             prefill_worker=decision.prefill_worker_id,
+            admitted_at=self.now,
         )
         self.sequences[arrival.request_id] = seq
         worker = self.workers[seq.decode_worker]
@@ -174,6 +175,7 @@ class _Replay:
         """Decode-first: a sequence's prefill starts only once its decode worker holds blocks for it."""
         for seq in worker.allocate_waiting():
             prefill = worker if seq.prefill_worker is None else self.workers[seq.prefill_worker]
+            seq.prefill_queued_at = self.now
             prefill.enqueue_prefill(seq)
             self._kick(prefill)
 
@@ -212,6 +214,7 @@ class _Replay:
             decode_worker_id=None if seq is None else seq.decode_worker,
             prefill_worker_id=None if seq is None else seq.prefill_worker,
             prefill_compute_s=_prefill_compute_s(seq),
+            handoff_overhead_s=_handoff_overhead_s(seq),
         )
 
     def result(self, policy_name: str) -> ReplayResult:
@@ -227,6 +230,17 @@ def _prefill_compute_s(seq: SimSequence | None) -> float | None:
     if seq is None or seq.prefill_worker is None or seq.prefill_started_at is None or seq.prefilled_at is None:
         return None
     return seq.prefilled_at - seq.prefill_started_at
+
+
+def _handoff_overhead_s(seq: SimSequence | None) -> float | None:
+    """Reservation asked -> first token, less the prefill worker's queue and compute: the decode
+    worker's `overhead` phase (RPC, WRITE, notice, commit; here the step-boundary waits and the transfer)."""
+    if _prefill_compute_s(seq) is None:
+        return None
+    assert seq is not None and seq.prefilled_at is not None
+    if seq.admitted_at is None or seq.prefill_queued_at is None or seq.first_token_at is None:
+        return None
+    return (seq.first_token_at - seq.admitted_at) - (seq.prefilled_at - seq.prefill_queued_at)
 
 
 def replay(

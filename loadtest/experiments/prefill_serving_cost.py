@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.experiments import layout_check
-from loadtest.experiments.layout_replay import replay_run
+from loadtest.experiments.layout_replay import PREFILL_COMPUTE, measured_phase_mean, replay_run
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import PlanConfig
 
@@ -44,16 +44,8 @@ class MeasuredCompute:
 
 def measured_compute(meta: dict[str, Any], run: str) -> MeasuredCompute | None:
     """The prefill workers' count-weighted mean `prefill_compute` of one run (None without any)."""
-    for config in (meta.get("configurations") or {}).values():
-        for entry in config.get("runs", []):
-            if entry.get("run") != run:
-                continue
-            phases = [p["prefill_compute"] for p in (entry.get("handoff_phases") or {}).values()
-                      if p.get("prefill_compute", {}).get("count")]
-            count = sum(int(p["count"]) for p in phases)
-            if count:
-                return MeasuredCompute(run, count, sum(p["count"] * p["mean_ms"] for p in phases) / count / 1e3)
-    return None
+    found = measured_phase_mean(meta, run, PREFILL_COMPUTE)
+    return None if found is None else MeasuredCompute(run, found[0], found[1] / 1e3)
 
 
 def lowest_rate_runs(runs: Sequence[Path]) -> list[Path]:

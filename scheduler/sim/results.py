@@ -25,6 +25,7 @@ class RequestOutcome:
     # A remote prefill's first chunk scheduled -> its last chunk done (the prefill worker's
     # prefill_compute phase); None for local prefills and unserved requests.
     prefill_compute_s: float | None = None
+    handoff_overhead_s: float | None = None  # a remote prefill's decode-side `overhead` phase (replay.py)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ class SimSequence:
     generated: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
+    admitted_at: float | None = None  # sent to its decode worker (a remote one: the reservation asked)
+    prefill_queued_at: float | None = None  # blocks held: its prefill queued
     prefill_started_at: float | None = None  # its first prefill chunk's step began
     prefilled_at: float | None = None  # its last prefill chunk's step ended
 
