@@ -75,7 +75,8 @@ class _Replay:
         start = min((a.time_s for a in self.trace.values()), default=0.0)
         for index, worker in enumerate(self.workers.values()):
             snapshot, _, _ = worker.heartbeat(start)
-            profile = worker.spec.profile if self.config.seed_profiles else None
+            seed = worker.spec.scheduler_seed or worker.spec.profile
+            profile = seed if self.config.seed_profiles else None
             self.scheduler.register(snapshot, start, profile)
             stagger = self.config.heartbeat_interval_s * index / max(len(self.workers), 1)
             self.push(start + stagger, _Event.HEARTBEAT, worker.worker_id)

@@ -112,6 +112,9 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--profile", type=Path, default=None, help="default: the first OUT's profile-8b.json")
     p.add_argument("--slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"))
+    p.add_argument("--run-seed", action="store_true",
+                   help="start the simulated scheduler from the profile the runs' scheduler had (summary.json "
+                        "scheduler_profile), not --profile: the runs' own siting decisions")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)

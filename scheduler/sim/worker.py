@@ -50,6 +50,9 @@ class SimWorkerSpec:
     # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
     # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
     serving: ServingCost = NONE
+    # The profile the scheduler starts from, when not `profile` (replaying a run whose scheduler was
+    # seeded with another one: its siting decisions then follow that run's). None: `profile`.
+    scheduler_seed: WorkerProfile | None = None
 
 
 @dataclass(eq=False)

@@ -4,6 +4,7 @@ planner's use of it, and its fit from a run's token gaps (loadtest/experiments/s
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -118,3 +119,12 @@ def test_remote_kv_landing_mid_step_is_committed_when_the_step_ends() -> None:
     assert worker.land(second, step / 2) is None and second.first_token_at is None  # mid-step: waits
     worker.finish_step(step)
     assert second.first_token_at == step
+
+
+def test_the_simulated_scheduler_can_start_from_another_profile_than_the_workers_truth() -> None:
+    seed = WorkerProfile(prefill_fixed_s=0.019)
+    config = PlanConfig(gpus=2, slo=SLO(500, 50), handoff_s=0.011, scheduler_seed=seed)
+    specs = workers_for(Layout(1, 1), {1: PROFILE}, config)
+    assert all(s.scheduler_seed == replace(seed, transfer_fixed_s=0.011) for s in specs)
+    assert all(s.profile.prefill_fixed_s == PROFILE.prefill_fixed_s for s in specs)
+    assert all(s.scheduler_seed is None for s in workers_for(Layout(1, 1), {1: PROFILE}, PlanConfig(2, SLO(500, 50))))
