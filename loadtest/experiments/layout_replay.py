@@ -29,7 +29,6 @@ from loadtest.metrics import SLO as BenchSLO
 from loadtest.metrics import request_tpot
 from loadtest.records import RequestRecord
 from loadtest.report import load_result
-from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, replay_layout, trace_from_rows
 from scheduler.sim.results import ReplayResult
@@ -151,15 +150,6 @@ def print_rows(rows: Sequence[Row], slo: SLO) -> None:
               + " " + " ".join(f"{c:>11}" for c in phases))
 
 
-def run_seed(meta: dict[str, Any]) -> WorkerProfile:
-    """The profile the runs' scheduler was started from (summary.json `scheduler_profile`)."""
-    seeded = meta.get("scheduler_profile")
-    if not seeded:
-        raise ValueError("--run-seed: the outputs' summary.json holds no scheduler_profile")
-    book = ProfileBook.from_data(seeded)
-    return book.by_model.get(ANY_MODEL) or next(iter(book.by_model.values()))
-
-
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -170,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
         config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
-                            handoff_s=layout_check.HANDOFF_S, scheduler_seed=run_seed(meta) if args.run_seed else None)
+                            handoff_s=layout_check.HANDOFF_S,
+                            scheduler_seed=layout_check.run_seed(meta) if args.run_seed else None)
         rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
                 for path in sorted((Path(tmp) / "runs").glob("*.json"))]
     (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.experiments.layout_replay import measured_remote, measured_side, planner_layout, run_seed
+from loadtest.experiments.layout_check import run_seed
+from loadtest.experiments.layout_replay import measured_remote, measured_side, planner_layout
 from loadtest.records import RequestRecord
 from scheduler.planner import Layout
 from scheduler.types import SLO
