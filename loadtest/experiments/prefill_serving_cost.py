@@ -8,8 +8,8 @@ are not in the records: each run keeps only the `prefill_compute` phase per prom
 scheduled -> first token, a histogram per prefill worker), and which prompts shared a step is not
 known. So every disaggregated run at its workload's lowest rate (queues near empty: the phase is
 step costs, not a backlog) is replayed on its own request stream through `baton plan`'s simulator
-(layout_replay.py), and `ServingCost`'s two prefill terms (the served prefill floor's excess over the
-profile's, and a cost per prompt whose prefill ends in the step) are fitted so that the simulated remote prefills' mean
+(layout_replay.py), and `ServingCost`'s two prefill terms (per step that carries prefill, per prompt
+whose prefill ends in the step) are fitted so that the simulated remote prefills' mean
 `prefill_compute` matches the measured mean per run, in count-weighted least squares. One-chunk
 (ShareGPT) and four-chunk (random 2k) prompts tell the two terms apart. Prints each run's means
 without and with the terms.
@@ -61,8 +61,8 @@ def lowest_rate_runs(runs: Sequence[Path]) -> list[Path]:
 
 def simulated_means_s(paths: Sequence[Path], profile: WorkerProfile, config: PlanConfig,
                       terms: tuple[float, float]) -> list[float]:
-    """Each run's simulated mean prefill_compute of its remote prefills, with (floor, per prompt done)."""
-    serving = dataclasses.replace(config.serving, prefill_floor_s=terms[0], per_prefill_done_s=terms[1])
+    """Each run's simulated mean prefill_compute of its remote prefills, with (per step, per prompt done)."""
+    serving = dataclasses.replace(config.serving, per_prefill_step_s=terms[0], per_prefill_done_s=terms[1])
     means = []
     for path in paths:
         _, result = replay_run(path, profile, dataclasses.replace(config, serving=serving))
@@ -73,7 +73,7 @@ def simulated_means_s(paths: Sequence[Path], profile: WorkerProfile, config: Pla
 
 def fit(paths: Sequence[Path], measured: Sequence[MeasuredCompute], profile: WorkerProfile,
         config: PlanConfig) -> tuple[float, float]:
-    """(served floor extra, per prompt done) >= 0 minimising the count-weighted squared gap between
+    """(per prefill step, per prompt done) >= 0 minimising the count-weighted squared gap between
     simulated and measured mean prefill_compute: Gauss-Newton with a finite-difference Jacobian."""
     terms = (0.0, 0.0)
     weights = [m.count for m in measured]
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for m, zero, at_fit in zip(measured, without, fitted, strict=True):
         print(f"{m.run:26s} remote {m.count:4d}  prefill_compute mean: measured {m.mean_s * 1e3:6.1f} ms, "
               f"simulated {zero * 1e3:6.1f} ms without the terms, {at_fit * 1e3:6.1f} ms with them")
-    print(f"served prefill: floor +{terms[0] * 1e3:.1f} ms, +{terms[1] * 1e3:.1f} ms per "
-          f"prompt done (baton plan --serving-prefill-floor-ms {terms[0] * 1e3:.1f} "
+    print(f"served prefill: +{terms[0] * 1e3:.1f} ms per step that carries prefill, +{terms[1] * 1e3:.1f} ms per "
+          f"prompt done (baton plan --serving-prefill-step-ms {terms[0] * 1e3:.1f} "
           f"--serving-prefill-done-ms {terms[1] * 1e3:.1f})")
     return 0
 

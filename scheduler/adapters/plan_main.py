@@ -57,8 +57,8 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                         "docs/benchmarks.md; fit your own with loadtest/experiments/serving_cost.py)")
     p.add_argument("--serving-seq-us", type=float, default=serving.per_seq_s * 1e6,
                    help="the same, per sequence in the step")
-    p.add_argument("--serving-prefill-floor-ms", type=float, default=serving.prefill_floor_s * 1e3,
-                   help="added to the profile's prefill floor when served (default: measured on 4xH100; "
+    p.add_argument("--serving-prefill-step-ms", type=float, default=serving.per_prefill_step_s * 1e3,
+                   help="the same, added to a step that carries prefill tokens (default: measured on 4xH100; "
                         "fit your own with loadtest/experiments/prefill_serving_cost.py)")
     p.add_argument("--serving-prefill-done-ms", type=float, default=serving.per_prefill_done_s * 1e3,
                    help="the same, per prompt whose prefill ends in the step")
@@ -79,7 +79,7 @@ def run_plan(args: argparse.Namespace) -> int:
             kv_blocks_per_gpu=args.kv_blocks_per_gpu, block_size=args.block_size, max_batch=args.max_batch,
             handoff_s=args.handoff_ms / 1e3, seed=args.seed, attainment_target=args.attainment,
             serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
-                                prefill_floor_s=args.serving_prefill_floor_ms / 1e3,
+                                per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3),
             search_rate=not args.no_search,
         )

@@ -100,9 +100,6 @@ class SimWorker:
     def __init__(self, spec: SimWorkerSpec, rng: random.Random, noise: float) -> None:
         self.spec = spec
         self.cache = SimPrefixCache(spec.cache_blocks)
-        # The runner as served (a higher prefill floor); samples report it, as a worker's own step
-        # timings include what slows its process. The scheduler is seeded with `spec.profile` alone.
-        self._served_profile = spec.serving.served(spec.profile)
         self._rng = rng
         self._noise = noise
         self._free_blocks = spec.total_blocks
@@ -199,7 +196,7 @@ class SimWorker:
         if jobs:
             tokens = sum(t for _, t in jobs)
             attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
-            prefill_s = self._served_profile.prefill_step_s(tokens, attention) * self._jitter()
+            prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter()
             self._samples.append(PrefillSample(tokens, prefill_s, attention))
             seconds += prefill_s
         if decoding:
@@ -208,7 +205,7 @@ class SimWorker:
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
         prompts_done = sum(1 for j, t in jobs if t >= j.remaining)  # their first token is sampled now
-        seconds += self.spec.serving.step_s(len(decoding), prompts_done) * self._jitter()
+        seconds += self.spec.serving.step_s(len(decoding), prompts_done, prefill=bool(jobs)) * self._jitter()
         self._step = (jobs, decoding)
         return seconds
 

@@ -70,27 +70,18 @@ def _remote(worker: SimWorker, prompt: int, label: int) -> SimSequence:
     return seq
 
 
-def test_simulated_chunks_pay_the_served_floor_and_the_per_prompt_term() -> None:
-    serving = ServingCost(prefill_floor_s=0.012, per_prefill_done_s=0.010)
+def test_simulated_chunks_pay_the_floor_and_the_served_prefill_terms() -> None:
+    serving = ServingCost(per_prefill_step_s=0.008, per_prefill_done_s=0.010)
     worker = _prefill_worker(serving)
     seq = _remote(worker, 1024, 0)  # two 512-token chunks, each on the floor
     first = worker.start_step(0.0)
-    assert first == pytest.approx(0.022 + 0.012)  # the served floor; not done yet: no per-prompt term
+    assert first == pytest.approx(0.022 + 0.008)  # not done yet: no per-prompt term
     worker.finish_step(first)
     second = worker.start_step(first)
-    assert second == pytest.approx(0.022 + 0.012 + 0.010)  # its last chunk: the prompt is done
+    assert second == pytest.approx(0.022 + 0.008 + 0.010)  # its last chunk: the prompt is done
     outcome = worker.finish_step(first + second)
     assert [job.seq for job in outcome.prefilled] == [seq]
     assert (seq.prefill_started_at, seq.prefilled_at) == (0.0, pytest.approx(first + second))
-
-
-def test_a_step_long_enough_to_keep_the_gpu_busy_hides_the_served_floor() -> None:
-    worker = _prefill_worker(ServingCost(prefill_floor_s=0.012))
-    for label in range(4):
-        _remote(worker, 512, label)
-    assert worker.start_step(0.0) == pytest.approx(FLOORED.prefill_s(2048))  # 64.5 ms: above 34 ms
-    assert ServingCost().served(FLOORED) is FLOORED
-    assert ServingCost(prefill_floor_s=0.012).served(FLOORED).prefill_floor_s == pytest.approx(0.034)
 
 
 def test_chunks_of_several_prompts_share_one_step_at_the_line_not_one_floor_each() -> None:

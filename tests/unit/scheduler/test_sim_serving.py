@@ -43,7 +43,7 @@ def test_a_decode_step_costs_the_profile_plus_the_serving_cost_per_step_and_sequ
 
 
 def test_an_idle_step_costs_nothing_and_negative_costs_are_refused() -> None:
-    assert ServingCost(0.001, 1e-4).step_s(0, 0) == 0.0
+    assert ServingCost(0.001, 1e-4).step_s(0, 0, prefill=False) == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         ServingCost(per_seq_s=-1e-6)
 
