@@ -40,3 +40,12 @@ def test_data_on_a_line_get_no_floor() -> None:
     fit = fit_prefill(points, [line.prefill_s(n) for n in SIZES])
     assert fit.floor_s == 0.0
     assert fit.coefficients == pytest.approx((0.004, 3e-5, 2e-9), rel=1e-6)
+
+
+def test_the_report_prints_the_floor_only_when_there_is_one() -> None:
+    from services.profiler.report import _coefficient_lines
+
+    fit = fit_prefill([PrefillPoint(n, 0) for n in SIZES], [0.01] * len(SIZES))
+    floored = WorkerProfile(prefill_fixed_s=0.001, prefill_per_token_s=3e-5, prefill_floor_s=0.022)
+    assert _coefficient_lines(floored, fit, fit)[0].startswith("prefill step = max(22 ms, 1 ms + 30 us/token")
+    assert _coefficient_lines(WorkerProfile(), fit, fit)[0].startswith("prefill step = 10 ms + ")
