@@ -88,12 +88,13 @@ def fit_prefill(points: Sequence[PrefillPoint], seconds: Sequence[float]) -> Lin
 
 
 def _floor_then_line(points: Sequence[PrefillPoint], seconds: Sequence[float], knee: int) -> LinearFit | None:
-    """Points of <= `knee` new tokens on a floor, the line fitted to the others; None when no point
-    lies above the knee or fewer than two sizes below it (a floor is a level several sizes share:
-    one point alone would always fit, and a line's first point would pass for a floor)."""
+    """Points of <= `knee` new tokens on a floor, the line fitted to the others; None unless two
+    sizes or more lie on each side (a floor is a level several sizes share, a line needs two sizes
+    to have a slope: one point alone fits anything exactly, and would always win)."""
     low = [y for p, y in zip(points, seconds, strict=True) if p.new_tokens <= knee]
     high = [(p, y) for p, y in zip(points, seconds, strict=True) if p.new_tokens > knee]
-    if not high or len({p.new_tokens for p in points if p.new_tokens <= knee}) < 2:
+    sizes = [len({p.new_tokens for p in points if (p.new_tokens <= knee) == below}) for below in (True, False)]
+    if min(sizes) < 2:
         return None
     floor = sum(1 / y for y in low) / sum(1 / y**2 for y in low)  # minimises sum(((floor - y) / y)**2)
     line = fit_nonnegative([prefill_features(p) for p, _ in high], [y for _, y in high])
