@@ -83,6 +83,9 @@ class PlanConfig:
     # How often workers report to the scheduler: the interval `baton scheduler` tells them by default
     # (scheduler/adapters/servicer.py), so the simulated scheduler decides on equally stale views.
     heartbeat_s: float = 0.2
+    # The profile the simulated scheduler starts from (its transfer cost set to `handoff_s`, as the
+    # workers'); None: the workers' own. layout_replay gives the one the measured run's scheduler had.
+    scheduler_seed: WorkerProfile | None = None
     seed: int = 0
     attainment_target: float = 0.9
     search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
@@ -138,7 +141,11 @@ def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: P
         return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * tp,
                              block_size=config.block_size, max_batch=config.max_batch,
                              max_prefill_tokens=config.max_prefill_tokens, max_prefill_chunk=config.max_prefill_chunk,
-                             cache_blocks=config.kv_blocks_per_gpu * tp, serving=config.serving)
+                             cache_blocks=config.kv_blocks_per_gpu * tp, serving=config.serving,
+                             scheduler_seed=seeded)
+
+    seed = config.scheduler_seed
+    seeded = None if seed is None else replace(seed, transfer_fixed_s=config.handoff_s)
 
     if layout.colocated:
         return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_tp) for i in range(layout.decode_workers)]

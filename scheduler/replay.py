@@ -75,7 +75,8 @@ class _Replay:
         start = min((a.time_s for a in self.trace.values()), default=0.0)
         for index, worker in enumerate(self.workers.values()):
             snapshot, _, _ = worker.heartbeat(start)
-            profile = worker.spec.profile if self.config.seed_profiles else None
+            seed = worker.spec.scheduler_seed or worker.spec.profile
+            profile = seed if self.config.seed_profiles else None
             self.scheduler.register(snapshot, start, profile)
             stagger = self.config.heartbeat_interval_s * index / max(len(self.workers), 1)
             self.push(start + stagger, _Event.HEARTBEAT, worker.worker_id)
@@ -159,23 +160,29 @@ class _Replay:
             max_tokens=max_tokens,
             decode_worker=decision.decode_worker_id,
             prefill_worker=decision.prefill_worker_id,
+            admitted_at=self.now,
         )
         self.sequences[arrival.request_id] = seq
         worker = self.workers[seq.decode_worker]
         worker.admit(seq)
-        self._allocate(worker)
+        if not worker.busy:
+            # The engine takes a request between steps (an engine-thread command: a decode worker's
+            # remote reservation waits for the step in flight, docs/benchmarks.md's hand-off phases);
+            # mid-step, the step's end allocates it (`_on_step_done`).
+            self._allocate(worker)
         self._kick(worker)
 
     def _allocate(self, worker: SimWorker) -> None:
         """Decode-first: a sequence's prefill starts only once its decode worker holds blocks for it."""
         for seq in worker.allocate_waiting():
             prefill = worker if seq.prefill_worker is None else self.workers[seq.prefill_worker]
+            seq.prefill_queued_at = self.now
             prefill.enqueue_prefill(seq)
             self._kick(prefill)
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.busy:
-            seconds = worker.start_step()
+            seconds = worker.start_step(self.now)
             if seconds is not None:
                 self.push(self.now + seconds, _Event.STEP_DONE, worker.worker_id)
 
@@ -207,6 +214,8 @@ class _Replay:
             queued=arrival.request_id in self.queued,
             decode_worker_id=None if seq is None else seq.decode_worker,
             prefill_worker_id=None if seq is None else seq.prefill_worker,
+            prefill_compute_s=_prefill_compute_s(seq),
+            handoff_overhead_s=_handoff_overhead_s(seq),
         )
 
     def result(self, policy_name: str) -> ReplayResult:
@@ -216,6 +225,23 @@ class _Replay:
         start = min((a.time_s for a in self.trace.values()), default=0.0)
         ordered = tuple(self.outcomes[rid] for rid in self.trace)
         return ReplayResult(policy_name, ordered, self.now - start)
+
+
+def _prefill_compute_s(seq: SimSequence | None) -> float | None:
+    if seq is None or seq.prefill_worker is None or seq.prefill_started_at is None or seq.prefilled_at is None:
+        return None
+    return seq.prefilled_at - seq.prefill_started_at
+
+
+def _handoff_overhead_s(seq: SimSequence | None) -> float | None:
+    """Reservation asked -> first token, less the prefill worker's queue and compute: the decode
+    worker's `overhead` phase (RPC, WRITE, notice, commit; here the step-boundary waits and the transfer)."""
+    if _prefill_compute_s(seq) is None:
+        return None
+    assert seq is not None and seq.prefilled_at is not None
+    if seq.admitted_at is None or seq.prefill_queued_at is None or seq.first_token_at is None:
+        return None
+    return (seq.first_token_at - seq.admitted_at) - (seq.prefilled_at - seq.prefill_queued_at)
 
 
 def replay(

@@ -72,14 +72,24 @@ def load_profile(path: Path) -> WorkerProfile:
     return book.by_model.get(ANY_MODEL) or next(iter(book.by_model.values()))
 
 
-def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO) -> dict[str, Any]:
+def run_seed(meta: dict[str, Any]) -> WorkerProfile:
+    """The profile the runs' scheduler was started from (summary.json `scheduler_profile`)."""
+    seeded = meta.get("scheduler_profile")
+    if not seeded:
+        raise ValueError("--run-seed: the outputs' summary.json holds no scheduler_profile")
+    book = ProfileBook.from_data(seeded)
+    return book.by_model.get(ANY_MODEL) or next(iter(book.by_model.values()))
+
+
+def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
+          scheduler_seed: WorkerProfile | None = None) -> dict[str, Any]:
     """Per workload: the planner's ranking, its recommendation and where that stands in the measured one."""
     verdicts: dict[str, Any] = {}
     for workload, entry in summary["workloads"].items():
         gpus = max(g["gpus"] for g in entry["goodput"].values())
         measured = {r["config"]: r for r in entry["ranking"]}
         config = PlanConfig(gpus=gpus, slo=slo, kv_blocks_per_gpu=int(summary.get("num_blocks") or 20480),
-                            max_batch=128, handoff_s=HANDOFF_S)
+                            max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed)
         predicted = plan(trace_from_rows(workload_trace(runs, workload)), {1: profile}, config)
         choice = measured_name(predicted.best.layout)
         at = measured.get(choice)
@@ -112,6 +122,9 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--profile", type=Path, default=None, help="default: the first OUT's profile-8b.json")
     p.add_argument("--slo", type=float, nargs=2, default=None, metavar=("TTFT_MS", "TPOT_MS"))
+    p.add_argument("--run-seed", action="store_true",
+                   help="start the simulated scheduler from the profile the runs' scheduler had (summary.json "
+                        "scheduler_profile), not --profile: the runs' own siting decisions")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -137,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = report.summarize(Path(tmp) / "runs", meta, BenchSLO(slo.ttft_ms, slo.tpot_ms))
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         report.print_tables(summary)
-        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo)
+        seed = run_seed(meta) if args.run_seed else None
+        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed)
         (args.out / "check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
         print_check(verdicts, slo)
         report.plot(Path(tmp) / "runs", args.out, summary)

@@ -34,6 +34,9 @@ from scheduler.planner import Layout, PlanConfig, replay_layout, trace_from_rows
 from scheduler.sim.results import ReplayResult
 from scheduler.types import SLO
 
+PREFILL_COMPUTE = "prefill_compute"  # services/worker/metrics.py HandoffPhase values, as summary.json keys them
+OVERHEAD = "overhead"
+
 
 @dataclass(frozen=True)
 class Side:
@@ -44,6 +47,10 @@ class Side:
     tpot_p90_ms: float | None
     refused: int  # measured: failed requests (503s); simulated: admission rejections
     remote: int | None  # prompts prefilled on a prefill worker; None: not known
+    # Means over remote prefills (None: none, or not kept): the prefill worker's prefill_compute phase
+    # and the decode worker's hand-off overhead phase (services/worker/metrics.py HandoffPhase).
+    prefill_compute_ms: float | None = None
+    overhead_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -62,19 +69,28 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values) * 1e3, q)) if values else None
 
 
-def measured_side(records: Sequence[RequestRecord], slo: SLO, remote: int | None) -> Side:
+def measured_side(records: Sequence[RequestRecord], slo: SLO, remote: int | None,
+                  phases: dict[str, float] | None = None) -> Side:
+    """`phases`: mean ms of the hand-off phases (`measured_phase_mean`) by name."""
     ttft = [r.ttft for r in records if r.ok and r.ttft is not None]
     tpot = [t for r in records if (t := request_tpot(r)) is not None]
     met = sum(BenchSLO(slo.ttft_ms, slo.tpot_ms).met(r) for r in records)
+    phases = phases or {}
     return Side(met / len(records), _pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90),
-                sum(not r.ok for r in records), remote)
+                sum(not r.ok for r in records), remote, phases.get(PREFILL_COMPUTE), phases.get(OVERHEAD))
 
 
 def simulated_side(result: ReplayResult) -> Side:
     ttft = [o.ttft_s for o in result.outcomes if o.ttft_s is not None]
     tpot = [o.tpot_s for o in result.outcomes if o.tpot_s is not None]
+    compute = [o.prefill_compute_s for o in result.outcomes if o.prefill_compute_s is not None]
+    overhead = [o.handoff_overhead_s for o in result.outcomes if o.handoff_overhead_s is not None]
     return Side(result.goodput, _pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90), result.rejected,
-                sum(o.prefill_worker_id is not None for o in result.outcomes))
+                sum(o.prefill_worker_id is not None for o in result.outcomes), _mean_ms(compute), _mean_ms(overhead))
+
+
+def _mean_ms(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) * 1e3 if values else None
 
 
 def measured_remote(meta: dict[str, Any], run: str) -> int | None:
@@ -87,19 +103,40 @@ def measured_remote(meta: dict[str, Any], run: str) -> int | None:
     return None
 
 
-def compare_run(path: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> Row:
+def replay_run(path: Path, profile: WorkerProfile, config: PlanConfig) -> tuple[list[RequestRecord], ReplayResult]:
+    """A measured run's records, and its own request stream replayed on its layout."""
     records = [r for run in load_result(path).runs for r in run.records]
     rows = [{"time_s": r.send_time, "prompt_tokens": r.prompt_tokens or r.prompt_len, "output_tokens": r.max_tokens}
             for r in records]
     layout = planner_layout(path.stem.split("__")[0])
-    result = replay_layout(trace_from_rows(rows, config.block_size), layout, {1: profile}, config)
-    return Row(path.stem, measured_side(records, config.slo, measured_remote(meta, path.stem)), simulated_side(result))
+    return records, replay_layout(trace_from_rows(rows, config.block_size), layout, {1: profile}, config)
+
+
+def measured_phase_mean(meta: dict[str, Any], run: str, phase: str) -> tuple[int, float] | None:
+    """(count, mean ms) of one hand-off phase over a run's workers, count-weighted (None: not kept)."""
+    for config in (meta.get("configurations") or {}).values():
+        for entry in config.get("runs", []):
+            if entry.get("run") != run:
+                continue
+            found = [p[phase] for p in (entry.get("handoff_phases") or {}).values() if p.get(phase, {}).get("count")]
+            count = sum(int(p["count"]) for p in found)
+            if count:
+                return count, sum(p["count"] * p["mean_ms"] for p in found) / count
+    return None
+
+
+def compare_run(path: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> Row:
+    records, result = replay_run(path, profile, config)
+    phases = {name: found[1] for name in (PREFILL_COMPUTE, OVERHEAD)
+              if (found := measured_phase_mean(meta, path.stem, name)) is not None}
+    measured = measured_side(records, config.slo, measured_remote(meta, path.stem), phases)
+    return Row(path.stem, measured, simulated_side(result))
 
 
 def print_rows(rows: Sequence[Row], slo: SLO) -> None:
     print(f"TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms; each cell measured / simulated")
     print(f"{'run':26} {'attainment':>12} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'TPOT p50 ms':>12} "
-          f"{'TPOT p90 ms':>12} {'refused':>9} {'remote':>9}")
+          f"{'TPOT p90 ms':>12} {'refused':>9} {'remote':>9} {'compute ms':>11} {'overhead ms':>11}")
     for r in rows:
         m, s = r.measured, r.simulated
         cells = [f"{m.attainment:.2f}/{s.attainment:.2f}"]
@@ -107,7 +144,10 @@ def print_rows(rows: Sequence[Row], slo: SLO) -> None:
                      (m.tpot_p90_ms, s.tpot_p90_ms)):
             cells.append(f"{_num(a)}/{_num(b)}")
         cells += [f"{m.refused}/{s.refused}", f"{'-' if m.remote is None else m.remote}/{s.remote}"]
-        print(f"{r.run:26} " + " ".join(f"{c:>12}" for c in cells[:5]) + " " + " ".join(f"{c:>9}" for c in cells[5:]))
+        phases = [f"{_num(a)}/{_num(b)}" for a, b in ((m.prefill_compute_ms, s.prefill_compute_ms),
+                                                       (m.overhead_ms, s.overhead_ms))]
+        print(f"{r.run:26} " + " ".join(f"{c:>12}" for c in cells[:5]) + " " + " ".join(f"{c:>9}" for c in cells[5:])
+              + " " + " ".join(f"{c:>11}" for c in phases))
 
 
 def _num(value: float | None) -> str:
@@ -120,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
         config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
-                            handoff_s=layout_check.HANDOFF_S)
+                            handoff_s=layout_check.HANDOFF_S,
+                            scheduler_seed=layout_check.run_seed(meta) if args.run_seed else None)
         rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
                 for path in sorted((Path(tmp) / "runs").glob("*.json"))]
     (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")

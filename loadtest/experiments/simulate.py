@@ -128,9 +128,9 @@ def tier_slos(tap: Mapping[str, Any], default: SLO) -> dict[Tier, SLO]:
 class MirroredSimWorker(SimWorker):
     """A simulated `both` worker that reports like the real one (see the module docstring)."""
 
-    def start_step(self) -> float | None:
+    def start_step(self, now: float) -> float | None:
         before = len(self._samples)
-        seconds = super().start_step()
+        seconds = super().start_step(now)
         new = self._samples[before:]
         if seconds is not None and len(new) == 2:  # a mixed step: both samples carry the whole step
             self._samples[before:] = [replace(s, seconds=seconds) for s in new

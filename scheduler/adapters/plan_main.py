@@ -57,6 +57,11 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                         "docs/benchmarks.md; fit your own with loadtest/experiments/serving_cost.py)")
     p.add_argument("--serving-seq-us", type=float, default=serving.per_seq_s * 1e6,
                    help="the same, per sequence in the step")
+    p.add_argument("--serving-prefill-step-ms", type=float, default=serving.per_prefill_step_s * 1e3,
+                   help="the same, added to a step that carries prefill tokens (default: measured on 4xH100; "
+                        "fit your own with loadtest/experiments/prefill_serving_cost.py)")
+    p.add_argument("--serving-prefill-done-ms", type=float, default=serving.per_prefill_done_s * 1e3,
+                   help="the same, per prompt whose prefill ends in the step")
     p.add_argument("--kv-blocks-per-gpu", type=int, default=PlanConfig.kv_blocks_per_gpu)
     p.add_argument("--block-size", type=int, default=PlanConfig.block_size)
     p.add_argument("--max-batch", type=int, default=PlanConfig.max_batch, help="max_num_seqs per worker")
@@ -73,7 +78,9 @@ def run_plan(args: argparse.Namespace) -> int:
             gpus=args.gpus, slo=SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms),
             kv_blocks_per_gpu=args.kv_blocks_per_gpu, block_size=args.block_size, max_batch=args.max_batch,
             handoff_s=args.handoff_ms / 1e3, seed=args.seed, attainment_target=args.attainment,
-            serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6),
+            serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
+                                per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
+                                per_prefill_done_s=args.serving_prefill_done_ms / 1e3),
             search_rate=not args.no_search,
         )
         result = plan(_trace(args), profiles, config)

@@ -1,6 +1,6 @@
 """Per-worker step-time model, seeded from a profile and refitted online from reported samples.
 
-prefill step  = a + b*tokens + c*attention      (attention = tokens**2 for one uncached prompt)
+prefill step  = max(floor, a + b*tokens + c*attention)   (attention = tokens**2 for one uncached prompt)
 decode step   = d + e*batch  + f*context_tokens (memory-bound: weights once, KV per context token)
 KV transfer   = g + h*tokens                    (not fitted yet: workers report no transfer samples)
 
@@ -16,6 +16,13 @@ fit never left the default profile. The default weight is a tenth of a sample: a
 (the default one on a CPU is off 10-100x) is one pseudo-sample with a huge error, and a whole
 sample of it still biased poorly separable terms (fixed vs per-token over prompts of 32-512
 tokens) by 30% after 300 real samples.
+The prefill floor: an eager prefill forward costs the same up to a few hundred tokens (the launches
+of every layer's kernels bound it, not the GPU: on the 4xH100 profile of docs/benchmarks.md, 16 to 512
+tokens all took ~22 ms, then 1024 took 32.7 and 2048 took 64.4), so one line through all sizes is too
+dear for small steps and too cheap for large ones. `baton profile` fits the floor with the line
+(services/profiler/fit.py); the floor is not refitted online, and samples at or under it carry
+nothing about the line above it, so they are not fitted (`CostModel.observe`). A profile without a
+floor (older files) has floor 0: the plain line, as before.
 Pure Python: the systems are 3x3.
 """
 
@@ -50,6 +57,7 @@ class WorkerProfile:
     decode_per_context_token_s: float = 5e-8
     transfer_fixed_s: float = 0.002
     transfer_per_token_s: float = 2e-6
+    prefill_floor_s: float = 0.0  # no prefill step is cheaper (see the module docstring); 0: none
 
     def __post_init__(self) -> None:
         negative = [f.name for f in fields(self) if getattr(self, f.name) < 0]
@@ -76,12 +84,16 @@ class WorkerProfile:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        attention = new_tokens * (new_tokens + 2 * cached_tokens)
-        return (
-            self.prefill_fixed_s
-            + self.prefill_per_token_s * new_tokens
-            + self.prefill_per_token_sq_s * attention
-        )
+        return self.prefill_step_s(new_tokens, new_tokens * (new_tokens + 2 * cached_tokens))
+
+    def prefill_step_s(self, tokens: int, attention: int) -> float:
+        """One prefill step of `tokens` new tokens whose attention terms sum to `attention` (several
+        prompts' chunks may share it: each adds new * (new + 2 * cached))."""
+        return max(self.prefill_floor_s, self.prefill_line_s(tokens, attention))
+
+    def prefill_line_s(self, tokens: int, attention: int) -> float:
+        """The line above the floor."""
+        return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token_sq_s * attention
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return (
@@ -253,9 +265,16 @@ class CostModel:
         if isinstance(sample, PrefillSample):
             attention = sample.attention_tokens_sq
             sq = sample.tokens**2 if attention is None else attention
+            if self._at_floor(sample.tokens, sq):
+                return  # the floor's time says nothing about the line above it
             self._prefill.add((1.0, float(sample.tokens), float(sq)), sample.seconds)
         elif isinstance(sample, DecodeSample):
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
+
+    def _at_floor(self, tokens: int, attention: int) -> bool:
+        """A step of this size that the profile puts on its floor (never, without a floor)."""
+        p = self._profile
+        return p.prefill_floor_s > 0 and p.prefill_line_s(tokens, attention) <= p.prefill_floor_s
 
     @property
     def num_samples(self) -> int:
@@ -274,11 +293,13 @@ class CostModel:
             decode_per_context_token_s=f,
             transfer_fixed_s=self._profile.transfer_fixed_s,
             transfer_per_token_s=self._profile.transfer_per_token_s,
+            prefill_floor_s=self._profile.prefill_floor_s,
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         a, b, c = self._prefill.coefficients
-        return max(_MIN_STEP_S, a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens))
+        line = a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
+        return max(_MIN_STEP_S, self._profile.prefill_floor_s, line)
 
     def prefill_marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """A prefill's cost inside a step that runs anyway (chunked into a decode step): no fixed part."""
@@ -286,12 +307,14 @@ class CostModel:
         return b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
 
     def prefill_backlog_s(self, queued_tokens: int, queued_requests: int) -> float:
-        """Time to drain a prefill queue whose per-prompt sizes are unknown (assumed equal)."""
+        """Time to drain a prefill queue whose per-prompt sizes are unknown (assumed equal), each
+        prompt no cheaper than the floor."""
         if queued_tokens <= 0:
             return 0.0
         a, b, c = self._prefill.coefficients
         requests = max(queued_requests, 1)
-        return a * requests + b * queued_tokens + c * queued_tokens**2 / requests
+        per_prompt = queued_tokens / requests
+        return requests * max(self._profile.prefill_floor_s, a + b * per_prompt + c * per_prompt**2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         d, e, f = self._decode.coefficients

@@ -22,6 +22,10 @@ class RequestOutcome:
     queued: bool  # waited in the scheduler's admission queue at some point
     decode_worker_id: str | None
     prefill_worker_id: str | None  # None with a decode worker: prefilled locally
+    # A remote prefill's first chunk scheduled -> its last chunk done (the prefill worker's
+    # prefill_compute phase); None for local prefills and unserved requests.
+    prefill_compute_s: float | None = None
+    handoff_overhead_s: float | None = None  # a remote prefill's decode-side `overhead` phase (replay.py)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ def slower(profile: WorkerProfile, factor: float) -> WorkerProfile:
         prefill_fixed_s=profile.prefill_fixed_s * factor,
         prefill_per_token_s=profile.prefill_per_token_s * factor,
         prefill_per_token_sq_s=profile.prefill_per_token_sq_s * factor,
+        prefill_floor_s=profile.prefill_floor_s * factor,
         decode_fixed_s=profile.decode_fixed_s * factor,
         decode_per_seq_s=profile.decode_per_seq_s * factor,
         decode_per_context_token_s=profile.decode_per_context_token_s * factor,

@@ -9,6 +9,21 @@ steps only, no prefill on it) spent, over the profile's decode step, 1.24 ms + 1
 excess does not grow with context, only with the batch). A simulator without this term had
 every step up to ~2x too short at 128 sequences, so decode-bound layouts looked twice as
 roomy as served. `loadtest/experiments/serving_cost.py` fits both terms from a run.
+
+Prefill costs more again when served: on the same runs the prefill workers' `prefill_compute` phase
+(first chunk scheduled -> first token) was ~2x the profile's steps for short prompts at no queue
+(ShareGPT: 41-48 ms p50 for one ~22 ms step) and ~1.5x for 2k prompts (147 ms mean for four 512-token
+chunks). One term per step cannot give both (the runs alone ask for 19 and 12 ms), so there are two:
+per step that carries prefill tokens (`per_prefill_step_s`) and per prompt whose last chunk is in the
+step (`per_prefill_done_s`: its first token is sampled and its blocks handed over). Both are fitted
+by replaying the measured runs (`loadtest/experiments/prefill_serving_cost.py`). Where the time goes
+inside the worker was not measured (no per-step records on the prefill workers).
+
+Tried and not kept: the per-step part as a higher prefill floor instead (hidden behind steps long
+enough to keep the GPU busy, as kernel-launch CPU time would be). Fitted the same way (floor +11.8
+ms, +7.8 ms per prompt), it followed the loaded runs' `prefill_compute` better (mean |error| 8 vs
+21 ms) but their attainment and TTFT worse (mean |error| 0.089 vs 0.072, TTFT p50 101 vs 74 ms),
+and it put a saturated prefill worker at ~13.6 2k-prompts/s where 2P2D at 36 req/s measured <= 12.4.
 """
 
 from __future__ import annotations
@@ -20,15 +35,23 @@ from dataclasses import dataclass
 class ServingCost:
     per_step_s: float = 0.0  # every step
     per_seq_s: float = 0.0  # per sequence in the step (decoding, or a prefill chunk that samples)
+    per_prefill_step_s: float = 0.0  # on top, for a step that carries prefill tokens
+    per_prefill_done_s: float = 0.0  # on top, per prompt whose prefill ends in the step
 
     def __post_init__(self) -> None:
-        if self.per_step_s < 0 or self.per_seq_s < 0:
+        if min(self.per_step_s, self.per_seq_s, self.per_prefill_step_s, self.per_prefill_done_s) < 0:
             raise ValueError(f"serving costs must be non-negative, got {self}")
 
-    def step_s(self, sequences: int) -> float:
-        return self.per_step_s + self.per_seq_s * sequences if sequences > 0 else 0.0
+    def step_s(self, decoding: int, prompts_done: int, prefill: bool) -> float:
+        """A step of `decoding` sequences that finishes `prompts_done` prefills (both sample a token);
+        `prefill`: it carries prefill tokens."""
+        sequences = decoding + prompts_done
+        base = self.per_step_s + self.per_seq_s * sequences if sequences > 0 else 0.0
+        return base + (self.per_prefill_step_s if prefill else 0.0) + self.per_prefill_done_s * prompts_done
 
 
 NONE = ServingCost()
-# The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1): see the module docstring.
-MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6)
+# The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1): see the module docstring. The
+# prefill terms were fitted against that run's profile refitted with its floor (21.9 ms up to ~680
+# tokens, then 1.04 ms + 30.9 us/token); against a floorless profile they would be different.
+MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.7e-3, per_prefill_done_s=10.9e-3)

@@ -54,6 +54,9 @@ class SimWorkerSpec:
     # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
     # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
     serving: ServingCost = NONE
+    # The profile the scheduler starts from, when not `profile` (replaying a run whose scheduler was
+    # seeded with another one: its siting decisions then follow that run's). None: `profile`.
+    scheduler_seed: WorkerProfile | None = None
 
 
 @dataclass(eq=False)
@@ -69,6 +72,10 @@ class SimSequence:
     generated: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
+    admitted_at: float | None = None  # sent to its decode worker (a remote one: the reservation asked)
+    prefill_queued_at: float | None = None  # blocks held: its prefill queued
+    prefill_started_at: float | None = None  # its first prefill chunk's step began
+    prefilled_at: float | None = None  # its last prefill chunk's step ended
 
     @property
     def context(self) -> int:
@@ -183,21 +190,21 @@ class SimWorker:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    def start_step(self) -> float | None:
+    def start_step(self, now: float) -> float | None:
         """Plan one step from the queues; returns its duration, or None when there is nothing to do."""
         assert self._step is None, "a worker runs one step at a time"
         decoding = list(self._running)
         jobs = self._take_prefill_slices(len(decoding))
         if not jobs and not decoding:
             return None
+        for job, _ in jobs:
+            if job.seq.prefill_started_at is None:
+                job.seq.prefill_started_at = now
         seconds = 0.0
         if jobs:
             tokens = sum(t for _, t in jobs)
             attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
-            profile = self.spec.profile
-            truth = profile.prefill_fixed_s + profile.prefill_per_token_s * tokens
-            truth += profile.prefill_per_token_sq_s * attention
-            prefill_s = truth * self._jitter()
+            prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter()
             self._samples.append(PrefillSample(tokens, prefill_s, attention))
             seconds += prefill_s
         if decoding:
@@ -205,8 +212,8 @@ class SimWorker:
             decode_s = self.spec.profile.decode_step_s(len(decoding), context) * self._jitter()
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
-        sequences = len(decoding) + sum(1 for j, t in jobs if t >= j.remaining)  # those that sample
-        seconds += self.spec.serving.step_s(sequences) * self._jitter()
+        prompts_done = sum(1 for j, t in jobs if t >= j.remaining)  # their first token is sampled now
+        seconds += self.spec.serving.step_s(len(decoding), prompts_done, prefill=bool(jobs)) * self._jitter()
         self._step = (jobs, decoding)
         return seconds
 
@@ -225,6 +232,7 @@ class SimWorker:
             job.done_tokens += tokens
             if job.remaining > 0:
                 continue
+            job.seq.prefilled_at = now
             if self.spec.max_prefill_chunk is not None:
                 self._prefill_queue.remove(job)
             self.cache.store(job.seq.arrival.prefix_hashes)

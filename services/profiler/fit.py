@@ -6,6 +6,11 @@ tightest) off by a factor. Each row is divided by its measured time, so the fit 
 squared relative errors. A bonus on a shared host: a step slowed 10x by a neighbour adds at most 1
 to the loss (its prediction cannot go below 0), so it pulls the fit far less than in an absolute fit.
 
+Prefill has a floor (scheduler/core/cost_model.py): an eager forward costs the same up to a few
+hundred tokens, then grows along a line. `fit_prefill` tries each prompt size as the last one on the
+floor (the floor: those points' relative-least-squares level; the line: the fit to the rest) and
+keeps the split, or no floor, with the smallest loss over all points, so the data place the knee.
+
 Non-negative: every coefficient is a cost. A negative fixed cost fitted from noise would make short
 steps look free and draw every request to this worker (the online refit clamps the same way).
 
@@ -36,6 +41,7 @@ OUTLIER = 0.5
 class LinearFit:
     coefficients: tuple[float, ...]  # >= 0, one per feature
     relative_errors: tuple[float, ...]  # (predicted - measured) / measured, one per point
+    floor_s: float = 0.0  # predicted = max(floor_s, features . coefficients); 0: the plain line
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,33 @@ def decode_features(p: DecodePoint) -> tuple[float, float, float]:
 
 
 def fit_prefill(points: Sequence[PrefillPoint], seconds: Sequence[float]) -> LinearFit:
-    return fit_nonnegative([prefill_features(p) for p in points], seconds)
+    """The line alone, or a floor up to some prompt size and the line above it: the smaller loss."""
+    best = fit_nonnegative([prefill_features(p) for p in points], seconds)
+    for knee in sorted({p.new_tokens for p in points})[:-1]:
+        split = _floor_then_line(points, seconds, knee)
+        if split is not None and _loss(split) < _loss(best):
+            best = split
+    return best
+
+
+def _floor_then_line(points: Sequence[PrefillPoint], seconds: Sequence[float], knee: int) -> LinearFit | None:
+    """Points of <= `knee` new tokens on a floor, the line fitted to the others; None unless two
+    sizes or more lie on each side (a floor is a level several sizes share, a line needs two sizes
+    to have a slope: one point alone fits anything exactly, and would always win)."""
+    low = [y for p, y in zip(points, seconds, strict=True) if p.new_tokens <= knee]
+    high = [(p, y) for p, y in zip(points, seconds, strict=True) if p.new_tokens > knee]
+    sizes = [len({p.new_tokens for p in points if (p.new_tokens <= knee) == below}) for below in (True, False)]
+    if min(sizes) < 2:
+        return None
+    floor = sum(1 / y for y in low) / sum(1 / y**2 for y in low)  # minimises sum(((floor - y) / y)**2)
+    line = fit_nonnegative([prefill_features(p) for p, _ in high], [y for _, y in high])
+    predicted = [max(floor, _dot(prefill_features(p), line.coefficients)) for p in points]
+    errors = tuple(f / y - 1.0 for f, y in zip(predicted, seconds, strict=True))
+    return LinearFit(line.coefficients, errors, floor)
+
+
+def _loss(fit: LinearFit) -> float:
+    return sum(e * e for e in fit.relative_errors)
 
 
 def fit_decode(points: Sequence[DecodePoint], seconds: Sequence[float]) -> LinearFit:
@@ -87,7 +119,7 @@ def build_profile(prefill: LinearFit, decode: LinearFit, transfer_fixed_s: float
     d, e, f = decode.coefficients
     default = WorkerProfile()
     return WorkerProfile(
-        prefill_fixed_s=a, prefill_per_token_s=b, prefill_per_token_sq_s=c,
+        prefill_fixed_s=a, prefill_per_token_s=b, prefill_per_token_sq_s=c, prefill_floor_s=prefill.floor_s,
         decode_fixed_s=d, decode_per_seq_s=e, decode_per_context_token_s=f,
         transfer_fixed_s=default.transfer_fixed_s if transfer_fixed_s is None else transfer_fixed_s,
         transfer_per_token_s=default.transfer_per_token_s if transfer_per_token_s is None else transfer_per_token_s,

@@ -41,8 +41,9 @@ def describe(point: PrefillPoint | DecodePoint) -> str:
 
 def _coefficient_lines(p: WorkerProfile, prefill: LinearFit, decode: LinearFit) -> list[str]:
     return [
-        f"prefill step = {_time(p.prefill_fixed_s)} + {_time(p.prefill_per_token_s)}/token"
-        f" + {_time(p.prefill_per_token_sq_s)} * new*(new+2*cached)   (worst error {_worst(prefill):.1%})",
+        f"prefill step = {_floor(p)}{_time(p.prefill_fixed_s)} + {_time(p.prefill_per_token_s)}/token"
+        f" + {_time(p.prefill_per_token_sq_s)} * new*(new+2*cached){')' if p.prefill_floor_s else ''}"
+        f"   (worst error {_worst(prefill):.1%})",
         f"decode step  = {_time(p.decode_fixed_s)} + {_time(p.decode_per_seq_s)}/seq"
         f" + {_time(p.decode_per_context_token_s)}/context token   (worst error {_worst(decode):.1%})",
         f"kv transfer  = {_time(p.transfer_fixed_s)} + {_time(p.transfer_per_token_s)}/token"
@@ -59,6 +60,10 @@ def measurements_json(measured: Measurements, prefill: LinearFit, decode: Linear
                    for (d, s), e in zip(measured.decode, decode.relative_errors, strict=True)],
         "skipped": [describe(p) for p in measured.skipped],
     }
+
+
+def _floor(p: WorkerProfile) -> str:
+    return f"max({_time(p.prefill_floor_s)}, " if p.prefill_floor_s else ""
 
 
 def _time(seconds: float) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loadtest.experiments.layout_check import run_seed
 from loadtest.experiments.layout_replay import measured_remote, measured_side, planner_layout
 from loadtest.records import RequestRecord
 from scheduler.planner import Layout
@@ -38,3 +39,10 @@ def test_remote_prefills_are_the_decode_workers_hand_offs_of_that_run() -> None:
             "prefill-gpu0": {"prefill_compute": {"count": 29}}}}]}}}
     assert measured_remote(meta, "2p2d__random__r12") == 73
     assert measured_remote(meta, "2p2d__random__r24") is None
+
+
+def test_the_runs_own_scheduler_seed_is_read_from_their_summary() -> None:
+    meta = {"scheduler_profile": {"Llama-3.1-8B-dummy": {"prefill_fixed_s": 0.0193, "decode_fixed_s": 0.0087}}}
+    assert run_seed(meta).prefill_fixed_s == 0.0193
+    with pytest.raises(ValueError, match="no scheduler_profile"):
+        run_seed({})

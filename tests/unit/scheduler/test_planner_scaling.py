@@ -54,7 +54,7 @@ def _prefill_seconds(chunk: int | None, prompt: int = 2048) -> tuple[int, float]
         worker.enqueue_prefill(ready)
     steps, seconds, now = 0, 0.0, 0.0
     while seq.first_token_at is None:
-        duration = worker.start_step()
+        duration = worker.start_step(0.0)
         assert duration is not None
         steps, seconds, now = steps + 1, seconds + duration, now + duration
         worker.finish_step(now)

@@ -83,3 +83,14 @@ def test_conversation_followups_reuse_their_prefix_hashes() -> None:
     turns = next(t for t in by_conversation.values() if len(t) >= 2)
     earlier, later = turns[0].prefix_hashes, turns[1].prefix_hashes
     assert later[: len(earlier)] == earlier
+
+
+def test_a_remote_reservation_waits_for_the_decode_step_in_flight() -> None:
+    workers = [SimWorkerSpec("p", WorkerRole.PREFILL, PROFILE), SimWorkerSpec("d", WorkerRole.DECODE, PROFILE)]
+    trace = [*one_request(), Arrival(1.13, "r1", 1000, 11, extend_chain((), 1000 // 16, 1), Tier.FREE)]
+    result = replay(trace, workers, "round_robin", SLO(ttft_ms=500, tpot_ms=50), EXACT)
+    first, second = sorted(result.outcomes, key=lambda o: o.request_id)
+    assert first.prefill_compute_s == second.prefill_compute_s == pytest.approx(0.11)  # the prefill phase alone
+    # r0 decodes in 20-ms steps from 1.125. r1 arrives mid-step: its blocks are reserved (and its prefill
+    # starts) at 1.145, its KV lands at 1.27 mid-step and is committed at 1.285.
+    assert second.ttft_s == pytest.approx(1.285 - 1.13)

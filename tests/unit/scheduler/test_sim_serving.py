@@ -4,6 +4,7 @@ planner's use of it, and its fit from a run's token gaps (loadtest/experiments/s
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -28,7 +29,7 @@ def _decode_step_s(batch: int, serving: ServingCost) -> float:
         worker.admit(seq)
         worker.allocate_waiting()
         worker.join(seq, 0.0)
-    duration = worker.start_step()
+    duration = worker.start_step(0.0)
     assert duration is not None
     return duration
 
@@ -42,7 +43,7 @@ def test_a_decode_step_costs_the_profile_plus_the_serving_cost_per_step_and_sequ
 
 
 def test_an_idle_step_costs_nothing_and_negative_costs_are_refused() -> None:
-    assert ServingCost(0.001, 1e-4).step_s(0) == 0.0
+    assert ServingCost(0.001, 1e-4).step_s(0, 0, prefill=False) == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         ServingCost(per_seq_s=-1e-6)
 
@@ -113,8 +114,17 @@ def test_remote_kv_landing_mid_step_is_committed_when_the_step_ends() -> None:
 
     first, second = remote(0), remote(1)
     assert worker.land(first, 0.0) is None and first.first_token_at == 0.0  # idle: committed at once
-    step = worker.start_step()
+    step = worker.start_step(0.0)
     assert step is not None
     assert worker.land(second, step / 2) is None and second.first_token_at is None  # mid-step: waits
     worker.finish_step(step)
     assert second.first_token_at == step
+
+
+def test_the_simulated_scheduler_can_start_from_another_profile_than_the_workers_truth() -> None:
+    seed = WorkerProfile(prefill_fixed_s=0.019)
+    config = PlanConfig(gpus=2, slo=SLO(500, 50), handoff_s=0.011, scheduler_seed=seed)
+    specs = workers_for(Layout(1, 1), {1: PROFILE}, config)
+    assert all(s.scheduler_seed == replace(seed, transfer_fixed_s=0.011) for s in specs)
+    assert all(s.profile.prefill_fixed_s == PROFILE.prefill_fixed_s for s in specs)
+    assert all(s.scheduler_seed is None for s in workers_for(Layout(1, 1), {1: PROFILE}, PlanConfig(2, SLO(500, 50))))
