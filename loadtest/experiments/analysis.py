@@ -18,13 +18,14 @@ from typing import Any
 from loadtest.experiments.simulate import (
     FittedWorker,
     SimRun,
-    fit_worker,
+    fit_workers,
     pooled_steps,
     simulate,
     tier_slos,
     trace_from_tap,
     worker_specs,
 )
+from loadtest.metrics import distribution_ms, latency_samples
 from loadtest.report import load_result
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.types import SLO
@@ -42,13 +43,17 @@ class RealRun:
     fallbacks: int
     seed_profile: WorkerProfile | None  # what the real scheduler's cost models started from (None: default)
     load_avg: float | None  # mean 1-minute load average while the benchmark ran (machine-wide)
+    latencies: dict[str, list[float]]  # "ttft" / "tpot" -> seconds, every bench's requests together
 
 
 def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
-    benches, tiers = {}, {}
+    benches, tiers, latencies = {}, {}, {"ttft": [], "tpot": []}
     for spec in experiment.benches:
-        benches[spec.label] = load_result(run_dir / f"{spec.label}.json").summaries()[0]
+        result = load_result(run_dir / f"{spec.label}.json")
+        benches[spec.label] = result.summaries()[0]
         tiers[spec.label] = spec.tier
+        for kind, values in latency_samples(result.runs[0].records).items():
+            latencies.setdefault(kind, []).extend(values)
     tap = json.loads((run_dir / "scheduler_tap.json").read_text())
     fallbacks_file = run_dir / "gateway_fallbacks.txt"
     fallbacks = int(fallbacks_file.read_text()) if fallbacks_file.exists() else -1
@@ -57,7 +62,7 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     loads = run_dir / "loadavg.txt"
     samples = [float(line.split()[0]) for line in loads.read_text().splitlines()] if loads.exists() else []
     load_avg = statistics.fmean(samples) if samples else None
-    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg)
+    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg, latencies)
 
 
 def scheduler_decisions(tap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
@@ -81,6 +86,9 @@ def _real_row(run: RealRun) -> dict[str, Any]:
     good = sum(s["good_requests"] for s in run.benches.values())
     total = sum(s["num_requests"] for s in run.benches.values())
     first = next(iter(run.benches.values()))
+    # Over every bench's requests together, as the simulator's are (with two benches, e.g. exp3's two
+    # tiers, the first bench's p90 alone compared one tier's real TTFT with both tiers' simulated).
+    ttft_p90, tpot_p90 = (distribution_ms(run.latencies[k])["p90"] for k in ("ttft", "tpot"))
     by_tier = {run.tiers[label]: {"goodput_fraction": s["goodput_fraction"], "goodput_rps": s["goodput"],
                                   "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p50_ms": s["ttft_ms"]["p50"],
                                   "tpot_p90_ms": s["tpot_ms"]["p90"], "requests": s["num_requests"],
@@ -88,7 +96,7 @@ def _real_row(run: RealRun) -> dict[str, Any]:
                for label, s in run.benches.items()}
     return {"goodput_fraction": good / total if total else 0.0, "good": good, "requests": total,
             "goodput_rps": sum(s["goodput"] for s in run.benches.values()),
-            "ttft_p90_ms": first["ttft_ms"]["p90"], "tpot_p90_ms": first["tpot_ms"]["p90"],
+            "ttft_p90_ms": ttft_p90, "tpot_p90_ms": tpot_p90,
             "prefix_hit_rate": first["prefix_cache"]["hit_rate"], "by_tier": by_tier,
             "errors": {k: v for s in run.benches.values() for k, v in s["errors"].items()},
             "placements": real_placements(run.tap), "decisions": scheduler_decisions(run.tap),
@@ -128,13 +136,13 @@ def _simulate_run(run: RealRun, fitted: Mapping[str, FittedWorker], max_num_seqs
 def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
-    fitted = {wid: fit_worker(steps) for wid, steps in pooled_steps([r.tap for r in runs]).items()}
+    fitted = fit_workers(pooled_steps([r.tap for r in runs]))
     rows = {}
     for run in runs:
         real, sim = _real_row(run), _simulate_run(run, fitted, max_num_seqs)
         # The same replay with profiles fitted to this run's samples alone: it carries the background
         # load of that run, so the gap between the two errors is how much the load drifted.
-        own = {wid: fit_worker(steps) for wid, steps in pooled_steps([run.tap]).items()}
+        own = fit_workers(pooled_steps([run.tap]))
         own_sim = _simulate_run(run, own, max_num_seqs)
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
                            "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
