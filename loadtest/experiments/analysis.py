@@ -47,7 +47,8 @@ class RealRun:
 
 
 def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
-    benches, tiers, latencies = {}, {}, {"ttft": [], "tpot": []}
+    benches, tiers = {}, {}
+    latencies: dict[str, list[float]] = {"ttft": [], "tpot": []}
     for spec in experiment.benches:
         result = load_result(run_dir / f"{spec.label}.json")
         benches[spec.label] = result.summaries()[0]
