@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.experiments.mixed_steps import ServedRequest, pair_requests
 from loadtest.experiments.simulate import (
     FittedWorker,
     SimRun,
@@ -23,6 +24,7 @@ from loadtest.experiments.simulate import (
     simulate,
     tier_slos,
     trace_from_tap,
+    with_mixed_shares,
     worker_specs,
 )
 from loadtest.metrics import distribution_ms, latency_samples
@@ -44,18 +46,22 @@ class RealRun:
     seed_profile: WorkerProfile | None  # what the real scheduler's cost models started from (None: default)
     load_avg: float | None  # mean 1-minute load average while the benchmark ran (machine-wide)
     latencies: dict[str, list[float]]  # "ttft" / "tpot" -> seconds, every bench's requests together
+    served: list[ServedRequest]  # every bench's requests with the worker that served them
 
 
 def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     benches, tiers = {}, {}
     latencies: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    served: list[ServedRequest] = []
+    tap = json.loads((run_dir / "scheduler_tap.json").read_text())
     for spec in experiment.benches:
         result = load_result(run_dir / f"{spec.label}.json")
         benches[spec.label] = result.summaries()[0]
         tiers[spec.label] = spec.tier
-        for kind, values in latency_samples(result.runs[0].records).items():
+        records = result.runs[0].records
+        for kind, values in latency_samples(records).items():
             latencies.setdefault(kind, []).extend(values)
-    tap = json.loads((run_dir / "scheduler_tap.json").read_text())
+        served += pair_requests(_placed_routes(tap, spec.tier), records)
     fallbacks_file = run_dir / "gateway_fallbacks.txt"
     fallbacks = int(fallbacks_file.read_text()) if fallbacks_file.exists() else -1
     seed = run_dir / "seed_profile.json"
@@ -63,7 +69,17 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     loads = run_dir / "loadavg.txt"
     samples = [float(line.split()[0]) for line in loads.read_text().splitlines()] if loads.exists() else []
     load_avg = statistics.fmean(samples) if samples else None
-    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg, latencies)
+    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg, latencies, served)
+
+
+def _placed_routes(tap: Mapping[str, Any], tier: str) -> list[dict[str, Any]]:
+    """A tier's routes, a queued request's with the decision that later placed or rejected it."""
+    first = {r["request"]["request_id"]: r for r in tap["routes"] if r["request"]["tier"] == tier}
+    for d in tap["late_decisions"]:
+        rid = d["decision"]["request_id"]
+        if rid in first:
+            first[rid] = {**first[rid], "decision": d["decision"]}
+    return list(first.values())
 
 
 def scheduler_decisions(tap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
@@ -137,19 +153,20 @@ def _simulate_run(run: RealRun, fitted: Mapping[str, FittedWorker], max_num_seqs
 def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
-    fitted = fit_workers(pooled_steps([r.tap for r in runs]))
+    fitted = with_mixed_shares(fit_workers(pooled_steps([r.tap for r in runs])), [s for r in runs for s in r.served])
     rows = {}
     for run in runs:
         real, sim = _real_row(run), _simulate_run(run, fitted, max_num_seqs)
         # The same replay with profiles fitted to this run's samples alone: it carries the background
         # load of that run, so the gap between the two errors is how much the load drifted.
-        own = fit_workers(pooled_steps([run.tap]))
+        own = with_mixed_shares(fit_workers(pooled_steps([run.tap])), run.served)
         own_sim = _simulate_run(run, own, max_num_seqs)
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
                            "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
                            "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - real["goodput_fraction"]),
                            "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.items()}}
-    profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps,
+    profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps, "decode_step_s": f.decode_step_s,
+                      "mixed_decode_share": f.mixed_decode_share,
                       "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fitted.items()}
     real_scheduler_fits = {r.label: r.tap["fitted_profiles"] for r in runs}
     return {"runs": rows, "fitted_profiles": profiles, "real_scheduler_fits": real_scheduler_fits}

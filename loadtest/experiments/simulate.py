@@ -7,12 +7,12 @@ Profiles. One model is fitted to a worker's steps by non-negative least squares,
 
     step_s = a*[prefill] + b*prefill_tokens + c*attention + d*[decode] + e*batch + f*context
 
-which is how `scheduler.sim.worker.SimWorker` prices a step (prefill part + decode part; a mixed
-step, never reported, is priced as the sum: the client's inter-token gaps on the batching worker
-under overload, ~370-400 ms for the steps that carry a prompt against ~140 ms for the others, agree
-with it to ~10%). The prefill part is fitted to every worker's pure prefill steps together (same
-engine, same flags): a busy batching worker runs almost every prompt inside a mixed step, and its
-own few pure prefills gave fits from 0 to 520 ms of fixed cost between repeats.
+which is how `scheduler.sim.worker.SimWorker` prices a step: prefill part + decode part, and for a
+mixed step (never reported) prefill part + a share of the decode part, the share measured from the
+client's token gaps (mixed_steps.py; ~0.3 here: one forward pass carries both). The prefill part
+is fitted to every worker's pure prefill steps together (same engine, same flags): a busy batching
+worker runs almost every prompt inside a mixed step, and its own few pure prefills gave fits from
+0 to 520 ms of fixed cost between repeats.
 
 The pure decode steps are also tabulated: the median step time per batch size becomes the
 simulated worker's `decode_step_s`, because on this CPU (torch, one thread per worker) a decode
@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.experiments.mixed_steps import ServedRequest, decode_share, mixed_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
@@ -61,6 +62,27 @@ class FittedWorker:
     noise: float  # relative std of the residuals
     steps: int  # steps the fit used
     mean_abs_rel_err: float  # in-sample, of the fitted step time
+    mixed_decode_share: float = 1.0  # see mixed_steps.py; 1.0 until measured
+
+    def prefill_s(self, prompts: Sequence[int]) -> float:
+        """The prefill part of a step that computes these whole, uncached prompts."""
+        p = self.profile
+        return (p.prefill_fixed_s + p.prefill_per_token_s * sum(prompts)
+                + p.prefill_per_token_sq_s * sum(n * n for n in prompts))
+
+    def decode_s(self, batch: int) -> float:
+        table = self.decode_step_s
+        return table[batch - 1] if 0 < batch <= len(table) else self.profile.decode_step_s(batch, 0)
+
+
+def with_mixed_shares(fitted: Mapping[str, FittedWorker], requests: Sequence[ServedRequest]) -> dict[str, FittedWorker]:
+    """Each worker's fit with the decode share of its mixed steps as the client timed them
+    (mixed_steps.py); unchanged where too few were seen (a one-slot worker never mixes)."""
+    out = {}
+    for wid, f in fitted.items():
+        share = decode_share(mixed_steps(requests, wid), f.prefill_s, f.decode_s)
+        out[wid] = f if share is None else replace(f, mixed_decode_share=share)
+    return out
 
 
 def rebuild_steps(rows: Sequence[Sequence[Any]]) -> list[tuple[np.ndarray, float]]:
@@ -247,7 +269,8 @@ def worker_specs(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker], max
                                    total_blocks=w["total_blocks"], block_size=w["block_size"],
                                    max_batch=max_num_seqs[worker_id], max_prefill_tokens=max_prefill_tokens,
                                    cache_blocks=w["total_blocks"], model=w["model"],
-                                   decode_step_s=fitted[worker_id].decode_step_s))
+                                   decode_step_s=fitted[worker_id].decode_step_s,
+                                   mixed_decode_share=fitted[worker_id].mixed_decode_share))
     return specs
 
 

@@ -56,10 +56,16 @@ class SimWorkerSpec:
     # worker's decode step is not linear in the batch (loadtest/experiments/simulate.py says why
     # this exists); empty: the profile prices every decode step.
     decode_step_s: tuple[float, ...] = ()
+    # The share of the decode part's price that a step also carrying prefill pays: 1.0 prices a mixed
+    # step as prefill + decode. On a CPU worker one forward pass carries both, and the decodes add
+    # much less than a decode step of their own (policy_compare measures ~0.3 from token gaps).
+    mixed_decode_share: float = 1.0
 
     def __post_init__(self) -> None:
         if any(not s > 0 for s in self.decode_step_s):
             raise ValueError(f"decode step times must be positive, got {self.decode_step_s}")
+        if not 0.0 <= self.mixed_decode_share <= 1.0:
+            raise ValueError(f"mixed_decode_share must be in [0, 1], got {self.mixed_decode_share}")
 
     def decode_truth_s(self, batch: int, context_tokens: int) -> float:
         """What a pure decode step of `batch` sequences holding `context_tokens` takes here."""
@@ -211,6 +217,8 @@ class SimWorker:
         if decoding:
             context = sum(s.context for s in decoding)
             decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
+            if jobs:
+                decode_s *= self.spec.mixed_decode_share
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
         sequences = len(decoding) + sum(1 for j, t in jobs if t >= j.remaining)  # those that sample

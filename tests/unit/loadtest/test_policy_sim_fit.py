@@ -85,3 +85,17 @@ def test_a_mixed_step_is_not_reported_by_the_mirrored_worker(cls: type[SimWorker
     assert worker.start_step() is not None
     _, samples, _ = worker.heartbeat(0.0)
     assert len(samples) == reported
+
+
+def test_a_mixed_step_pays_its_share_of_the_decode_part() -> None:
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, max_batch=8, decode_step_s=(0.08, 0.14),
+                         mixed_decode_share=0.25)
+    worker = SimWorker(spec, random.Random(0), 0.0)
+    _decoding(worker, 2)
+    _sequence(worker, 9, prefill=True)
+    assert worker.start_step() == pytest.approx(0.1 + 0.003 * 64 + 0.25 * 0.14)
+
+
+def test_a_mixed_decode_share_outside_0_1_is_refused() -> None:
+    with pytest.raises(ValueError, match="mixed_decode_share"):
+        SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, mixed_decode_share=1.5)
