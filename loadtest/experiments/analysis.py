@@ -17,14 +17,12 @@ from typing import Any
 
 from loadtest.experiments.mixed_steps import ServedRequest, pair_requests
 from loadtest.experiments.simulate import (
-    FittedWorker,
+    ExperimentFit,
     SimRun,
-    fit_workers,
-    pooled_steps,
+    fit_experiment,
     simulate,
     tier_slos,
     trace_from_tap,
-    with_mixed_shares,
     worker_specs,
 )
 from loadtest.metrics import distribution_ms, latency_samples
@@ -141,35 +139,37 @@ def _sim_row(sims: Sequence[SimRun]) -> dict[str, Any]:
             "by_tier": by_tier, "placements": {k: v / len(sims) for k, v in sorted(placements.items())}}
 
 
-def _simulate_run(run: RealRun, fitted: Mapping[str, FittedWorker], max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
+def _simulate_run(run: RealRun, fit: ExperimentFit, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     trace = trace_from_tap(run.tap)
     slos = tier_slos(run.tap, SLO(1e9, 1e9))
-    specs = worker_specs(run.tap, fitted, max_num_seqs)
-    noise = {wid: f.noise for wid, f in fitted.items()}
-    sims = [simulate(trace, specs, run.policy, slos, noise, seed=s, seed_profile=run.seed_profile) for s in SIM_SEEDS]
+    specs = worker_specs(run.tap, fit.workers, max_num_seqs)
+    noise = {wid: f.noise for wid, f in fit.workers.items()}
+    sims = [simulate(trace, specs, run.policy, slos, noise, seed=s, seed_profile=run.seed_profile,
+                     client_overhead_s=fit.client_overhead_s) for s in SIM_SEEDS]
     return {**_sim_row(sims), "requests": len(trace)}
 
 
 def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
-    fitted = with_mixed_shares(fit_workers(pooled_steps([r.tap for r in runs])), [s for r in runs for s in r.served])
+    fit = fit_experiment([r.tap for r in runs], [s for r in runs for s in r.served])
     rows = {}
     for run in runs:
-        real, sim = _real_row(run), _simulate_run(run, fitted, max_num_seqs)
+        real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs)
         # The same replay with profiles fitted to this run's samples alone: it carries the background
         # load of that run, so the gap between the two errors is how much the load drifted.
-        own = with_mixed_shares(fit_workers(pooled_steps([run.tap])), run.served)
+        own = fit_experiment([run.tap], run.served)
         own_sim = _simulate_run(run, own, max_num_seqs)
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
                            "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
                            "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - real["goodput_fraction"]),
-                           "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.items()}}
+                           "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.workers.items()}}
     profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps, "decode_step_s": f.decode_step_s,
                       "mixed_decode_share": f.mixed_decode_share,
-                      "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fitted.items()}
+                      "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fit.workers.items()}
     real_scheduler_fits = {r.label: r.tap["fitted_profiles"] for r in runs}
-    return {"runs": rows, "fitted_profiles": profiles, "real_scheduler_fits": real_scheduler_fits}
+    return {"runs": rows, "fitted_profiles": profiles, "client_overhead_s": fit.client_overhead_s,
+            "real_scheduler_fits": real_scheduler_fits}
 
 
 def analyse(out: Path, plan: Sequence[Any], max_num_seqs: Mapping[str, int]) -> dict[str, Any]:

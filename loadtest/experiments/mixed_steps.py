@@ -33,6 +33,7 @@ class ServedRequest:
 
     worker_id: str
     prompt_tokens: int
+    routed_at: float  # scheduler clock
     token_times: tuple[float, ...]  # first token, then every later one; scheduler clock (see pair_requests)
 
 
@@ -60,7 +61,7 @@ def pair_requests(routes: Sequence[Mapping], records: Sequence[RequestRecord]) -
         times = [match["t"] + record.ttft]
         for gap in record.chunk_gaps:
             times.append(times[-1] + gap)
-        served.append(ServedRequest(match["decision"]["decode"], record.prompt_len, tuple(times)))
+        served.append(ServedRequest(match["decision"]["decode"], record.prompt_len, match["t"], tuple(times)))
     return served
 
 
@@ -94,3 +95,12 @@ def decode_share(steps: Sequence[MixedStep], prefill_s: Callable[[Sequence[int]]
     excess = np.array([s.seconds - prefill_s(s.prompts) for s in steps])
     decode = np.array([decode_s(s.batch) for s in steps])
     return float(np.clip((excess * decode).sum() / (decode * decode).sum(), 0.0, 1.0))
+
+
+def first_token_overhead(requests: Sequence[ServedRequest], prefill_s: Callable[[str, int], float]) -> float | None:
+    """Median of TTFT minus the prompt's prefill for requests routed to an idle worker (nothing else
+    in flight there): what the client's TTFT holds beyond the engine's step. None with too few."""
+    excess = [r.token_times[0] - r.routed_at - prefill_s(r.worker_id, r.prompt_tokens) for r in requests
+              if not any(o is not r and o.worker_id == r.worker_id and o.routed_at <= r.routed_at <= o.token_times[-1]
+                         for o in requests)]
+    return max(float(np.median(excess)), 0.0) if len(excess) >= _MIN_MIXED_STEPS else None

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.experiments.mixed_steps import ServedRequest, decode_share, mixed_steps
+from loadtest.experiments.mixed_steps import ServedRequest, decode_share, first_token_overhead, mixed_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
@@ -73,6 +73,22 @@ class FittedWorker:
     def decode_s(self, batch: int) -> float:
         table = self.decode_step_s
         return table[batch - 1] if 0 < batch <= len(table) else self.profile.decode_step_s(batch, 0)
+
+
+@dataclass(frozen=True)
+class ExperimentFit:
+    """Everything the replay of an experiment's runs takes from the real runs."""
+
+    workers: dict[str, FittedWorker]
+    client_overhead_s: float  # see mixed_steps.first_token_overhead; 0 where too few were seen
+
+
+def fit_experiment(taps: Sequence[Mapping[str, Any]], served: Sequence[ServedRequest]) -> ExperimentFit:
+    """Profiles and decode tables from the tapped steps, mixed-step shares and the client's first-token
+    overhead from the bench's timings of the same requests."""
+    workers = with_mixed_shares(fit_workers(pooled_steps(taps)), served)
+    overhead = first_token_overhead(served, lambda wid, n: workers[wid].prefill_s([n]))
+    return ExperimentFit(workers, overhead or 0.0)
 
 
 def with_mixed_shares(fitted: Mapping[str, FittedWorker], requests: Sequence[ServedRequest]) -> dict[str, FittedWorker]:
@@ -225,12 +241,13 @@ class SimRun:
 
 def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_name: str,
              slos: Mapping[Tier, SLO], noise: Mapping[str, float], *, seed: int = 0, mirror: bool = True,
-             heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None) -> SimRun:
+             heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None,
+             client_overhead_s: float = 0.0) -> SimRun:
     """One replay; the scheduler's cost models start from `seed_profile` (as `--profile` gave the real
     one) or from the core's default profile, never from the simulated truth."""
     core = SchedulerConfig(default_profile=seed_profile or WorkerProfile())
     config = ReplayConfig(heartbeat_interval_s=heartbeat_interval_s, tick_interval_s=0.05, seed=seed,
-                          seed_profiles=False, scheduler=core)
+                          seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s)
     run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise, mirror)
     run.run()
     result = run.result(policy_name)
