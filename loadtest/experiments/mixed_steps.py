@@ -1,4 +1,6 @@
-"""What a mixed step (a prompt's prefill plus the running decodes, one forward pass) costs, from token gaps.
+"""What the client's token timings tell the simulator that the workers' step samples cannot.
+
+Mixed steps: what a step carrying a prompt's prefill and the running decodes (one forward pass) costs.
 
 A real worker does not report mixed steps (services/worker/heartbeat.py), so the step samples say
 nothing about them. The client sees them: when a request's first token comes out of a batching
@@ -8,6 +10,10 @@ fitted profile and the decode part by the decode table, the gaps give the share 
 mixed step pays: gap ~= prefill + share * decode, by least squares with the prefill's coefficient
 fixed at 1. On the three quiet repeats (exp1 runs, 355 mixed steps) the median gap was 335 ms where
 prefill + decode said 430 ms; the share came out near 0.3 in every repeat.
+
+First-token overhead: the client's TTFT of a request that found its worker idle is the prefill plus
+what lies outside the scheduler's view (the gateway before the route, the token's way out); the
+median excess over the fitted prefill, 36-61 ms on the three repeats, is added to simulated TTFT.
 
 Requests are paired with the scheduler's routes per tier, in order of arrival, matching prompt and
 output lengths; token times go on the scheduler's clock (route time + the client's TTFT and gaps: the
