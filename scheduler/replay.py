@@ -35,6 +35,9 @@ class ReplayConfig:
     seed: int = 0
     seed_profiles: bool = True  # scheduler starts from each worker's true profile, as `baton profile` gives
     drain_s: float = 600.0  # after the last arrival; anything unfinished by then is a miss
+    # What a client's TTFT holds beyond the scheduler's view (the gateway before the route, the first
+    # token's way out to the client); added to simulated TTFT and e2e, judged against the SLO.
+    client_overhead_s: float = 0.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -194,8 +197,8 @@ class _Replay:
     def _record(self, arrival: Arrival, seq: SimSequence | None, rejected: bool) -> None:
         ttft = tpot = e2e = None
         if seq is not None and seq.first_token_at is not None and seq.finished_at is not None:
-            ttft = seq.first_token_at - arrival.time_s
-            e2e = seq.finished_at - arrival.time_s
+            ttft = seq.first_token_at - arrival.time_s + self.config.client_overhead_s
+            e2e = seq.finished_at - arrival.time_s + self.config.client_overhead_s
             tpot = (seq.finished_at - seq.first_token_at) / max(seq.output_tokens - 1, 1)
         slo = self.slo_for(arrival.tier)
         met = (

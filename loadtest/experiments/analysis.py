@@ -15,16 +15,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.experiments.mixed_steps import ServedRequest, pair_requests
 from loadtest.experiments.simulate import (
-    FittedWorker,
+    ExperimentFit,
     SimRun,
-    fit_worker,
-    pooled_steps,
+    fit_experiment,
     simulate,
     tier_slos,
     trace_from_tap,
     worker_specs,
 )
+from loadtest.metrics import distribution_ms, latency_samples
 from loadtest.report import load_result
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.types import SLO
@@ -42,14 +43,23 @@ class RealRun:
     fallbacks: int
     seed_profile: WorkerProfile | None  # what the real scheduler's cost models started from (None: default)
     load_avg: float | None  # mean 1-minute load average while the benchmark ran (machine-wide)
+    latencies: dict[str, list[float]]  # "ttft" / "tpot" -> seconds, every bench's requests together
+    served: list[ServedRequest]  # every bench's requests with the worker that served them
 
 
 def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     benches, tiers = {}, {}
-    for spec in experiment.benches:
-        benches[spec.label] = load_result(run_dir / f"{spec.label}.json").summaries()[0]
-        tiers[spec.label] = spec.tier
+    latencies: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    served: list[ServedRequest] = []
     tap = json.loads((run_dir / "scheduler_tap.json").read_text())
+    for spec in experiment.benches:
+        result = load_result(run_dir / f"{spec.label}.json")
+        benches[spec.label] = result.summaries()[0]
+        tiers[spec.label] = spec.tier
+        records = result.runs[0].records
+        for kind, values in latency_samples(records).items():
+            latencies.setdefault(kind, []).extend(values)
+        served += pair_requests(_placed_routes(tap, spec.tier), records)
     fallbacks_file = run_dir / "gateway_fallbacks.txt"
     fallbacks = int(fallbacks_file.read_text()) if fallbacks_file.exists() else -1
     seed = run_dir / "seed_profile.json"
@@ -57,7 +67,17 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     loads = run_dir / "loadavg.txt"
     samples = [float(line.split()[0]) for line in loads.read_text().splitlines()] if loads.exists() else []
     load_avg = statistics.fmean(samples) if samples else None
-    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg)
+    return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg, latencies, served)
+
+
+def _placed_routes(tap: Mapping[str, Any], tier: str) -> list[dict[str, Any]]:
+    """A tier's routes, a queued request's with the decision that later placed or rejected it."""
+    first = {r["request"]["request_id"]: r for r in tap["routes"] if r["request"]["tier"] == tier}
+    for d in tap["late_decisions"]:
+        rid = d["decision"]["request_id"]
+        if rid in first:
+            first[rid] = {**first[rid], "decision": d["decision"]}
+    return list(first.values())
 
 
 def scheduler_decisions(tap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
@@ -81,6 +101,9 @@ def _real_row(run: RealRun) -> dict[str, Any]:
     good = sum(s["good_requests"] for s in run.benches.values())
     total = sum(s["num_requests"] for s in run.benches.values())
     first = next(iter(run.benches.values()))
+    # Over every bench's requests together, as the simulator's are (with two benches, e.g. exp3's two
+    # tiers, the first bench's p90 alone compared one tier's real TTFT with both tiers' simulated).
+    ttft_p90, tpot_p90 = (distribution_ms(run.latencies[k])["p90"] for k in ("ttft", "tpot"))
     by_tier = {run.tiers[label]: {"goodput_fraction": s["goodput_fraction"], "goodput_rps": s["goodput"],
                                   "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p50_ms": s["ttft_ms"]["p50"],
                                   "tpot_p90_ms": s["tpot_ms"]["p90"], "requests": s["num_requests"],
@@ -88,7 +111,7 @@ def _real_row(run: RealRun) -> dict[str, Any]:
                for label, s in run.benches.items()}
     return {"goodput_fraction": good / total if total else 0.0, "good": good, "requests": total,
             "goodput_rps": sum(s["goodput"] for s in run.benches.values()),
-            "ttft_p90_ms": first["ttft_ms"]["p90"], "tpot_p90_ms": first["tpot_ms"]["p90"],
+            "ttft_p90_ms": ttft_p90, "tpot_p90_ms": tpot_p90,
             "prefix_hit_rate": first["prefix_cache"]["hit_rate"], "by_tier": by_tier,
             "errors": {k: v for s in run.benches.values() for k, v in s["errors"].items()},
             "placements": real_placements(run.tap), "decisions": scheduler_decisions(run.tap),
@@ -116,34 +139,37 @@ def _sim_row(sims: Sequence[SimRun]) -> dict[str, Any]:
             "by_tier": by_tier, "placements": {k: v / len(sims) for k, v in sorted(placements.items())}}
 
 
-def _simulate_run(run: RealRun, fitted: Mapping[str, FittedWorker], max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
+def _simulate_run(run: RealRun, fit: ExperimentFit, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     trace = trace_from_tap(run.tap)
     slos = tier_slos(run.tap, SLO(1e9, 1e9))
-    specs = worker_specs(run.tap, fitted, max_num_seqs)
-    noise = {wid: f.noise for wid, f in fitted.items()}
-    sims = [simulate(trace, specs, run.policy, slos, noise, seed=s, seed_profile=run.seed_profile) for s in SIM_SEEDS]
+    specs = worker_specs(run.tap, fit.workers, max_num_seqs)
+    noise = {wid: f.noise for wid, f in fit.workers.items()}
+    sims = [simulate(trace, specs, run.policy, slos, noise, seed=s, seed_profile=run.seed_profile,
+                     client_overhead_s=fit.client_overhead_s) for s in SIM_SEEDS]
     return {**_sim_row(sims), "requests": len(trace)}
 
 
 def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
-    fitted = {wid: fit_worker(steps) for wid, steps in pooled_steps([r.tap for r in runs]).items()}
+    fit = fit_experiment([r.tap for r in runs], [s for r in runs for s in r.served])
     rows = {}
     for run in runs:
-        real, sim = _real_row(run), _simulate_run(run, fitted, max_num_seqs)
+        real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs)
         # The same replay with profiles fitted to this run's samples alone: it carries the background
         # load of that run, so the gap between the two errors is how much the load drifted.
-        own = {wid: fit_worker(steps) for wid, steps in pooled_steps([run.tap]).items()}
+        own = fit_experiment([run.tap], run.served)
         own_sim = _simulate_run(run, own, max_num_seqs)
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
                            "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
                            "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - real["goodput_fraction"]),
-                           "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.items()}}
-    profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps,
-                      "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fitted.items()}
+                           "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.workers.items()}}
+    profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps, "decode_step_s": f.decode_step_s,
+                      "mixed_decode_share": f.mixed_decode_share,
+                      "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fit.workers.items()}
     real_scheduler_fits = {r.label: r.tap["fitted_profiles"] for r in runs}
-    return {"runs": rows, "fitted_profiles": profiles, "real_scheduler_fits": real_scheduler_fits}
+    return {"runs": rows, "fitted_profiles": profiles, "client_overhead_s": fit.client_overhead_s,
+            "real_scheduler_fits": real_scheduler_fits}
 
 
 def analyse(out: Path, plan: Sequence[Any], max_num_seqs: Mapping[str, int]) -> dict[str, Any]:

@@ -41,14 +41,18 @@ The rates were chosen on a quiet machine (capacity ~1.5 req/s for exp1's lengths
 on the shared machine shifts all of this.
 
 Simulator. Per experiment, one profile per worker is fitted to the step samples both workers
-reported during that experiment's real runs (all policies pooled; simulate.py explains the fit);
-each run's trace is the request stream the real scheduler received (arrival times, prompt
-lengths, the gateway's prefix hashes, tiers); the simulated workers report like the real ones.
+reported during that experiment's real runs (all policies pooled; simulate.py explains the fit:
+prefill from every worker's pure prefills, decode steps from a per-batch table, and mixed steps,
+which workers do not report, priced with a decode share timed from the client's token gaps,
+mixed_steps.py); each run's trace is the request stream the real scheduler received (arrival times,
+prompt lengths, the gateway's prefix hashes, tiers); the simulated workers report like the real ones.
 Simulated goodput is averaged over 5 noise seeds. "sim error" = simulated minus real goodput
 fraction, in percentage points. A second replay ("own-fit") uses profiles fitted to that run's
 samples alone; it carries that run's background load, so the gap between the two errors is how
-much the shared machine's load drifted between runs. Simulated TTFT starts at the scheduler, the client's at the send:
-the gateway's own time (auth, tokenising, SSE) is in the real figure only.
+much the shared machine's load drifted between runs. Simulated TTFT starts at the scheduler, the
+client's at the send: the simulator adds the client's first-token overhead (gateway, the token's way
+out), the median excess over the prefill of requests that found their worker idle (~40-60 ms here).
+TTFT and TPOT p90, real and simulated, are over every bench's requests together.
 
 Output: `<out>/<run>/bench*.json` (baton bench results), `<out>/<run>/scheduler_tap.json`,
 `<out>/<run>/logs/`, and `<out>/summary.json` + the tables on stdout. Took 13 minutes with

@@ -1,22 +1,34 @@
 """From a real run's scheduler tap to a replay: fitted worker profiles, the trace, the simulated run.
 
-Profiles. A `both` worker reports a mixed step (prefill chunks + decodes in one forward pass) as a
-prefill sample AND a decode sample that both carry the whole step's seconds (services/worker/
-heartbeat.py). Fitting the two halves separately would charge every mixed step twice, so steps
-are rebuilt first (a prefill sample followed by a decode sample with the same seconds is one step)
-and one model is fitted to all of them by non-negative least squares:
+Samples. A real worker reports only pure steps (services/worker/heartbeat.py): a step that mixes
+prefill chunks with decodes is not reported at all, so every tapped row is one whole step.
+
+Profiles. One model is fitted to a worker's steps by non-negative least squares,
 
     step_s = a*[prefill] + b*prefill_tokens + c*attention + d*[decode] + e*batch + f*context
 
-which is exactly how `scheduler.sim.worker.SimWorker` prices a step (prefill part + decode part).
-The residuals' relative spread becomes the simulator's step noise.
+which is how `scheduler.sim.worker.SimWorker` prices a step: prefill part + decode part, and for a
+mixed step (never reported) prefill part + a share of the decode part, the share measured from the
+client's token gaps (mixed_steps.py; ~0.3 here: one forward pass carries both). The prefill part
+is fitted to every worker's pure prefill steps together (same engine, same flags): a busy batching
+worker runs almost every prompt inside a mixed step, and its own few pure prefills gave fits from
+0 to 520 ms of fixed cost between repeats.
+
+The pure decode steps are also tabulated: the median step time per batch size becomes the
+simulated worker's `decode_step_s`, because on this CPU (torch, one thread per worker) a decode
+step is not linear in the batch. Measured on the three
+quiet repeats of docs/benchmarks.md: about 80 ms at batch 1, 140 at 2, 175 at 3, then 120-150 ms
+for 4 to 8 sequences, while the linear fit said 98/122/146/170/194 ms for 1-5. Batch sizes with
+too few samples are interpolated between their neighbours; beyond the last the profile prices.
+The residuals' relative spread (against the table for decodes, the fit for prefills) becomes the
+simulator's step noise.
 
 Workers. `MirroredSimWorker` reports what the real `both` worker reports, not what an ideal one
-would: mixed steps as two samples with the full step time each, and `inflight_prefill_tokens = 0`
-(a `both` worker has no prefill service to count its queued prompts; services/worker/server.py).
-The scheduler in the simulator then learns from the same (biased) signal as the real one. It is
-swapped in by subclassing the replay driver (`scheduler.replay._Replay`), whose constructor builds
-plain `SimWorker`s; everything else is the replay code unchanged.
+would: no sample for a mixed step, and `inflight_prefill_tokens = 0` (a `both` worker has no
+prefill service to count its queued prompts; services/worker/server.py). The scheduler in the
+simulator then learns from the same signal as the real one. It is swapped in by subclassing the
+replay driver (`scheduler.replay._Replay`), whose constructor builds plain `SimWorker`s;
+everything else is the replay code unchanged.
 """
 
 from __future__ import annotations
@@ -29,60 +41,121 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.experiments.mixed_steps import ServedRequest, decode_share, first_token_overhead, mixed_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.replay import ReplayConfig, _Replay
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimWorker, SimWorkerSpec
-from scheduler.types import SLO, DecodeSample, PrefillSample, Tier, WorkerRole, WorkerSnapshot
+from scheduler.types import SLO, Tier, WorkerRole, WorkerSnapshot
 
 _WARMUP_STEPS = 2  # a worker's first steps include lazy initialisation; not representative
+_MIN_TABLE_SAMPLES = 5  # decode steps of one batch size needed for its own table entry
 _FEATURE_SCALES = np.array([1.0, 1e3, 1e6, 1.0, 1e1, 1e4])
 
 
 @dataclass(frozen=True)
 class FittedWorker:
     profile: WorkerProfile
+    decode_step_s: tuple[float, ...]  # median pure decode step by batch size (index = batch - 1)
     noise: float  # relative std of the residuals
     steps: int  # steps the fit used
     mean_abs_rel_err: float  # in-sample, of the fitted step time
+    mixed_decode_share: float = 1.0  # see mixed_steps.py; 1.0 until measured
+
+    def prefill_s(self, prompts: Sequence[int]) -> float:
+        """The prefill part of a step that computes these whole, uncached prompts."""
+        p = self.profile
+        return (p.prefill_fixed_s + p.prefill_per_token_s * sum(prompts)
+                + p.prefill_per_token_sq_s * sum(n * n for n in prompts))
+
+    def decode_s(self, batch: int) -> float:
+        table = self.decode_step_s
+        return table[batch - 1] if 0 < batch <= len(table) else self.profile.decode_step_s(batch, 0)
+
+
+@dataclass(frozen=True)
+class ExperimentFit:
+    """Everything the replay of an experiment's runs takes from the real runs."""
+
+    workers: dict[str, FittedWorker]
+    client_overhead_s: float  # see mixed_steps.first_token_overhead; 0 where too few were seen
+
+
+def fit_experiment(taps: Sequence[Mapping[str, Any]], served: Sequence[ServedRequest]) -> ExperimentFit:
+    """Profiles and decode tables from the tapped steps, mixed-step shares and the client's first-token
+    overhead from the bench's timings of the same requests."""
+    workers = with_mixed_shares(fit_workers(pooled_steps(taps)), served)
+    overhead = first_token_overhead(served, lambda wid, n: workers[wid].prefill_s([n]))
+    return ExperimentFit(workers, overhead or 0.0)
+
+
+def with_mixed_shares(fitted: Mapping[str, FittedWorker], requests: Sequence[ServedRequest]) -> dict[str, FittedWorker]:
+    """Each worker's fit with the decode share of its mixed steps as the client timed them
+    (mixed_steps.py); unchanged where too few were seen (a one-slot worker never mixes)."""
+    out = {}
+    for wid, f in fitted.items():
+        share = decode_share(mixed_steps(requests, wid), f.prefill_s, f.decode_s)
+        out[wid] = f if share is None else replace(f, mixed_decode_share=share)
+    return out
 
 
 def rebuild_steps(rows: Sequence[Sequence[Any]]) -> list[tuple[np.ndarray, float]]:
-    """(features, seconds) per engine step, from one worker's tapped sample rows in order."""
+    """(features, seconds) per engine step, from one worker's tapped sample rows in order (each row
+    is one pure step: a real worker does not report mixed ones)."""
     steps: list[tuple[np.ndarray, float]] = []
-    i = 0
-    while i < len(rows):
-        kind, _, x, y, seconds = rows[i]
+    for kind, _, x, y, seconds in rows:
         f = np.zeros(6)
         if kind == "prefill":
             f[0:3] = (1.0, x, y if y else x * x)
-            nxt = rows[i + 1] if i + 1 < len(rows) else None
-            if nxt is not None and nxt[0] == "decode" and nxt[4] == seconds:
-                f[3:6] = (1.0, nxt[2], nxt[3])
-                i += 1
         else:
             f[3:6] = (1.0, x, y)
         steps.append((f, float(seconds)))
-        i += 1
     return steps
 
 
 def fit_worker(steps: Sequence[tuple[np.ndarray, float]]) -> FittedWorker:
     if len(steps) < 8:
         raise ValueError(f"only {len(steps)} step samples: too few to fit a profile")
-    x = np.stack([f for f, _ in steps]) / _FEATURE_SCALES
+    features = np.stack([f for f, _ in steps])
     y = np.array([s for _, s in steps])
-    coef = _nnls(x, y) / _FEATURE_SCALES
-    pred = np.maximum((np.stack([f for f, _ in steps]) * coef).sum(axis=1), 1e-4)
-    rel = (y - pred) / pred
-    noise = float(np.clip(1.4826 * np.median(np.abs(rel - np.median(rel))), 0.02, 0.5))  # robust std
+    coef = _nnls(features / _FEATURE_SCALES, y) / _FEATURE_SCALES
     a, b, c, d, e, f = (float(v) for v in coef)
     profile = WorkerProfile(prefill_fixed_s=a, prefill_per_token_s=b, prefill_per_token_sq_s=c, decode_fixed_s=d,
                             decode_per_seq_s=e, decode_per_context_token_s=f, transfer_fixed_s=0.0,
                             transfer_per_token_s=0.0)
-    return FittedWorker(profile, noise, len(steps), float(np.mean(np.abs(rel))))
+    table = decode_table(steps)
+    pred = np.array([_priced(profile, table, f) for f in features])
+    rel = (y - pred) / pred
+    noise = float(np.clip(1.4826 * np.median(np.abs(rel - np.median(rel))), 0.02, 0.5))  # robust std
+    return FittedWorker(profile, table, noise, len(steps), float(np.mean(np.abs(rel))))
+
+
+def decode_table(steps: Sequence[tuple[np.ndarray, float]]) -> tuple[float, ...]:
+    """Median pure decode step seconds per batch size, 1..the largest batch with enough samples; the
+    sizes in between with too few are interpolated linearly. Empty when no size has enough."""
+    by_batch: dict[int, list[float]] = {}
+    for f, seconds in steps:
+        if f[0] == 0 and f[3] == 1.0:
+            by_batch.setdefault(int(f[4]), []).append(seconds)
+    known = {b: float(np.median(v)) for b, v in by_batch.items() if len(v) >= _MIN_TABLE_SAMPLES}
+    if not known:
+        return ()
+    sizes = sorted(known)
+    return tuple(float(v) for v in np.interp(range(1, sizes[-1] + 1), sizes, [known[b] for b in sizes]))
+
+
+def _priced(profile: WorkerProfile, table: Sequence[float], f: np.ndarray) -> float:
+    """A pure step's simulated time: decodes from the table where it covers the batch."""
+    if f[0] == 0 and 0 < f[4] <= len(table):
+        return table[int(f[4]) - 1]
+    return max(float((f * _profile_coefficients(profile)).sum()), 1e-4)
+
+
+def _profile_coefficients(p: WorkerProfile) -> np.ndarray:
+    return np.array([p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s, p.decode_fixed_s,
+                     p.decode_per_seq_s, p.decode_per_context_token_s])
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -131,10 +204,8 @@ class MirroredSimWorker(SimWorker):
     def start_step(self, now: float) -> float | None:
         before = len(self._samples)
         seconds = super().start_step(now)
-        new = self._samples[before:]
-        if seconds is not None and len(new) == 2:  # a mixed step: both samples carry the whole step
-            self._samples[before:] = [replace(s, seconds=seconds) for s in new
-                                      if isinstance(s, PrefillSample | DecodeSample)]
+        if len(self._samples) - before == 2:  # a mixed step: the real worker reports nothing for it
+            del self._samples[before:]
         return seconds
 
     def heartbeat(self, now: float) -> tuple[WorkerSnapshot, list, list]:  # type: ignore[type-arg]
@@ -170,12 +241,13 @@ class SimRun:
 
 def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_name: str,
              slos: Mapping[Tier, SLO], noise: Mapping[str, float], *, seed: int = 0, mirror: bool = True,
-             heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None) -> SimRun:
+             heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None,
+             client_overhead_s: float = 0.0) -> SimRun:
     """One replay; the scheduler's cost models start from `seed_profile` (as `--profile` gave the real
     one) or from the core's default profile, never from the simulated truth."""
     core = SchedulerConfig(default_profile=seed_profile or WorkerProfile())
     config = ReplayConfig(heartbeat_interval_s=heartbeat_interval_s, tick_interval_s=0.05, seed=seed,
-                          seed_profiles=False, scheduler=core)
+                          seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s)
     run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise, mirror)
     run.run()
     result = run.result(policy_name)
@@ -213,8 +285,19 @@ def worker_specs(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker], max
         specs.append(SimWorkerSpec(worker_id, WorkerRole(w["role"]), fitted[worker_id].profile,
                                    total_blocks=w["total_blocks"], block_size=w["block_size"],
                                    max_batch=max_num_seqs[worker_id], max_prefill_tokens=max_prefill_tokens,
-                                   cache_blocks=w["total_blocks"], model=w["model"]))
+                                   cache_blocks=w["total_blocks"], model=w["model"],
+                                   decode_step_s=fitted[worker_id].decode_step_s,
+                                   mixed_decode_share=fitted[worker_id].mixed_decode_share))
     return specs
+
+
+def fit_workers(steps: Mapping[str, Sequence[tuple[np.ndarray, float]]]) -> dict[str, FittedWorker]:
+    """One fit per worker, from its own steps plus every other worker's pure prefill steps: the
+    workers run the same engine with the same flags, and a busy batching worker runs almost every
+    prompt inside a mixed step (not reported), so alone it leaves its prefill cost unobserved."""
+    prefills = {wid: [s for s in rows if s[0][0] == 1.0] for wid, rows in steps.items()}
+    return {wid: fit_worker([*rows, *(s for other, p in prefills.items() if other != wid for s in p)])
+            for wid, rows in steps.items()}
 
 
 def pooled_steps(taps: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[np.ndarray, float]]]:

@@ -7,7 +7,8 @@ engine's chunked prefill: each step takes at most that many tokens of a prompt, 
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports samples and KV events
 that the next heartbeat carries to the scheduler. Step times are the profile's plus the serving
-cost the profile does not see (`SimWorkerSpec.serving`), times a noise factor. Not modelled:
+cost the profile does not see (`SimWorkerSpec.serving`), times a noise factor; a measured decode
+step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode price. Not modelled:
 preemption, transfer contention on the link.
 """
 
@@ -57,6 +58,27 @@ class SimWorkerSpec:
     # The profile the scheduler starts from, when not `profile` (replaying a run whose scheduler was
     # seeded with another one: its siting decisions then follow that run's). None: `profile`.
     scheduler_seed: WorkerProfile | None = None
+    # Measured seconds of a pure decode step by batch size (index = batch - 1), in place of the
+    # profile's linear decode price up to its length. Part of the simulated truth only. A real CPU
+    # worker's decode step is not linear in the batch (loadtest/experiments/simulate.py says why
+    # this exists); empty: the profile prices every decode step.
+    decode_step_s: tuple[float, ...] = ()
+    # The share of the decode part's price that a step also carrying prefill pays: 1.0 prices a mixed
+    # step as prefill + decode. On a CPU worker one forward pass carries both, and the decodes add
+    # much less than a decode step of their own (policy_compare measures ~0.3 from token gaps).
+    mixed_decode_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if any(not s > 0 for s in self.decode_step_s):
+            raise ValueError(f"decode step times must be positive, got {self.decode_step_s}")
+        if not 0.0 <= self.mixed_decode_share <= 1.0:
+            raise ValueError(f"mixed_decode_share must be in [0, 1], got {self.mixed_decode_share}")
+
+    def decode_truth_s(self, batch: int, context_tokens: int) -> float:
+        """What a pure decode step of `batch` sequences holding `context_tokens` takes here."""
+        if 0 < batch <= len(self.decode_step_s):
+            return self.decode_step_s[batch - 1]
+        return self.profile.decode_step_s(batch, context_tokens)
 
 
 @dataclass(eq=False)
@@ -209,7 +231,9 @@ class SimWorker:
             seconds += prefill_s
         if decoding:
             context = sum(s.context for s in decoding)
-            decode_s = self.spec.profile.decode_step_s(len(decoding), context) * self._jitter()
+            decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
+            if jobs:
+                decode_s *= self.spec.mixed_decode_share
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
         prompts_done = sum(1 for j, t in jobs if t >= j.remaining)  # their first token is sampled now

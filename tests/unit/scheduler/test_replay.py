@@ -51,6 +51,16 @@ def test_a_short_prompt_is_prefilled_on_the_decode_worker() -> None:
     assert outcome.ttft_s == pytest.approx(0.01 + 0.01)  # no transfer
 
 
+def test_the_client_overhead_adds_to_ttft_and_counts_against_the_slo() -> None:
+    workers = [SimWorkerSpec("d", WorkerRole.BOTH, PROFILE)]
+    config = ReplayConfig(step_noise=0.0, client_overhead_s=0.05)
+    result = replay(one_request(prompt=100), workers, "round_robin", SLO(ttft_ms=60, tpot_ms=50), config)
+    [outcome] = result.outcomes
+    assert outcome.ttft_s == pytest.approx(0.01 + 0.01 + 0.05)
+    assert outcome.tpot_s == pytest.approx(0.02)  # the way out delays every token alike
+    assert not outcome.met_slo  # 70 ms > 60 ms; without the overhead it would have met it
+
+
 def test_a_missed_target_is_counted_against_goodput() -> None:
     workers = [SimWorkerSpec("d", WorkerRole.BOTH, PROFILE)]
     result = replay(one_request(), workers, "round_robin", SLO(ttft_ms=500, tpot_ms=10), EXACT)

@@ -1,0 +1,101 @@
+"""The policy_compare simulator's fit from tapped step samples (loadtest/experiments/simulate.py) and the
+simulated worker's measured decode table (scheduler/sim/worker.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loadtest.experiments.simulate import MirroredSimWorker, decode_table, fit_workers, rebuild_steps
+from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.trace import Arrival, extend_chain
+from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.types import SLO, Tier, WorkerRole
+
+PROFILE = WorkerProfile(prefill_fixed_s=0.1, prefill_per_token_s=0.003, prefill_per_token_sq_s=0.0,
+                        decode_fixed_s=0.05, decode_per_seq_s=0.01, decode_per_context_token_s=0.0)
+
+
+def _decode(batch: int, seconds: float) -> list[object]:
+    return ["decode", 0.0, batch, 100 * batch, seconds]
+
+
+def test_decode_table_is_the_median_per_batch_and_interpolates_sparse_sizes() -> None:
+    rows = [_decode(1, s) for s in (0.08, 0.07, 0.09, 0.08, 0.08)] + [_decode(3, 0.18)] * 5 + [_decode(2, 9.0)] * 2
+    assert decode_table(rebuild_steps(rows)) == pytest.approx((0.08, 0.13, 0.18))  # batch 2: 2 samples, too few
+
+
+def test_decode_table_is_empty_without_enough_decode_steps() -> None:
+    assert decode_table(rebuild_steps([_decode(1, 0.08)] * 4 + [["prefill", 0.0, 50, 0, 0.3]] * 9)) == ()
+
+
+def test_a_worker_without_pure_prefills_gets_its_prefill_cost_from_the_others() -> None:
+    prefills = [["prefill", 0.0, n, 0, 0.1 + 0.003 * n] for n in range(30, 100, 5)]
+    decodes = [_decode(b, 0.05 + 0.01 * b) for b in (1, 2, 3, 4) for _ in range(5)]
+    fitted = fit_workers({"a": rebuild_steps(decodes), "b": rebuild_steps(prefills + decodes)})
+    for worker in ("a", "b"):
+        profile = fitted[worker].profile
+        assert profile.prefill_fixed_s + 64 * profile.prefill_per_token_s == pytest.approx(0.1 + 0.003 * 64, rel=1e-3)
+        assert fitted[worker].decode_step_s == pytest.approx((0.06, 0.07, 0.08, 0.09))
+
+
+def test_too_few_steps_to_fit_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="too few"):
+        fit_workers({"a": rebuild_steps([_decode(1, 0.08)] * 3)})
+
+
+def _worker(cls: type[SimWorker], table: tuple[float, ...] = ()) -> SimWorker:
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, max_batch=8, decode_step_s=table)
+    return cls(spec, random.Random(0), 0.0)
+
+
+def _sequence(worker: SimWorker, i: int, prefill: bool) -> SimSequence:
+    arrival = Arrival(0.0, f"r{i}", 64, 8, extend_chain((), 4, label=i), Tier.FREE)
+    seq = SimSequence(arrival, SLO(1000, 100), 8, 8, decode_worker="w", prefill_worker=None)
+    worker.admit(seq)
+    for ready in worker.allocate_waiting():
+        if prefill:
+            worker.enqueue_prefill(ready)
+    return seq
+
+
+def _decoding(worker: SimWorker, batch: int) -> None:
+    for i in range(batch):
+        worker.join(_sequence(worker, i, prefill=False), 0.0)
+
+
+def test_the_decode_table_prices_the_batches_it_covers_and_the_profile_the_rest() -> None:
+    worker = _worker(SimWorker, table=(0.08, 0.14, 0.175))
+    _decoding(worker, 3)
+    assert worker.start_step(0.0) == pytest.approx(0.175)
+    assert worker.spec.decode_truth_s(5, 640) == pytest.approx(PROFILE.decode_step_s(5, 640))
+
+
+def test_a_non_positive_decode_table_entry_is_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, decode_step_s=(0.08, 0.0))
+
+
+@pytest.mark.parametrize(("cls", "reported"), [(SimWorker, 2), (MirroredSimWorker, 0)])
+def test_a_mixed_step_is_not_reported_by_the_mirrored_worker(cls: type[SimWorker], reported: int) -> None:
+    worker = _worker(cls)
+    _decoding(worker, 2)
+    _sequence(worker, 9, prefill=True)  # its prefill joins the decodes: a mixed step
+    assert worker.start_step(0.0) is not None
+    _, samples, _ = worker.heartbeat(0.0)
+    assert len(samples) == reported
+
+
+def test_a_mixed_step_pays_its_share_of_the_decode_part() -> None:
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, max_batch=8, decode_step_s=(0.08, 0.14),
+                         mixed_decode_share=0.25)
+    worker = SimWorker(spec, random.Random(0), 0.0)
+    _decoding(worker, 2)
+    _sequence(worker, 9, prefill=True)
+    assert worker.start_step(0.0) == pytest.approx(0.1 + 0.003 * 64 + 0.25 * 0.14)
+
+
+def test_a_mixed_decode_share_outside_0_1_is_refused() -> None:
+    with pytest.raises(ValueError, match="mixed_decode_share"):
+        SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, mixed_decode_share=1.5)
