@@ -199,6 +199,8 @@ class GenerationStream:
         if self.finished:
             return
         self.finished = True
+        log.info("Generate %s on %s: aborting (call cancelled, Abort sent)", self._request_id,
+                 self._target.decode_address)
         self._call.cancel()
         self._client.send_abort(self._target.decode_address, self._request_id)
 
@@ -235,8 +237,9 @@ class WorkerClient:
 
     async def _abort(self, address: str, request_id: str) -> None:
         try:
-            await self.stub(address).Abort(wpb.AbortRequest(request_id=request_id),
-                                           timeout=self.abort_timeout_s, metadata=grpc_trace_metadata())
+            reply = await self.stub(address).Abort(wpb.AbortRequest(request_id=request_id),
+                                                   timeout=self.abort_timeout_s, metadata=grpc_trace_metadata())
+            log.info("Abort(%s) to %s: %s", request_id, address, "aborted" if reply.existed else "already ended")
         except grpc.aio.AioRpcError as e:  # the cancellation alone still frees the blocks
             log.info("Abort(%s) to %s not delivered: %s", request_id, address, e.code().name)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -33,6 +34,8 @@ from services.common.errors import NotFoundError
 from services.gateway.auth import Principal
 from services.gateway.config import StreamConfig
 from services.gateway.errors import BadRequestError, StreamGoneError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ class EventLog:
         if not disconnected or self._followers > 0 or self.finished:
             return
         self._unfollowed_since = time.monotonic()
+        # Logged with its time: the first step of a disconnect's abort (the worker logs when it arrives).
+        log.info("stream %s: its last reader disconnected (detach grace %.1f s)", self.stream_id,
+                 self.detach_grace_s if resumable else 0.0)
         if resumable:
             self._grace_over()
         else:

@@ -142,6 +142,7 @@ class DecodeService:
                 yield coalesce(item, backlog)
         finally:
             if not flow.task.done():
+                log.info("Generate %s: the caller left before the end; aborting it", job.request_id)
                 self._abort_flow(flow)
 
     async def abort(self, request_id: str) -> bool:

@@ -89,6 +89,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._prefill is not None:
             existed = self._prefill.abort(request.request_id) or existed
         self._metrics.requests.labels("Abort", "OK").inc()
+        log.info("Abort(%s): %s", request.request_id, "aborted" if existed else "not running here")
         return pb.AbortResponse(existed=existed)
 
     async def Prefill(self, request: pb.PrefillRequest,  # noqa: N802

@@ -78,15 +78,17 @@ class GatewayStack:
             self._channel = grpc.insecure_channel(self.worker_address)
         return wpb_grpc.WorkerStub(self._channel).GetStatus(wpb.StatusRequest(), timeout=10)
 
-    def wait_worker_idle(self, timeout_s: float = 10.0) -> wpb.WorkerStatus:
-        """Poll until the worker runs and queues nothing and every KV block is free; its last status."""
+    def wait_worker_idle(self, timeout_s: float = 10.0, context: str = "") -> wpb.WorkerStatus:
+        """Poll until the worker runs and queues nothing and every KV block is free; its last status.
+        `context` starts the failure message (what was expected to leave the worker idle)."""
         give_up = time.monotonic() + timeout_s
         while True:
             status = self.worker_status()
             if status.running_seqs == status.queue_depth == 0 and status.free_blocks == status.total_blocks:
                 return status
             if time.monotonic() > give_up:
-                raise AssertionError(f"the worker is not idle after {timeout_s} s: {status}")
+                prefix = f"{context}: " if context else ""
+                raise AssertionError(f"{prefix}the worker is not idle after {timeout_s} s: {status}")
             time.sleep(0.05)
 
     def worker_generated_tokens(self) -> int:

@@ -34,7 +34,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[str]:
     """`ray start --head --block` in its own process group, killed by that group at the end (never
-    `ray stop`, which would stop every Ray on the machine)."""
+    `ray stop`, which would stop every Ray on the machine). Without a drain timeout of 0, the head's
+    SIGTERM handler first asks the GCS to drain the node and waits up to 30 s for the answer, but the
+    GCS got the same SIGTERM and never answers: the teardown took 30 s instead of ~4."""
     require_module("ray")
     require_module("nixl._api")  # the prefill -> decode hand-off
     port = _free_port()
@@ -44,7 +46,8 @@ def ray_head() -> Iterator[str]:
         [ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=4", "--num-gpus=0",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
          "--node-ip-address=127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
     try:
         yield f"127.0.0.1:{port}"
     finally:

@@ -5,8 +5,6 @@ default grace (a disconnected stream keeps generating for a resume) is tested in
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -30,15 +28,20 @@ def _stream(stack: GatewayStack, key: str, body: dict[str, object],
         return list(events(r.iter_lines(), comments))
 
 
-def _wait_idle(stack: GatewayStack, timeout_s: float = 10.0) -> float:
-    """Seconds until the worker runs nothing and every block is free again."""
-    start = time.monotonic()
-    while True:
-        status = stack.worker_status()
-        if status.running_seqs == 0 and status.queue_depth == 0 and status.free_blocks == WORKER_BLOCKS:
-            return time.monotonic() - start
-        assert time.monotonic() - start < timeout_s, f"worker not idle: {status}"
-        time.sleep(0.05)
+# Measured under load (one CPU hog beside the tests, and with a second test session): a disconnect
+# frees the sequence and its blocks in 0.01-0.25 s. The deadlines are two orders of magnitude above it,
+# so a failure means a sequence that was not aborted, not a slow machine; the gateway's and the
+# worker's log tails (conftest.py) then show how far the abort got (both log each step at INFO).
+ABORT_DEADLINE_S = 30.0
+
+
+def _idle_before_the_test(stack: GatewayStack) -> None:
+    """Work left running by an earlier test would be blamed on this test's abort: say so instead."""
+    stack.wait_worker_idle(ABORT_DEADLINE_S, context="left running by an earlier test")
+
+
+def _freed_after_the_abort(stack: GatewayStack) -> None:
+    stack.wait_worker_idle(ABORT_DEADLINE_S, context="this test's disconnect did not abort its generation")
 
 
 def test_every_event_has_a_sequential_id_and_the_stream_ends_with_done(stack: GatewayStack,
@@ -55,7 +58,7 @@ def test_every_event_has_a_sequential_id_and_the_stream_ends_with_done(stack: Ga
 def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: GatewayStack,
                                                                       tenant: Tenant) -> None:
     assert stack.gateway_env()["BATON_STREAM_DETACH_GRACE_S"] == "0"  # no grace: a disconnect is an abort
-    _wait_idle(stack)
+    _idle_before_the_test(stack)
     with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
                                                      json=_body(1500, ESSAY)) as r:
         seen, lines = 0, r.iter_lines()  # held: a dropped line iterator would close the connection
@@ -65,8 +68,7 @@ def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: Gat
                 break
         running = stack.worker_status()
         assert running.running_seqs == 1 and running.free_blocks < WORKER_BLOCKS
-    # 1500 tokens take minutes on this CPU; the abort frees everything within seconds, even on a loaded box.
-    assert _wait_idle(stack, timeout_s=20.0) < 20.0
+    _freed_after_the_abort(stack)  # 1500 tokens would take minutes on this CPU
 
 
 def test_last_event_id_replays_the_missed_events(stack: GatewayStack, tenant: Tenant) -> None:
@@ -84,6 +86,7 @@ def test_last_event_id_replays_the_missed_events(stack: GatewayStack, tenant: Te
 
 
 def test_a_resume_after_a_disconnect_replays_up_to_the_abort(stack: GatewayStack, tenant: Tenant) -> None:
+    _idle_before_the_test(stack)
     with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
                                                      json=_body(1500, ESSAY)) as r:
         head = []
@@ -92,7 +95,7 @@ def test_a_resume_after_a_disconnect_replays_up_to_the_abort(stack: GatewayStack
             if len(head) == 2:
                 break
     stream_id = head[0].json["id"]
-    _wait_idle(stack, timeout_s=20.0)
+    _freed_after_the_abort(stack)
     with stack.http(tenant.key) as http, http.stream(
             "GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": head[1].id}) as r:
         rest = list(events(r.iter_lines()))
@@ -112,8 +115,8 @@ def test_another_organisation_cannot_resume_a_stream(stack: GatewayStack, tenant
 
 
 def test_a_non_streaming_client_that_hangs_up_aborts_too(stack: GatewayStack, tenant: Tenant) -> None:
-    _wait_idle(stack)
+    _idle_before_the_test(stack)
     body = {**_body(1500, ESSAY), "stream": False}
     with stack.http(tenant.key) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json=body, timeout=1.0)  # the client gives up and hangs up
-    assert _wait_idle(stack, timeout_s=20.0) < 20.0
+    _freed_after_the_abort(stack)
