@@ -52,10 +52,6 @@ def _arrival(seq: Sequence) -> int:
     return seq.arrival_order
 
 
-def _outranks(seq: Sequence, other: Sequence) -> bool:
-    return seq.sampling.priority < other.sampling.priority
-
-
 class Batcher:
     """Owns the waiting / running / remote queues and every block table. Not thread-safe."""
 
@@ -123,7 +119,11 @@ class Batcher:
         """Queue a new sequence. Raises InvalidRequestError, changing nothing, on bad input."""
         self._check_new(seq)
         self._track(seq, SequenceStatus.WAITING)
-        self._enqueue(seq)
+        i = len(self._waiting)  # behind every preempted one and every one of the same or a lower priority value
+        while i and self._waiting[i - 1].status is SequenceStatus.WAITING \
+                and self._waiting[i - 1].sampling.priority > seq.sampling.priority:
+            i -= 1
+        self._waiting.insert(i, seq)
 
     def reserve_remote(self, seq: Sequence) -> tuple[list[int], int]:
         """Decode side of disaggregation: allocate the prompt's blocks for a remote prefill to write.
@@ -365,13 +365,6 @@ class Batcher:
             choice_samplings=seq.choice_samplings if start + n == seq.num_tokens and not seq.output_token_ids
             else (),
         )
-
-    def _enqueue(self, seq: Sequence) -> None:
-        """Behind every preempted sequence and every waiting one of the same or a lower priority value."""
-        i = len(self._waiting)
-        while i and self._waiting[i - 1].status is SequenceStatus.WAITING and _outranks(seq, self._waiting[i - 1]):
-            i -= 1
-        self._waiting.insert(i, seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the blocks, keep the tokens, requeue at the front."""
