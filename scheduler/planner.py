@@ -11,8 +11,9 @@ simulated workers timed by a `baton profile` (scheduler/replay.py), once per can
 
 and ranks them by goodput, DistServe's way: the highest arrival rate at which at least
 `attainment_target` (default 90%) of requests finish within both SLO targets, found by scaling the
-workload's arrival times (doubling, then bisecting); with `search_rate` off, by requests/s within
-SLO at the workload's own rate.
+workload's arrival times (doubling, then bisecting to `search_tolerance`), each rate's attainment the
+mean over `seeds` step-noise seeds; with `search_rate` off, by requests/s within SLO at the workload's
+own rate.
 
 Steps cost the profile's time plus the serving cost the profile does not time (`serving`:
 scheduler/sim/serving.py); the scheduler inside is seeded with the profile alone, as `baton
@@ -88,14 +89,21 @@ class PlanConfig:
     scheduler_seed: WorkerProfile | None = None
     seed: int = 0
     attainment_target: float = 0.9
-    search_rate: bool = True  # find each layout's highest rate at the target (slower: ~8 replays each)
-    search_steps: int = 4  # bisection steps after the doubling phase
+    search_rate: bool = True  # find each layout's highest rate at the target (slower: ~10 rates x seeds)
+    # Bisect until the bracket is this narrow, relative to its low end. A fixed 4 steps from a [2x, 4x]
+    # bracket left a 1/8-of-the-rate grid: on the 4-GPU random run three layouts tied on one grid point.
+    search_tolerance: float = 0.02
+    # Step-noise seeds per rate, attainment averaged: on a 10-s trace one seed's attainment at the knee
+    # moves by up to 9 points between seeds, enough to move the search by a grid step.
+    seeds: int = 3
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.kv_blocks_per_gpu < 1 or self.handoff_s < 0 or self.heartbeat_s <= 0:
             raise ValueError("need gpus >= 1, kv_blocks_per_gpu >= 1, handoff_s >= 0 and heartbeat_s > 0")
         if not 0.0 < self.attainment_target <= 1.0:
             raise ValueError(f"attainment_target must be in (0, 1], got {self.attainment_target}")
+        if self.search_tolerance <= 0 or self.seeds < 1:
+            raise ValueError(f"need search_tolerance > 0 and seeds >= 1, got {self.search_tolerance}, {self.seeds}")
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
                          result.percentile_ms("ttft_s", 90), result.percentile_ms("tpot_s", 90))
     if not config.search_rate:
         return found
-    return replace(found, capacity_rps=_capacity(trace, layout, profiles, config, result.goodput))
+    return replace(found, capacity_rps=_capacity(trace, layout, profiles, config))
 
 
 def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
@@ -169,14 +177,19 @@ def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[in
                   ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
 
 
+def mean_attainment(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+                    config: PlanConfig) -> float:
+    """SLO attainment averaged over `config.seeds` step-noise seeds (config.seed, config.seed + 1, ...)."""
+    runs = [replay_layout(trace, layout, profiles, replace(config, seed=config.seed + i)) for i in range(config.seeds)]
+    return sum(r.goodput for r in runs) / len(runs)
+
+
 def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
-              config: PlanConfig, attainment_at_1: float) -> float:
+              config: PlanConfig) -> float:
     """Highest rate (req/s) meeting the attainment target: the workload sped up (or slowed down)
-    by a factor, doubled while it holds, then bisected."""
+    by a factor, doubled while it holds, then bisected to `search_tolerance`."""
     def holds(factor: float) -> bool:
-        if factor == 1.0:
-            return attainment_at_1 >= config.attainment_target
-        return replay_layout(scaled_trace(trace, factor), layout, profiles, config).goodput >= config.attainment_target
+        return mean_attainment(scaled_trace(trace, factor), layout, profiles, config) >= config.attainment_target
 
     lo, hi = (1.0, 2.0) if holds(1.0) else (0.1, 1.0)
     if lo == 0.1 and not holds(lo):
@@ -187,7 +200,7 @@ def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, W
         lo, hi = hi, hi * 2
     else:
         return _rate(trace) * lo
-    for _ in range(config.search_steps):
+    while hi - lo > config.search_tolerance * lo:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if holds(mid) else (lo, mid)
     return _rate(trace) * lo

@@ -49,6 +49,10 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--tpot-ms", type=float, default=50.0)
     p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment a layout must keep (0-1]")
     p.add_argument("--no-search", action="store_true", help="rank by goodput at the workload's rate only")
+    p.add_argument("--search-tolerance", type=float, default=PlanConfig.search_tolerance,
+                   help="bisect each layout's rate until the bracket is this narrow, relative (default 0.02)")
+    p.add_argument("--seeds", type=int, default=PlanConfig.seeds,
+                   help="step-noise seeds replayed per rate, attainment averaged (default 3)")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_S * 1e3,
                    help="KV hand-off overhead per remote prefill (default: measured p50, docs/benchmarks.md)")
     serving = PlanConfig.serving
@@ -81,7 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
             serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3),
-            search_rate=not args.no_search,
+            search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,
         )
         result = plan(_trace(args), profiles, config)
     except (OSError, ValueError) as e:

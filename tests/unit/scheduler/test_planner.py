@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from scheduler import planner
 from scheduler.adapters.plan_main import register_plan_command
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import (
+    Layout,
     LengthDistribution,
     PlanConfig,
     candidate_layouts,
@@ -70,7 +72,7 @@ def test_a_trace_needs_times_and_lengths() -> None:
 
 def _plan(prompt: str, output: str, rate: float, slo: SLO) -> list[str]:
     trace = synthetic_trace(LengthDistribution.parse(prompt), LengthDistribution.parse(output), rate, 60)
-    config = PlanConfig(gpus=4, slo=slo, search_steps=1)
+    config = PlanConfig(gpus=4, slo=slo, search_tolerance=0.25, seeds=1)
     return [r.layout.name for r in plan(trace, {1: CARD}, config).results]
 
 
@@ -101,3 +103,31 @@ def test_baton_plan_refuses_a_bad_tp_profile_argument(tmp_path: Path, capsys) ->
     profile.write_text(CARD.to_json())
     assert main(["plan", "--gpus", "2", "--profile", str(profile), "--profile-tp", "two=x.json"]) == 2
     assert "expected N=FILE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("knee_rps", [7.3, 30.9, 0.5])
+def test_the_capacity_search_bisects_to_the_tolerance(monkeypatch, knee_rps: float) -> None:
+    """The rate found is within the tolerance below the knee, not on a coarse grid of the workload's rate."""
+    trace = synthetic_trace(LengthDistribution.parse("64"), LengthDistribution.parse("8"), 4.0, 40)
+    rate = planner._rate(trace)
+    monkeypatch.setattr(planner, "scaled_trace", lambda _, factor: factor)  # the replay sees only the factor
+    monkeypatch.setattr(planner, "mean_attainment", lambda factor, *_: 1.0 if factor * rate <= knee_rps else 0.5)
+    config = PlanConfig(gpus=1, slo=SLO(ttft_ms=500, tpot_ms=50), search_tolerance=0.01)
+    found = planner._capacity(trace, Layout(0, 1), {1: CARD}, config)
+    assert knee_rps * 0.98 <= found <= knee_rps * 1.001
+
+
+def test_attainment_is_averaged_over_the_noise_seeds() -> None:
+    trace = synthetic_trace(LengthDistribution.parse("2048"), LengthDistribution.parse("64"), 60.0, 80)
+    config = PlanConfig(gpus=1, slo=SLO(ttft_ms=300, tpot_ms=30), seeds=1)
+    layout = Layout(0, 1)
+    each = [planner.replay_layout(trace, layout, {1: CARD}, PlanConfig(gpus=1, slo=config.slo, seed=s)).goodput
+            for s in range(3)]
+    averaged = planner.mean_attainment(trace, layout, {1: CARD}, PlanConfig(gpus=1, slo=config.slo, seeds=3))
+    assert averaged == pytest.approx(sum(each) / 3)
+
+
+@pytest.mark.parametrize("bad", [{"search_tolerance": 0.0}, {"seeds": 0}])
+def test_a_search_without_tolerance_or_seeds_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="search_tolerance"):
+        PlanConfig(gpus=1, slo=SLO(ttft_ms=500, tpot_ms=50), **bad)  # type: ignore[arg-type]
