@@ -26,6 +26,9 @@ class WorkerLoad:
     # Tightest TPOT target (ms) among requests the scheduler placed here that have not finished;
     # a new request must not push the step time past it. None: no tracked request here.
     tightest_tpot_ms: float | None = None
+    # Fraction of the engine's time recent placements' prefills take here (prefill_load.py): the
+    # decode steps of everyone on the worker get the rest.
+    prefill_share: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -63,6 +66,7 @@ class WorkerLoad:
             context_tokens=0,
             free_blocks=self.snapshot.total_blocks,
             tightest_tpot_ms=None,
+            prefill_share=0.0,
         )
 
 

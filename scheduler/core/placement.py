@@ -4,7 +4,10 @@ TTFT = wait for a decode slot (only when the worker's max_num_seqs slots are all
        + prefill queue ahead + own prefill (+ the decode step it shares when prefilled locally)
        + KV transfer of the blocks the decode worker lacks (remote prefill only)
 TPOT = decode step time with this request added, at its mid-life context length, the batch
-       capped at the worker's slots (a full worker runs max_num_seqs sequences, never more)
+       capped at the worker's slots (a full worker runs max_num_seqs sequences, never more),
+       stretched by the share of the worker's time its recent placements' prefills take
+       (prefill_load.py: the prompts arriving during this request's life share its steps; the
+       steps of a slot wait are stretched alike)
 (the arithmetic is `CostModel.predict_ttft_s` / `predict_tpot_s`; this module picks the inputs:
 which worker's queue, which cache hits, how many tokens cross the link).
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel
+from scheduler.core.prefill_load import decode_stretch
 from scheduler.types import DecisionKind, RequestSummary, RouteDecision
 
 
@@ -142,7 +146,8 @@ def evaluate(
     decode_cached = cached_tokens(prompt, cached_blocks, decode.block_size)
     running = running_batch(decode)
     running_context = batch_context(decode, running)
-    slot_wait = slot_wait_s(decode, decode_cost, request.max_tokens)
+    stretch = decode_stretch(decode.prefill_share, decode.max_num_seqs)
+    slot_wait = slot_wait_s(decode, decode_cost, request.max_tokens) * stretch
     added_tpot = 0.0
     if prefill is None:
         shared_step = decode_cost.decode_step_s(running, running_context) if running else 0.0
@@ -181,12 +186,13 @@ def evaluate(
         wait = slot_wait + view.cost(prefill.worker_id).prefill_backlog_s(
             prefill.queued_prefill_tokens, prefill.queued_prefill_requests)
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
-    tpot = decode_cost.predict_tpot_s(
+    step = decode_cost.predict_tpot_s(
         batch=others,
         context_tokens=batch_context(decode, others),
         prompt_tokens=prompt,
         max_tokens=request.max_tokens,
     )
+    tpot = step * stretch
     blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - cached_blocks
     return Placement(
         decode, prefill, cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot, wait

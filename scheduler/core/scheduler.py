@@ -48,13 +48,18 @@ class SchedulerConfig:
     cost_window: int = 512  # samples per fit: the last few seconds of steps
     max_conversations: int = 100_000  # conversation -> worker entries kept (LRU)
     overload_retry_after_s: float = 2.0  # retry hint when the queue is full or a wait ran out
+    # Placements' prefill compute is averaged over about this long to forecast the prefills a decoding
+    # request will share its worker with (prefill_load.py): a few request lifetimes.
+    prefill_window_s: float = 10.0
 
 
 class Scheduler:
     def __init__(self, policy: Policy, config: SchedulerConfig | None = None) -> None:
         self.policy = policy
         self.config = config or SchedulerConfig()
-        self._registry = WorkerRegistry(self.config.heartbeat_timeout_s, self.config.dispatch_grace_s)
+        self._registry = WorkerRegistry(
+            self.config.heartbeat_timeout_s, self.config.dispatch_grace_s, self.config.prefill_window_s
+        )
         self._queue = AdmissionQueue(self.config.admission)
         self._prefix = PrefixIndex()
         self._costs: dict[str, CostModel] = {}
@@ -145,7 +150,7 @@ class Scheduler:
     def fleet_signals(self, now: float) -> list[FleetSignal]:
         """Per-role load signals for autoscaling (core/fleet_signals.py)."""
         self._expire(now)
-        return fleet_signals(self._registry.loads(), self._costs)
+        return fleet_signals(self._registry.loads(now), self._costs)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -155,7 +160,7 @@ class Scheduler:
 
     def route(self, request: RequestSummary, now: float) -> RouteDecision:
         self._expire(now)
-        view = self._view()
+        view = self._view(now)
         too_large = _reject_if_too_large(request, view)
         if too_large is not None:
             return too_large
@@ -185,7 +190,7 @@ class Scheduler:
         blocked: set[Tier] = set()  # tiers that wait this round (see admission: FIFO, heavier first)
         while (entry := self._queue.peek(skip=blocked)) is not None:
             request = replace(entry.request, waited_s=now - entry.enqueued_at)
-            decision = self.policy.route(request, self._view(), now)
+            decision = self.policy.route(request, self._view(now), now)
             if decision.kind is DecisionKind.QUEUE:
                 blocked |= self._queue.tiers_not_above(request.tier)
                 continue
@@ -214,8 +219,8 @@ class Scheduler:
             self._switches.forget(worker_id)
             self._version += 1
 
-    def _view(self) -> ClusterView:
-        loads = [w for w in self._registry.loads()
+    def _view(self, now: float) -> ClusterView:
+        loads = [w for w in self._registry.loads(now)
                  if w.worker_id not in self._switches and not self._registry.is_failed(w.worker_id)]
         return ClusterView(loads, self._costs, self._prefix, self._conversations)
 
@@ -238,11 +243,14 @@ class Scheduler:
         )
         prefill_id = prefill_id or decode_id
         prefill_cached = self._prefix.match(prefill_id, request.prefix_hashes)
-        new_tokens = prompt - cached_tokens(
+        prefill_cached_tokens = cached_tokens(
             prompt, prefill_cached, self._registry.snapshot(prefill_id).block_size
         )
+        new_tokens = prompt - prefill_cached_tokens
         self._registry.reserve(decode_id, decode_share, now)
         self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
+        prefill_s = self._costs[prefill_id].prefill_marginal_s(new_tokens, prefill_cached_tokens)
+        self._registry.record_prefill(prefill_id, prefill_s, now)
         self._registry.track(request.request_id, decode_id, request.slo.tpot_ms)
         if request.conversation_id is not None:
             self._conversations[request.conversation_id] = decode_id

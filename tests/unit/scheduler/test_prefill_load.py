@@ -1,0 +1,74 @@
+"""The prefill share: placements' prefill compute forecasts the interference a decoding request meets."""
+
+import math
+
+import pytest
+
+from scheduler.core.placement import evaluate
+from scheduler.core.policies import LeastLoadedPolicy
+from scheduler.core.prefill_load import MAX_PREFILL_SHARE, DecayingRate, decode_stretch
+from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.types import WorkerRole
+from tests.unit.scheduler.conftest import load, request, snapshot, view
+
+
+def test_a_steady_stream_reads_as_its_work_per_second() -> None:
+    rate = DecayingRate(time_constant_s=5.0)
+    for i in range(400):  # 0.2 s of work every 0.5 s for 200 s: 0.4 s/s
+        rate.add(0.2, now=0.5 * i)
+    assert rate.value(now=199.5) == pytest.approx(0.4, rel=0.06)
+
+
+def test_the_rate_decays_once_the_work_stops() -> None:
+    rate = DecayingRate(time_constant_s=5.0)
+    rate.add(1.0, now=0.0)
+    assert rate.value(now=0.0) == pytest.approx(0.2)
+    assert rate.value(now=5.0) == pytest.approx(0.2 / math.e)
+    assert rate.value(now=-1.0) == pytest.approx(0.2)  # an earlier clock reading never inflates it
+
+
+def test_a_non_positive_time_constant_is_refused() -> None:
+    with pytest.raises(ValueError, match="time_constant_s"):
+        DecayingRate(0.0)
+
+
+def test_decode_steps_stretch_by_the_prefill_share_except_on_one_slot() -> None:
+    assert decode_stretch(0.0, None) == 1.0
+    assert decode_stretch(0.5, 8) == pytest.approx(2.0)
+    assert decode_stretch(0.5, 1) == 1.0  # the next prompt is prefilled only once the slot frees
+    assert decode_stretch(5.0, None) == pytest.approx(1 / (1 - MAX_PREFILL_SHARE))  # capped
+
+
+def test_a_worker_busy_prefilling_predicts_a_slower_tpot_and_slot_wait() -> None:
+    quiet = load("w", WorkerRole.BOTH, batch=4, snapshot=snapshot("w", WorkerRole.BOTH, max_num_seqs=4))
+    busy = load("w", WorkerRole.BOTH, batch=4, snapshot=snapshot("w", WorkerRole.BOTH, max_num_seqs=4),
+                prefill_share=0.5)
+    req = request(prompt=64)
+    before, after = evaluate(req, view([quiet]), quiet, None), evaluate(req, view([busy]), busy, None)
+    assert after.tpot_s == pytest.approx(2 * before.tpot_s)
+    assert before.wait_s > 0  # all four slots taken: a slot wait
+    assert after.wait_s == pytest.approx(2 * before.wait_s)
+
+
+def _probe_tpot_ms(scheduler: Scheduler, now: float) -> float:
+    """The predicted TPOT of a short request on the (idle, per its heartbeat at `now`) worker."""
+    scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH), [], [], now=now)
+    decision = scheduler.route(request(f"probe{now}", prompt=32), now=now)
+    assert decision.predicted_tpot_ms is not None
+    return decision.predicted_tpot_ms
+
+
+def test_local_prefills_placed_on_a_worker_stretch_its_predicted_tpot_until_they_decay() -> None:
+    def fresh() -> Scheduler:
+        scheduler = Scheduler(LeastLoadedPolicy(), SchedulerConfig(prefill_window_s=5.0))
+        scheduler.register(snapshot("w", WorkerRole.BOTH), now=0.0)
+        return scheduler
+
+    busy = fresh()
+    for i in range(10):  # ten 512-token prompts prefilled on "w" within a second
+        assert busy.route(request(f"r{i}", prompt=512), now=0.1 * i).decode_worker_id == "w"
+    per_prompt = busy.cost_model("w").prefill_marginal_s(512, 0)
+    share = sum(per_prompt / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i in range(10))
+    base = _probe_tpot_ms(fresh(), now=1.0)
+    assert _probe_tpot_ms(busy, now=1.0) == pytest.approx(base / (1 - share), rel=0.02)
+    assert _probe_tpot_ms(busy, now=60.0) == pytest.approx(base, rel=0.02)
