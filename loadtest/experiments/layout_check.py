@@ -28,7 +28,8 @@ from loadtest.metrics import SLO as BenchSLO
 from loadtest.report import load_result
 from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.planner import Layout, PlanConfig, plan, trace_from_rows
+from scheduler.planner import Layout, PlanConfig, mean_attainment, plan, scaled_trace, trace_from_rows
+from scheduler.sim.trace import Arrival
 from scheduler.types import SLO
 
 WITHIN = 0.95  # the recommendation's measured per-GPU goodput, as a share of the best
@@ -81,6 +82,18 @@ def run_seed(meta: dict[str, Any]) -> WorkerProfile:
     return book.by_model.get(ANY_MODEL) or next(iter(book.by_model.values()))
 
 
+def on_the_runs_grid(trace: list[Arrival], trace_rate: float, layout: Layout, profile: WorkerProfile,
+                     config: PlanConfig, rates: list[float]) -> float | None:
+    """The planner's per-GPU goodput judged as the runs are: its simulated attainment at the measured rates
+    only (`trace`, sent at `trace_rate`, scaled to each), the 90% crossing interpolated between them. The
+    planner's own search finds the simulated cliff; a sweep of 12/24/36 draws a straight line across it,
+    so the two differ even where the simulator is right."""
+    rows = [{"rate": rate, "attainment": mean_attainment(scaled_trace(trace, rate / trace_rate), layout, {1: profile},
+                                                         config)} for rate in rates]
+    crossing = report.distserve_goodput(rows)["interpolated_90pct_rate"]
+    return None if crossing is None else crossing / layout.gpus
+
+
 def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
           scheduler_seed: WorkerProfile | None = None) -> dict[str, Any]:
     """Per workload: the planner's ranking, its recommendation and where that stands in the measured one."""
@@ -90,7 +103,10 @@ def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
         measured = {r["config"]: r for r in entry["ranking"]}
         config = PlanConfig(gpus=gpus, slo=slo, kv_blocks_per_gpu=int(summary.get("num_blocks") or 20480),
                             max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed)
-        predicted = plan(trace_from_rows(workload_trace(runs, workload)), {1: profile}, config)
+        trace = trace_from_rows(workload_trace(runs, workload))
+        predicted = plan(trace, {1: profile}, config)
+        rates = {name: sorted(row["rate"] for row in rows) for name, rows in entry["configs"].items()}
+        trace_rate = min(min(r) for r in rates.values())  # workload_trace's run
         choice = measured_name(predicted.best.layout)
         at = measured.get(choice)
         verdicts[workload] = {
@@ -98,7 +114,10 @@ def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
             "recommended_of_best": at["of_best"] if at else None,
             "passes": bool(at and at["of_best"] is not None and at["of_best"] >= WITHIN),
             "predicted": [{"layout": measured_name(r.layout), "capacity_rps": r.capacity_rps,
-                           "per_gpu": (r.capacity_rps or 0.0) / gpus} for r in predicted.results],
+                           "per_gpu": (r.capacity_rps or 0.0) / gpus,
+                           "per_gpu_on_runs_grid": on_the_runs_grid(trace, trace_rate, r.layout, profile, config,
+                                                                    rates[measured_name(r.layout)])
+                           if measured_name(r.layout) in rates else None} for r in predicted.results],
             "measured": entry["ranking"]}
     return verdicts
 
@@ -106,12 +125,18 @@ def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
 def print_check(verdicts: dict[str, Any], slo: SLO) -> None:
     for workload, v in verdicts.items():
         print(f"\n=== {workload}, TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms: per-GPU goodput (req/s/GPU)")
-        predicted = {p["layout"]: p["per_gpu"] for p in v["predicted"]}
+        predicted = {p["layout"]: p for p in v["predicted"]}
         for m in v["measured"]:
+            p = predicted.get(m["config"], {})
             print(f"{m['config']:>6}  measured {m['per_gpu']:6.2f}{'+' if m['censored'] else ' '} "
-                  f"({m['of_best']:.2f} of best)   predicted {predicted.get(m['config'], float('nan')):6.2f}")
+                  f"({m['of_best']:.2f} of best)   predicted {_num(p.get('per_gpu'))}, "
+                  f"on the runs' rates {_num(p.get('per_gpu_on_runs_grid'))}")
         print(f"baton plan recommends {v['recommended']}; measured best {v['measured_best']}; "
               f"recommended at {v['recommended_of_best']} of the best -> {'PASS' if v['passes'] else 'FAIL'}")
+
+
+def _num(value: float | None) -> str:
+    return "  -   " if value is None else f"{value:6.2f}"
 
 
 def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, Path]:

@@ -53,6 +53,8 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="bisect each layout's rate until the bracket is this narrow, relative (default 0.02)")
     p.add_argument("--seeds", type=int, default=PlanConfig.seeds,
                    help="step-noise seeds replayed per rate, attainment averaged (default 3)")
+    p.add_argument("--tie-margin", type=float, default=PlanConfig.tie_margin,
+                   help="layouts within this share of the best score tie; fewer prefill GPUs wins (default 0.05)")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_S * 1e3,
                    help="KV hand-off overhead per remote prefill (default: measured p50, docs/benchmarks.md)")
     serving = PlanConfig.serving
@@ -86,6 +88,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3),
             search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,
+            tie_margin=args.tie_margin,
         )
         result = plan(_trace(args), profiles, config)
     except (OSError, ValueError) as e:

@@ -127,6 +127,21 @@ def test_attainment_is_averaged_over_the_noise_seeds() -> None:
     assert averaged == pytest.approx(sum(each) / 3)
 
 
+def _scored(prefill: int, decode: int, capacity: float) -> planner.LayoutResult:
+    return planner.LayoutResult(Layout(prefill, decode), 1.0, 1.0, None, None, capacity_rps=capacity)
+
+
+def test_layouts_within_the_tie_margin_rank_by_fewer_prefill_gpus() -> None:
+    results = [_scored(2, 2, 31.4), _scored(0, 4, 30.6), _scored(3, 1, 31.0), _scored(1, 3, 28.4)]
+    assert [r.layout.name for r in planner.rank(results, 0.05)] == ["co-located x4", "2P2D", "3P1D", "1P3D"]
+    assert [r.layout.name for r in planner.rank(results, 0.0)] == ["2P2D", "3P1D", "co-located x4", "1P3D"]
+
+
+def test_a_tie_margin_outside_zero_to_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="tie_margin"):
+        PlanConfig(gpus=1, slo=SLO(ttft_ms=500, tpot_ms=50), tie_margin=1.0)
+
+
 @pytest.mark.parametrize("bad", [{"search_tolerance": 0.0}, {"seeds": 0}])
 def test_a_search_without_tolerance_or_seeds_is_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="search_tolerance"):
