@@ -10,7 +10,8 @@ protobuf) from one of three sources:
   the least loaded decode worker, counting what this client sent there since, ties in turn. After
   a failure it routes from the view for `retry_scheduler_after_s` before asking again, so an
   outage costs one probe per interval rather than one timeout per request, and recovery is
-  automatic once the scheduler answers.
+  automatic once the scheduler answers (any answer, also one to a call made before the failure:
+  a single late answer is not an outage).
 - STATIC: no scheduler configured: round-robin over `StaticWorkers.decode`, prefill on a static
   prefill worker for long prompts, else locally. With a scheduler configured, the static workers
   are the view until the first list arrives.
@@ -175,9 +176,7 @@ class RouterClient:
             except _NoAnswer as e:
                 self._mark_down(str(e))
             else:
-                if self._in_outage:
-                    log.warning("scheduler reachable again; routing through it")
-                    self._in_outage = False
+                self._mark_up()
                 self._maybe_refresh_view()
                 if decision.decode_address not in avoid:
                     return decision
@@ -258,6 +257,16 @@ class RouterClient:
                         len(self.view.workers))
             self._in_outage = True
         self._down_until = time.monotonic() + self.config.retry_scheduler_after_s
+
+    def _mark_up(self) -> None:
+        """An answer came: the scheduler is there, so route through it again at once. (A call that
+        was already in flight when another timed out proves it; waiting out `retry_scheduler_after_s`
+        then would route a burst from the last view for nothing: on the 4-GPU runs such answers came
+        24-97 ms after a single late one.)"""
+        self._down_until = 0.0
+        if self._in_outage:
+            log.warning("scheduler reachable again; routing through it")
+            self._in_outage = False
 
     def _maybe_refresh_view(self) -> None:
         stale = time.monotonic() - self._view_at >= self.config.view_refresh_s

@@ -171,3 +171,48 @@ async def test_with_no_view_an_unreachable_scheduler_means_retry_later() -> None
     )
     assert decision.retry_after_s is not None
     await client.close()
+
+
+class _SlowOnceScheduler(pb_grpc.SchedulerServicer):
+    """Answers the first Route after 0.6 s (one late answer) and every later one after 0.15 s."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Route(
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouteResponse]:
+        self.calls += 1
+        await asyncio.sleep(0.6 if self.calls == 1 else 0.15)
+        yield pb.RouteResponse(kind=pb.RouteResponse.KIND_ROUTE, decode_worker="s:1")
+
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        return pb.ListWorkersResponse()
+
+    async def Finished(self, request: pb.FinishedRequest, context: grpc.aio.ServicerContext) -> pb.FinishedResponse:
+        return pb.FinishedResponse()
+
+
+async def test_an_answer_to_a_call_in_flight_ends_the_fallback_at_once() -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(_SlowOnceScheduler(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = RouterClient(f"127.0.0.1:{port}", static_workers=StaticWorkers(decode=("a:1",)),
+                          config=RouterConfig(call_timeout_s=0.2, retry_scheduler_after_s=30.0))
+    try:
+        late = asyncio.create_task(client.route(summary("late")))
+        await asyncio.sleep(0.1)
+        # Asked before the first call times out (at 0.2 s), answered after it (at ~0.25 s).
+        in_flight = asyncio.create_task(client.route(summary("in-flight")))
+        assert (await late).source is RouteSource.LAST_VIEW
+        assert not client.scheduler_available
+        assert (await in_flight).source is RouteSource.SCHEDULER
+        # The scheduler answered, so the next request asks it again instead of waiting out 30 s.
+        assert client.scheduler_available
+        assert (await client.route(summary("next"))).decode_address == "s:1"
+    finally:
+        await client.close()
+        await server.stop(0)
