@@ -14,15 +14,9 @@ A step's plan, under a token budget of `max_num_batched_tokens` and at most `max
    preempted, so a preempted sequence never bounces straight back in.
 Admission allocates blocks for every known token, so prefill chunks never allocate: only decodes do.
 
-Speculative decoding: with a `DraftProposer`, a decode of a sequence that asks for drafts
-(`sampling.num_draft_tokens`) becomes its pending token plus a draft of up to k tokens, verified in one
-pass. The draft is capped so that even a fully accepted one (k + 1 new tokens) stays within max_tokens
-and `max_num_tokens`, and so that every later decode of the pass still gets its one token of budget;
-its KV slots are allocated with the decode's (a draft that would need a preemption is dropped
-instead). In `postprocess` only the accepted drafts count as computed and are appended: the rejected
-positions' KV slots stay allocated, are never hashed into the prefix cache (a block is hashed only
-once all its tokens are computed), and the next step's chunk starts at the first of them, so it
-overwrites them.
+Speculative decoding: with a `DraftProposer`, a decode of a sequence that asks for drafts carries a
+draft to verify in the same pass (sized and placed by engine/speculative/decode_draft.py); in
+`postprocess` only the accepted drafts count as computed and are appended.
 
 The batcher never finishes a sequence on its own: stop tokens, stop strings, max_tokens and the
 length limit are the engine's call, through `finish`. The length limit is `max_num_tokens`, the smaller
@@ -34,15 +28,18 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import deque
 
-from engine.batch import BatchPlan, SampledToken, ScheduledChunk, StepResult
+from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
 from engine.config import BatcherConfig
 from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
+from engine.sequence_checks import check_new_sequence
 from engine.speculative.base import DraftProposer
+from engine.speculative.decode_draft import DraftRoom, place_draft
+from engine.step_chunks import accepted_draft, next_chunk
+from engine.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +65,7 @@ class Batcher:
         # Longest a sequence may grow (see the module docstring); prompts must be shorter.
         self.max_num_tokens = min(max_model_len, pool_tokens)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, whatever its state
-        self._waiting: deque[Sequence] = deque()  # WAITING / PREEMPTED, admission order
+        self._waiting = WaitingQueue()  # WAITING / PREEMPTED, admission order
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
         self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
@@ -119,11 +116,7 @@ class Batcher:
         """Queue a new sequence. Raises InvalidRequestError, changing nothing, on bad input."""
         self._check_new(seq)
         self._track(seq, SequenceStatus.WAITING)
-        i = len(self._waiting)  # behind every preempted one and every one of the same or a lower priority value
-        while i and self._waiting[i - 1].status is SequenceStatus.WAITING \
-                and self._waiting[i - 1].sampling.priority > seq.sampling.priority:
-            i -= 1
-        self._waiting.insert(i, seq)
+        self._waiting.push_new(seq)
 
     def reserve_remote(self, seq: Sequence) -> tuple[list[int], int]:
         """Decode side of disaggregation: allocate the prompt's blocks for a remote prefill to write.
@@ -239,7 +232,7 @@ class Batcher:
             seq = scheduled.get(chunk.request_id)
             if seq is None or self._seqs.get(chunk.request_id) is not seq:
                 continue
-            accepted = self._accepted_draft(chunk, result)
+            accepted = accepted_draft(chunk, result)
             seq.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens + len(accepted)
             if chunk.needs_sample:
                 sampled = result.sampled.get(chunk.request_id)
@@ -251,16 +244,6 @@ class Batcher:
             self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
         return got_token
 
-    @staticmethod
-    def _accepted_draft(chunk: ScheduledChunk, result: StepResult) -> tuple[SampledToken, ...]:
-        """The accepted prefix of a chunk's draft; the runner must return a prefix of what was sent."""
-        if not chunk.num_draft_tokens:
-            return ()
-        accepted = result.accepted.get(chunk.request_id, ())
-        if tuple(t.token_id for t in accepted) != chunk.draft_token_ids[:len(accepted)]:
-            raise EngineError(f"the model runner accepted tokens outside the draft of {chunk.request_id!r}")
-        return accepted
-
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
         """Schedule every running decode that fits, with its draft if any; returns the budget left."""
         i = 0
@@ -271,27 +254,13 @@ class Batcher:
                 continue  # still prefilling: the next pass
             # Budget and free blocks beyond one token for every later running sequence may go to drafts.
             later = len(self._running) - i
-            draft = self._draft(seq, budget - later - 1, self.block_manager.num_free_blocks - later)
+            room = DraftRoom(budget=budget - later - 1, blocks=self.block_manager.num_free_blocks - later)
+            draft = place_draft(seq, room, self._proposer, self.block_manager, self.max_num_tokens)
             if not self._grow_for_decode(seq, preempted):
                 break  # seq preempted itself: it was the newest, nothing runs after it
-            chunks.append(self._chunk(seq, 1, draft))
+            chunks.append(next_chunk(seq, 1, draft))
             budget -= 1 + len(draft)
         return budget
-
-    def _draft(self, seq: Sequence, spare_budget: int, spare_blocks: int) -> tuple[int, ...]:
-        """A draft for seq's decode, its KV slots allocated from `spare_blocks`; () for none. A draft
-        never costs a preemption, not even of a later sequence that would then find no free block."""
-        k = min(seq.sampling.num_draft_tokens or 0, spare_budget,
-                seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_num_tokens - seq.num_tokens - 1)
-        if k <= 0 or self._proposer is None:
-            return ()
-        draft = self._proposer.propose(seq.request_id, seq.all_token_ids, k)[:k]
-        if not draft:
-            return ()
-        if self.block_manager.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_ids) > spare_blocks:
-            return ()
-        self.block_manager.append_slots(seq.block_ids, seq.num_tokens + len(draft))
-        return draft
 
     def _grow_for_decode(self, seq: Sequence, preempted: list[str]) -> bool:
         """Make room for seq's next token, preempting newest-first; False when seq itself went."""
@@ -314,7 +283,7 @@ class Batcher:
                 break
             if seq.num_pending_tokens > 1:
                 n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
-                chunks.append(self._chunk(seq, n))
+                chunks.append(next_chunk(seq, n))
                 budget -= n
         return budget
 
@@ -323,20 +292,20 @@ class Batcher:
         while self._waiting and budget > 0 and len(chunks) < self.config.max_num_seqs:
             if len(self._running) + len(self._remote) >= self.config.max_num_seqs:
                 return
-            seq = self._waiting[0]
+            seq = self._waiting.head()
             try:
                 block_ids, num_cached = self.block_manager.allocate_for_prompt(seq.all_token_ids,
                                                                                num_extra_slots=1)
             except OutOfBlocksError:
                 return  # head-of-line: later (maybe smaller) sequences do not overtake it
-            self._waiting.popleft()
+            self._waiting.pop_head()
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_cached  # a resumed sequence keeps its first admission's count
             seq.block_ids, seq.num_computed_tokens = block_ids, num_cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)
             n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
-            chunks.append(self._chunk(seq, n))
+            chunks.append(next_chunk(seq, n))
             budget -= n
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -349,23 +318,6 @@ class Batcher:
             if copy is not None:
                 self._copies.append(copy)
 
-    def _chunk(self, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
-        """The next `n` uncomputed tokens of `seq` (then its draft, if any) as one chunk."""
-        start = seq.num_computed_tokens
-        return ScheduledChunk(
-            request_id=seq.request_id,
-            token_ids=tuple(seq.all_token_ids[start:start + n]) + draft,
-            start_pos=start,
-            block_ids=tuple(seq.block_ids),
-            needs_sample=start + n == seq.num_tokens,
-            sampling=seq.sampling,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            num_draft_tokens=len(draft),
-            choice_samplings=seq.choice_samplings if start + n == seq.num_tokens and not seq.output_token_ids
-            else (),
-        )
-
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the blocks, keep the tokens, requeue at the front."""
         self._running.remove(seq)
@@ -374,7 +326,7 @@ class Batcher:
         seq.num_preemptions += 1
         self._num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
-        self._waiting.appendleft(seq)
+        self._waiting.push_preempted(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
         if seq.block_ids:
@@ -382,18 +334,7 @@ class Batcher:
         seq.block_ids = []
 
     def _check_new(self, seq: Sequence) -> None:
-        if seq.request_id in self._seqs:
-            raise InvalidRequestError(f"duplicate request id {seq.request_id!r}")
-        if not seq.prompt_token_ids:
-            raise InvalidRequestError("prompt is empty: at least one token is required")
-        if seq.num_prompt_tokens >= self.max_num_tokens:
-            limit = "context window" if self.max_num_tokens == self.max_model_len else "KV cache"
-            raise InvalidRequestError(
-                f"prompt has {seq.num_prompt_tokens} tokens; the {limit} holds {self.max_num_tokens} "
-                "tokens and at least one must be left to generate"
-            )
-        if seq.output_token_ids or seq.block_ids or seq.num_computed_tokens:
-            raise InvalidRequestError(f"sequence {seq.request_id!r} is not new")
+        check_new_sequence(seq, self._seqs, self.max_num_tokens, self.max_model_len)
 
     def _track(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status, seq.arrival_order = status, self._next_arrival

@@ -59,7 +59,8 @@ class SupervisedProcess:
     """A named child process with its stdout/stderr in `log_path`.
 
     `stop()` sends `stop_signal` (the program's graceful shutdown), waits `stop_timeout_s`, then
-    SIGKILLs. `user` runs the child as that account (only meaningful when we are root).
+    SIGKILLs; `request_stop()` first lets several children shut down at once. `user` runs the child
+    as that account (only meaningful when we are root).
     """
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, user: str | None = None,
@@ -74,6 +75,7 @@ class SupervisedProcess:
         self.stop_signal = stop_signal
         self.stop_timeout_s = stop_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stop_requested = False  # this run got its graceful signal (a second one may force-quit it)
         self.log_offset = 0  # where this run's output starts in `log_path` (the log is appended across runs)
 
     @property
@@ -86,6 +88,7 @@ class SupervisedProcess:
     def start(self) -> None:
         assert self._proc is None or self._proc.poll() is not None, f"{self.name} already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._stop_requested = False
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()
             try:
@@ -121,14 +124,22 @@ class SupervisedProcess:
         if proc is None:
             return None
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(self.stop_signal)
+            self.request_stop()
             try:
                 proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         return proc.returncode
+
+    def request_stop(self) -> None:
+        """Send the graceful signal once, without waiting; `stop()` then waits for the exit."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or self._stop_requested:
+            return
+        self._stop_requested = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(self.stop_signal)
 
     def listens_on(self, port: int) -> bool:
         """True if this child itself holds a listening TCP socket on `port`.

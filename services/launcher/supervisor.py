@@ -29,7 +29,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -281,12 +281,26 @@ class Supervisor:
         Watched services are the caller's to stop (after this)."""
         self._services.clear()
         while self._children:
-            c = self._children.pop()
-            code = c.process.stop()
-            if c.process.pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(c.process.pid, signal.SIGKILL)  # whatever the child left in its group
-            log.info("%s stopped (exit code %s)", c.spec.name, code)
+            self._stop(self._children.pop())
+
+    def stop_peers(self, names: Collection[str]) -> None:
+        """Stop these children together: each gets its graceful signal at once, then each is waited for
+        (within its own `stop_timeout_s`). Only for peers that no other child needs while it stops (e.g.
+        extra gateways in front of one worker): the total is the slowest one's shutdown, not the sum."""
+        peers = [c for c in self._children if c.spec.name in names]
+        for c in peers:
+            self._children.remove(c)
+            c.process.request_stop()
+        for c in peers:
+            self._stop(c)
+
+    @staticmethod
+    def _stop(c: _Child) -> None:
+        code = c.process.stop()
+        if c.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.process.pid, signal.SIGKILL)  # whatever the child left in its group
+        log.info("%s stopped (exit code %s)", c.spec.name, code)
 
     def stop_child(self, name: str) -> None:
         """Stop one child now (gracefully) and stop supervising it (ordered shutdown steps)."""

@@ -58,6 +58,8 @@ class GatewayStack:
     model_dir: Path
     worker_metrics_url: str = ""  # the `both` worker's Prometheus endpoint
     _channel: grpc.Channel | None = field(default=None, repr=False)
+    # Gateways tests started on this stack: peers, stopped together before the stack itself.
+    _extra_gateways: list[str] = field(default_factory=list, repr=False)
 
     def openai(self, key: str, **kwargs: object) -> OpenAI:
         return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **kwargs)  # type: ignore[arg-type]
@@ -106,6 +108,7 @@ class GatewayStack:
 
     def start_gateway(self, name: str, **extra_env: str) -> tuple[SupervisedProcess, str]:
         """Another gateway on this stack (e.g. with safety, or to be drained); stopped with the stack."""
+        self._extra_gateways.append(name)
         return start_gateway(self.supervisor, name, self.gateway_env(**extra_env))
 
     def start_pattern_safety(self, policy_dir: Path) -> str:
@@ -126,6 +129,7 @@ class GatewayStack:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        self.supervisor.stop_peers(self._extra_gateways)
         self.supervisor.stop_all()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from worker_procs import WorkerProcess  # noqa: E402
+from worker_procs import WorkerProcess, stop_workers  # noqa: E402
 
 from tests.support.required import require_module  # noqa: E402
 
@@ -63,8 +63,7 @@ def cluster(default_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
             worker.wait_serving()
         yield started
     finally:
-        for worker in started.workers:
-            worker.stop()
+        stop_workers(started.workers)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from worker_client import QUESTIONS, collect, generate, generate_many, request, wait_baseline, wait_for
-from worker_procs import WorkerProcess
+from worker_procs import WorkerProcess, stop_workers
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from tokenization.tokenizer import Tokenizer
@@ -32,8 +32,7 @@ def pair(cluster, default_model_dir, worker_log_dir):
         decode.wait_serving()
         yield prefill, decode
     finally:
-        decode.stop()
-        prefill.stop()
+        stop_workers([decode, prefill])
 
 
 @pytest.fixture(scope="module")

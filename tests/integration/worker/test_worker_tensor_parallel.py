@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from worker_client import QUESTIONS, generate, generate_many, request, wait_baseline
-from worker_procs import WorkerProcess
+from worker_procs import WorkerProcess, stop_workers
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from tokenization.tokenizer import Tokenizer
@@ -55,8 +55,7 @@ def tp_cluster(default_model_dir, worker_log_dir) -> Iterator[TPCluster]:
             worker.wait_serving(180.0)
         yield cluster
     finally:
-        for worker in cluster.workers:
-            worker.stop()
+        stop_workers(cluster.workers)
 
 
 @pytest.fixture(scope="module")

@@ -84,3 +84,33 @@ def test_a_failing_setup_step_raises_with_its_log(tmp_path: Path) -> None:
     with pytest.raises(InfraStartError, match="exit code 3"):
         supervisor.run_once("bad", [sys.executable, "-c", "import sys; print('oops'); sys.exit(3)"], 20)
     assert supervisor.children == []
+
+
+# A child whose graceful shutdown takes a while: it logs the signal, works 0.5 s, logs its exit.
+SLOW_STOP_CHILD = """
+import signal, sys, time
+name, record = sys.argv[1], sys.argv[2]
+def note(event):
+    with open(record, "a") as f: f.write(f"{event}:{name}\\n")
+def bye(*_):
+    note("signalled"); time.sleep(0.5); note("exited"); sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_peers_all_get_their_signal_before_any_is_waited_for(tmp_path: Path) -> None:
+    record = tmp_path / "record"
+    supervisor = Supervisor(tmp_path / "logs")
+    for name in ("worker", "gateway-a", "gateway-b"):
+        supervisor.start(ChildSpec(name, [sys.executable, "-c", SLOW_STOP_CHILD, name, str(record)],
+                                   log_line("READY"), ready_timeout_s=20, stop_timeout_s=5))
+    supervisor.stop_peers(["gateway-a", "gateway-b"])
+    events = record.read_text().split()
+    assert sorted(events[:2]) == ["signalled:gateway-a", "signalled:gateway-b"]  # both shut down at once
+    assert sorted(events[2:]) == ["exited:gateway-a", "exited:gateway-b"]
+    assert [spec.name for spec, process in supervisor.children if process.alive()] == ["worker"]
+    supervisor.stop_all()
+    assert record.read_text().split()[4:] == ["signalled:worker", "exited:worker"]
