@@ -12,6 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from scheduler.adapters.loop_watch import LAG_BUCKETS_S
 from scheduler.core.fleet_signals import FleetSignal
 from scheduler.types import RouteDecision, WorkerRole, WorkerSnapshot
 
@@ -49,6 +50,14 @@ class SchedulerMetrics:
             registry=r,
         )
         self.registrations = Counter("baton_scheduler_registrations", "Worker registrations.", registry=r)
+        self.loop_lag = Histogram(
+            "baton_scheduler_event_loop_lag_seconds",
+            "How late the event loop woke from a 50 ms sleep: every Route and heartbeat waited as long.",
+            buckets=LAG_BUCKETS_S, registry=r,
+        )
+        self.gc_pause = Histogram(
+            "baton_scheduler_gc_pause_seconds", "Garbage collection pauses.", buckets=LAG_BUCKETS_S, registry=r,
+        )
         self.role_switches = Counter(
             "baton_scheduler_role_switches", "Role switches requested (SetRole), by target role.", ["to_role"],
             registry=r,

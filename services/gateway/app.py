@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from scheduler.adapters.loop_watch import time_gc_pauses, watch_loop
 from services.gateway.deps import GatewayDeps
 from services.gateway.errors import install_error_handlers
 from services.gateway.limits import BodySizeLimit
@@ -77,15 +78,19 @@ def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> Fast
         store = deps.tenancy.conversations
         purge = None if store is None else asyncio.create_task(run_purge_loop(
             store, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
+        watch = asyncio.create_task(watch_loop("gateway", deps.metrics.loop_lag))
+        stop_gc_timer = time_gc_pauses("gateway", deps.metrics.gc_pause)
         try:
             yield
         finally:
+            stop_gc_timer()
             if grpc_api is not None:
                 await grpc_api.stop(deps.config.drain_timeout_s)
-            if purge is not None:
-                purge.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await purge
+            for task in (purge, watch):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await deps.close()
 
     app = FastAPI(title="Baton", version=API_VERSION, lifespan=lifespan,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from scheduler.adapters.loop_watch import LAG_BUCKETS_S
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -34,6 +36,11 @@ class GatewayMetrics:
         self.replays = Counter("baton_gateway_stream_resumes", "Last-Event-ID stream resumes", registry=r)
         self.migrations = Counter("baton_request_migrations", "Generations whose worker was lost, by what the "
                                   "gateway did: retried, migrated, limit_exceeded, no_worker", ["outcome"], registry=r)
+        self.loop_lag = Histogram("baton_gateway_event_loop_lag_seconds", "How late the event loop woke from "
+                                  "a 50 ms sleep: every call it serves waited as long",
+                                  buckets=LAG_BUCKETS_S, registry=r)
+        self.gc_pause = Histogram("baton_gateway_gc_pause_seconds", "Garbage collection pauses",
+                                  buckets=LAG_BUCKETS_S, registry=r)
 
     def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
                            ttft_s: float | None, e2e_s: float) -> None:

@@ -1,0 +1,55 @@
+"""The event-loop and garbage-collection watchdogs the gateway and the scheduler run."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from scheduler.adapters.loop_watch import LAG_BUCKETS_S, LoopWatch, time_gc_pauses, watch_loop
+
+
+def histogram(name: str) -> Histogram:
+    return Histogram(name, name, buckets=LAG_BUCKETS_S, registry=CollectorRegistry())
+
+
+def observed(h: Histogram) -> tuple[float, float]:
+    """(count, sum) of what the histogram observed."""
+    samples = {s.name: s.value for metric in h.collect() for s in metric.samples}
+    return samples[f"{h._name}_count"], samples[f"{h._name}_sum"]  # noqa: SLF001 - the metric's own name
+
+
+async def test_a_blocked_loop_is_measured_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    lag = histogram("lag")
+    watch = asyncio.create_task(watch_loop("test", lag, LoopWatch(interval_s=0.01, warn_s=0.1)))
+    await asyncio.sleep(0.05)  # a few quiet wake-ups first
+    with caplog.at_level(logging.WARNING, logger="scheduler.adapters.loop_watch"):
+        time.sleep(0.3)  # blocks the loop, as a slow synchronous handler would
+        await asyncio.sleep(0.05)
+    watch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await watch
+    count, total = observed(lag)
+    assert count >= 3
+    assert 0.25 <= total < 1.0  # the one block, plus the quiet wake-ups' few ms
+    assert any("test event loop woke" in r.getMessage() for r in caplog.records)
+
+
+def test_garbage_collections_are_timed_until_stopped() -> None:
+    pauses = histogram("pauses")
+    stop = time_gc_pauses("test", pauses)
+    gc.collect()
+    count, _ = observed(pauses)
+    assert count >= 1
+    stop()
+    gc.collect()
+    assert observed(pauses)[0] == count
+
+
+def test_a_non_positive_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        LoopWatch(interval_s=0.0)
