@@ -11,7 +11,7 @@ report (a gateway's own network trouble) costs a healthy worker one heartbeat in
 while a dead worker leaves every gateway's routing at once instead of after the timeout.
 
 Prefill share: each placement's predicted prefill compute feeds a decaying rate on the worker that
-computes it (prefill_load.py); a load older than `refresh_s` is rebuilt so that the share decays.
+computes it (prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays.
 
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
 `now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
