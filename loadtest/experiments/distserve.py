@@ -85,6 +85,7 @@ from loadtest.experiments.distserve_plan import (
 )
 from loadtest.experiments.handoff_phases import PHASE_PREFIXES, phase_summary
 from loadtest.experiments.layouts import parse_layout
+from loadtest.experiments.run_metrics import SERVICE_PREFIXES, WORKER_PREFIXES, run_delta
 from loadtest.metrics import SLO
 
 log = logging.getLogger("loadtest.experiments.distserve")
@@ -139,6 +140,8 @@ def run_configuration(config: str, plan: Plan, work: Path, deadline: float, conf
                 continue
             started = time.monotonic()
             counters = cluster.worker_counters(PHASE_PREFIXES, buckets=True)
+            services = cluster.service_counters(SERVICE_PREFIXES)
+            engines = cluster.worker_counters(WORKER_PREFIXES, buckets=True)
             num = max(1, math.ceil(rate * plan.duration_s))
             seed = 1000 * [w.name for w in plan.workloads].index(workload.name) + index + 1
             code = bench(cluster.url, plan.spec.model_dir, workload.args,
@@ -146,8 +149,10 @@ def run_configuration(config: str, plan: Plan, work: Path, deadline: float, conf
                           "--max-duration", f"{1.5 * plan.duration_s:g}"], work / "runs" / f"{name}.json",
                          plan.request_timeout_s, slo)
             phases = phase_summary(counters, cluster.worker_counters(PHASE_PREFIXES, buckets=True))
+            service_metrics = {**run_delta(services, cluster.service_counters(SERVICE_PREFIXES)),
+                               **run_delta(engines, cluster.worker_counters(WORKER_PREFIXES, buckets=True))}
             entry["runs"].append({"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1),
-                                  "handoff_phases": phases})
+                                  "handoff_phases": phases, "service_metrics": service_metrics})
             log.warning("%s: done in %.1f s (exit %d)", name, time.monotonic() - started, code)
         entry["worker_counters"] = cluster.worker_counters()
 

@@ -60,6 +60,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s: float | None = None
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
+        self.service_metrics_urls: dict[str, str] = {}  # "scheduler" / "gateway" -> its /metrics
         self.plans = parse_layout(config).worker_plans(spec.tp)
 
     def __enter__(self) -> Cluster:
@@ -88,9 +89,11 @@ class Cluster:
 
     def _start(self) -> None:
         s = self.spec
-        scheduler_port = free_port()
+        scheduler_port, scheduler_metrics_port = free_port(), free_port()
+        self.service_metrics_urls["scheduler"] = f"http://127.0.0.1:{scheduler_metrics_port}/metrics"
         scheduler = self._spawn("scheduler", [
             sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1", "--port", str(scheduler_port),
+            "--metrics-port", str(scheduler_metrics_port),
             "--policy", s.policy, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "10",
             "--drain-grace-s", "1", "--log-level", "WARNING",
             *(["--profile", str(s.scheduler_profile)] if s.scheduler_profile else [])], {})
@@ -125,6 +128,7 @@ class Cluster:
             "BATON_SERVED_MODEL_NAME": s.model_name, "BATON_MAX_MODEL_LEN": _arg(s.engine_args, "--max-model-len"),
             "BATON_SLOS": json.dumps(slos), "BATON_DRAIN_TIMEOUT_S": "2", "BATON_LOG_LEVEL": "WARNING"})
         gateway.wait_ready(_http_ok(f"{self.url}/readyz"), s.service_ready_timeout_s)
+        self.service_metrics_urls["gateway"] = f"{self.url}/metrics"
 
     def stop(self) -> None:
         """Gateway, workers, scheduler: the reverse of the start order."""
@@ -139,27 +143,36 @@ class Cluster:
                         buckets: bool = False) -> dict[str, dict[str, float]]:
         """Each worker's samples whose name starts with one of `prefixes` (diagnostics; {} if unreachable);
         histogram buckets too with `buckets` (for per-run quantiles: loadtest/experiments/handoff_phases.py)."""
-        skip = ("_created",) if buckets else ("_created", "_bucket")
-        from prometheus_client.parser import text_string_to_metric_families
+        return _scrape(self.metrics_urls, prefixes, buckets)
 
-        out: dict[str, dict[str, float]] = {}
-        for name, url in self.metrics_urls.items():
-            try:
-                with urllib.request.urlopen(url, timeout=5) as reply:
-                    text = reply.read().decode()
-            except OSError as e:
-                out[name] = {"unreachable": 1.0, "error": str(e)}  # type: ignore[dict-item]
-                continue
-            samples = out[name] = {}
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name.startswith(prefixes) and not sample.name.endswith(skip):
-                        labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                        samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return out
+    def service_counters(self, prefixes: tuple[str, ...]) -> dict[str, dict[str, float]]:
+        """The scheduler's and the gateway's samples (buckets included) whose name starts with one of
+        `prefixes` (per-run deltas: loadtest/experiments/run_metrics.py)."""
+        return _scrape(self.service_metrics_urls, prefixes, buckets=True)
 
     def log_tails(self, lines: int = 15) -> str:
         return "\n".join(f"--- {p.name}\n{p.log_tail(lines)}" for p in self.processes)
+
+
+def _scrape(urls: dict[str, str], prefixes: tuple[str, ...], buckets: bool) -> dict[str, dict[str, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    skip = ("_created",) if buckets else ("_created", "_bucket")
+    out: dict[str, dict[str, float]] = {}
+    for name, url in urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError as e:
+            out[name] = {"unreachable": 1.0, "error": str(e)}  # type: ignore[dict-item]
+            continue
+        samples = out[name] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(prefixes) and not sample.name.endswith(skip):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 def _arg(args: tuple[str, ...], flag: str) -> str:

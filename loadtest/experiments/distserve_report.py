@@ -188,6 +188,19 @@ def print_tables(summary: dict[str, Any]) -> None:
 
 
     print_handoff_phases(summary)
+    print_service_metrics(summary)
+
+
+def print_service_metrics(summary: dict[str, Any]) -> None:
+    """Per run and process: the scheduler's, gateway's and engines' histograms (count, p50 / p90 / p99 /
+    mean ms) and counters (increase) over the run (loadtest/experiments/run_metrics.py)."""
+    for entry in summary.get("configurations", {}).values():
+        for run in entry.get("runs", []):
+            for process, series in sorted((run.get("service_metrics") or {}).items()):
+                cells = [f"{k} n={v['count']} p50={_f(v['p50_ms'])} p90={_f(v['p90_ms'])} p99={_f(v['p99_ms'])} "
+                         f"mean={_f(v['mean_ms'])}" if isinstance(v, dict) else f"{k} +{v:g}"
+                         for k, v in series.items()]
+                print(f"service {run['run']} {process}: " + "; ".join(cells))
 
 
 def print_handoff_phases(summary: dict[str, Any]) -> None:
