@@ -55,6 +55,14 @@ def test_events_dropped_from_the_bounded_buffer_are_gone() -> None:
         log.events_after(0)
 
 
+def test_events_after_any_cursor_are_exactly_the_newer_buffered_ones() -> None:
+    log = EventLog("s", ORG, 5)
+    for data in "abcdefgh":  # events 3..7 stay buffered
+        log.append(data)
+    for seq in range(2, 10):
+        assert [e.seq for e in log.events_after(seq)] == list(range(seq + 1, 8))
+
+
 def test_the_last_follower_disconnecting_requests_an_abort() -> None:
     log = EventLog("s", ORG, 3)
     log.attach()
