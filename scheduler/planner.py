@@ -33,6 +33,7 @@ from typing import Any
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy
 from scheduler.replay import ReplayConfig, replay
+from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
 from scheduler.sim.results import ReplayResult
 from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.sim.trace import Arrival, extend_chain
@@ -81,6 +82,9 @@ class PlanConfig:
     # Per-step and per-sequence cost of a served step beyond the profile's runner time
     # (scheduler/sim/serving.py); without it decode-bound layouts looked ~2x roomier than served.
     serving: ServingCost = MEASURED_H100
+    # The gateway's CPU per request, prompt token and streamed token (scheduler/sim/gateway.py): one gateway
+    # process fronts every layout, and its queue grows with the token rate whatever the layout.
+    gateway: GatewayCost = MEASURED_GATEWAY
     # How often workers report to the scheduler: the interval `baton scheduler` tells them by default
     # (scheduler/adapters/servicer.py), so the simulated scheduler decides on equally stale views.
     heartbeat_s: float = 0.2
@@ -181,7 +185,7 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
 def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
                   config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
-                  ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s))
+                  ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s, gateway=config.gateway))
 
 
 def mean_attainment(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],

@@ -21,6 +21,7 @@ from typing import Any
 
 from scheduler.core.policies import POLICY_NAMES, Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateway
 from scheduler.sim.results import ReplayResult, RequestOutcome
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec, StepOutcome
@@ -38,11 +39,14 @@ class ReplayConfig:
     # What a client's TTFT holds beyond the scheduler's view (the gateway before the route, the first
     # token's way out to the client); added to simulated TTFT and e2e, judged against the SLO.
     client_overhead_s: float = 0.0
+    # The gateway's event loop as a queue that requests and streamed tokens wait in (scheduler/sim/gateway.py).
+    gateway: GatewayCost = NO_GATEWAY
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 class _Event(Enum):
     ARRIVAL = auto()
+    ROUTE = auto()  # the gateway has done a request's admission work: it asks the scheduler
     STEP_DONE = auto()
     TRANSFER_DONE = auto()
     HEARTBEAT = auto()
@@ -62,6 +66,7 @@ class _Replay:
         self.config = config
         self.scheduler = Scheduler(policy, config.scheduler)
         self.workers = {w.worker_id: SimWorker(w, rng, config.step_noise) for w in workers}
+        self.gateway = SimGateway(config.gateway)
         self.trace = {a.request_id: a for a in trace}
         self.slo_for = slo_for
         self.outcomes: dict[str, RequestOutcome] = {}
@@ -89,6 +94,7 @@ class _Replay:
         horizon = max((a.time_s for a in self.trace.values()), default=0.0) + self.config.drain_s
         handlers: dict[_Event, Callable[[Any], None]] = {
             _Event.ARRIVAL: self._on_arrival,
+            _Event.ROUTE: self._on_route,
             _Event.STEP_DONE: self._on_step_done,
             _Event.TRANSFER_DONE: self._on_transfer_done,
             _Event.HEARTBEAT: self._on_heartbeat,
@@ -103,6 +109,12 @@ class _Replay:
     # ---- events --------------------------------------------------------------------------------
 
     def _on_arrival(self, arrival: Arrival) -> None:
+        if self.config.gateway.free:
+            self._on_route(arrival)
+        else:
+            self.push(self.gateway.admit(self.now), _Event.ROUTE, arrival)
+
+    def _on_route(self, arrival: Arrival) -> None:
         request = RequestSummary(
             request_id=arrival.request_id,
             num_prompt_tokens=arrival.prompt_tokens,
@@ -128,6 +140,11 @@ class _Replay:
     def _on_step_done(self, worker_id: str) -> None:
         worker = self.workers[worker_id]
         outcome: StepOutcome = worker.finish_step(self.now)
+        out = self.gateway.stream(self.now, outcome.tokens)
+        for seq in outcome.first_tokens:
+            seq.first_token_out_at = out
+        for seq in outcome.finished:
+            seq.finished_out_at = out
         for job in outcome.prefilled:
             # The KV the decode worker lacks crosses the link; the first token is out when it lands.
             tokens = job.seq.arrival.prompt_tokens - job.seq.decode_cached_tokens
@@ -139,7 +156,10 @@ class _Replay:
     def _on_transfer_done(self, seq: SimSequence) -> None:
         worker = self.workers[seq.decode_worker]
         done = worker.land(seq, self.now)
+        if seq.first_token_at is not None:  # committed at once (no step in flight): its first token is out
+            seq.first_token_out_at = self.gateway.stream(self.now, 1)
         if done is not None:
+            done.finished_out_at = seq.first_token_out_at
             self._finish([done])
             self._allocate(worker)
         self._kick(worker)
@@ -197,9 +217,11 @@ class _Replay:
     def _record(self, arrival: Arrival, seq: SimSequence | None, rejected: bool) -> None:
         ttft = tpot = e2e = None
         if seq is not None and seq.first_token_at is not None and seq.finished_at is not None:
-            ttft = seq.first_token_at - arrival.time_s + self.config.client_overhead_s
-            e2e = seq.finished_at - arrival.time_s + self.config.client_overhead_s
-            tpot = (seq.finished_at - seq.first_token_at) / max(seq.output_tokens - 1, 1)
+            first = seq.first_token_out_at if seq.first_token_out_at is not None else seq.first_token_at
+            last = seq.finished_out_at if seq.finished_out_at is not None else seq.finished_at
+            ttft = first - arrival.time_s + self.config.client_overhead_s
+            e2e = last - arrival.time_s + self.config.client_overhead_s
+            tpot = (last - first) / max(seq.output_tokens - 1, 1)
         slo = self.slo_for(arrival.tier)
         met = (
             ttft is not None and tpot is not None and ttft * 1e3 <= slo.ttft_ms and tpot * 1e3 <= slo.tpot_ms

@@ -27,6 +27,7 @@ from scheduler.planner import (
     synthetic_trace,
     trace_from_rows,
 )
+from scheduler.sim.gateway import GatewayCost
 from scheduler.sim.serving import ServingCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import SLO
@@ -64,10 +65,18 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--serving-seq-us", type=float, default=serving.per_seq_s * 1e6,
                    help="the same, per sequence in the step")
     p.add_argument("--serving-prefill-step-ms", type=float, default=serving.per_prefill_step_s * 1e3,
-                   help="the same, added to a step that carries prefill tokens (default: measured on 4xH100; "
-                        "fit your own with loadtest/experiments/prefill_serving_cost.py)")
+                   help="the same, added to a step that carries prefill for another worker (default: measured "
+                        "on 4xH100; fit your own with loadtest/experiments/prefill_serving_cost.py)")
     p.add_argument("--serving-prefill-done-ms", type=float, default=serving.per_prefill_done_s * 1e3,
-                   help="the same, per prompt whose prefill ends in the step")
+                   help="the same, per prompt whose prefill ends in the step and is handed over")
+    p.add_argument("--serving-context-ns", type=float, default=serving.per_context_token_s * 1e9,
+                   help="the same, per context token of the decoding sequences")
+    gateway = PlanConfig.gateway
+    p.add_argument("--gateway-request-ms", type=float, default=gateway.per_request_s * 1e3,
+                   help="the gateway's CPU per request (default: measured on 4xH100, docs/benchmarks.md); "
+                        "0 with the token cost below models a gateway that never queues")
+    p.add_argument("--gateway-token-us", type=float, default=gateway.per_token_s * 1e6,
+                   help="the gateway's CPU per streamed token (one gateway process fronts every layout)")
     p.add_argument("--kv-blocks-per-gpu", type=int, default=PlanConfig.kv_blocks_per_gpu)
     p.add_argument("--block-size", type=int, default=PlanConfig.block_size)
     p.add_argument("--max-batch", type=int, default=PlanConfig.max_batch, help="max_num_seqs per worker")
@@ -86,7 +95,9 @@ def run_plan(args: argparse.Namespace) -> int:
             handoff_s=args.handoff_ms / 1e3, seed=args.seed, attainment_target=args.attainment,
             serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
-                                per_prefill_done_s=args.serving_prefill_done_ms / 1e3),
+                                per_prefill_done_s=args.serving_prefill_done_ms / 1e3,
+                                per_context_token_s=args.serving_context_ns / 1e9),
+            gateway=GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6),
             search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,
             tie_margin=args.tie_margin,
         )

@@ -24,6 +24,18 @@ enough to keep the GPU busy, as kernel-launch CPU time would be). Fitted the sam
 ms, +7.8 ms per prompt), it followed the loaded runs' `prefill_compute` better (mean |error| 8 vs
 21 ms) but their attainment and TTFT worse (mean |error| 0.089 vs 0.072, TTFT p50 101 vs 74 ms),
 and it put a saturated prefill worker at ~13.6 2k-prompts/s where 2P2D at 36 req/s measured <= 12.4.
+
+The two prefill terms price the hand-off path, so they apply to remote prefills only: a step that
+carries prefill for another worker, and each prompt whose KV is handed over. A prompt prefilled on its
+own decode worker pays neither (the workers' per-kind step histograms, docs/benchmarks.md: mixed steps
+of a 512-token chunk and ~40 decodes took 24-36 ms on co-located workers, about the profile's
+prefill + decode; charging them the terms too made co-located TPOT 33 ms where 19 were measured at
+30 req/s of 2k prompts).
+
+Decode steps over long contexts cost more served than profiled: the single decode worker of 3P1D at
+20 req/s of 2k prompts (~54 sequences of ~2.1k tokens) stepped in 14.7 ms mean against the profile's
+12.0 ms, ~2.5e-8 s per context token more (`per_context_token_s`); ShareGPT's ~300-token contexts
+showed no such excess.
 """
 
 from __future__ import annotations
@@ -35,23 +47,36 @@ from dataclasses import dataclass
 class ServingCost:
     per_step_s: float = 0.0  # every step
     per_seq_s: float = 0.0  # per sequence in the step (decoding, or a prefill chunk that samples)
-    per_prefill_step_s: float = 0.0  # on top, for a step that carries prefill tokens
-    per_prefill_done_s: float = 0.0  # on top, per prompt whose prefill ends in the step
+    per_prefill_step_s: float = 0.0  # on top, for a step that carries prefill for another worker
+    per_prefill_done_s: float = 0.0  # on top, per prompt whose prefill ends in the step and is handed over
+    per_context_token_s: float = 0.0  # per context token of the decoding sequences
 
     def __post_init__(self) -> None:
-        if min(self.per_step_s, self.per_seq_s, self.per_prefill_step_s, self.per_prefill_done_s) < 0:
+        if min(self.per_step_s, self.per_seq_s, self.per_prefill_step_s, self.per_prefill_done_s,
+               self.per_context_token_s) < 0:
             raise ValueError(f"serving costs must be non-negative, got {self}")
 
-    def step_s(self, decoding: int, prompts_done: int, prefill: bool) -> float:
-        """A step of `decoding` sequences that finishes `prompts_done` prefills (both sample a token);
-        `prefill`: it carries prefill tokens."""
-        sequences = decoding + prompts_done
+    def step_s(self, step: StepShape) -> float:
+        sequences = step.decoding + step.prompts_done
         base = self.per_step_s + self.per_seq_s * sequences if sequences > 0 else 0.0
-        return base + (self.per_prefill_step_s if prefill else 0.0) + self.per_prefill_done_s * prompts_done
+        return (base + self.per_context_token_s * step.context_tokens
+                + (self.per_prefill_step_s if step.remote_prefill else 0.0) + self.per_prefill_done_s * step.handed_off)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a simulated step holds, as far as its serving cost goes."""
+
+    decoding: int = 0  # sequences decoding one token
+    context_tokens: int = 0  # their context
+    prompts_done: int = 0  # prompts whose prefill ends here (they sample their first token)
+    remote_prefill: bool = False  # the step carries prefill tokens of prompts decoded on another worker
+    handed_off: int = 0  # of prompts_done, those whose KV goes to another worker
 
 
 NONE = ServingCost()
 # The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1): see the module docstring. The
 # prefill terms were fitted against that run's profile refitted with its floor (21.9 ms up to ~680
 # tokens, then 1.04 ms + 30.9 us/token); against a floorless profile they would be different.
-MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.7e-3, per_prefill_done_s=10.9e-3)
+MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.7e-3, per_prefill_done_s=10.9e-3,
+                            per_context_token_s=2.5e-8)

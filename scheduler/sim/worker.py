@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.prefix_cache import SimPrefixCache
-from scheduler.sim.serving import NONE, ServingCost
+from scheduler.sim.serving import NONE, ServingCost, StepShape
 from scheduler.sim.trace import Arrival
 from scheduler.types import (
     SLO,
@@ -98,6 +98,9 @@ class SimSequence:
     prefill_queued_at: float | None = None  # blocks held: its prefill queued
     prefill_started_at: float | None = None  # its first prefill chunk's step began
     prefilled_at: float | None = None  # its last prefill chunk's step ended
+    # When the client sees the first and the last token: through the gateway (scheduler/sim/gateway.py).
+    first_token_out_at: float | None = None
+    finished_out_at: float | None = None
 
     @property
     def context(self) -> int:
@@ -120,6 +123,8 @@ class PrefillJob:
 class StepOutcome:
     prefilled: list[PrefillJob] = field(default_factory=list)  # remote jobs: the driver starts the transfer
     finished: list[SimSequence] = field(default_factory=list)
+    first_tokens: list[SimSequence] = field(default_factory=list)  # sequences whose first token is out now
+    tokens: int = 0  # tokens the step produced here (decodes and first tokens), each streamed to a client
 
 
 class SimWorker:
@@ -229,15 +234,18 @@ class SimWorker:
             prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter()
             self._samples.append(PrefillSample(tokens, prefill_s, attention))
             seconds += prefill_s
+        context = sum(s.context for s in decoding)
         if decoding:
-            context = sum(s.context for s in decoding)
             decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
             if jobs:
                 decode_s *= self.spec.mixed_decode_share
             self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
-        prompts_done = sum(1 for j, t in jobs if t >= j.remaining)  # their first token is sampled now
-        seconds += self.spec.serving.step_s(len(decoding), prompts_done, prefill=bool(jobs)) * self._jitter()
+        done = [j for j, t in jobs if t >= j.remaining]  # their first token is sampled now
+        handed_off = sum(1 for j in done if j.seq.decode_worker != self.worker_id)
+        remote = any(j.seq.decode_worker != self.worker_id for j, _ in jobs)
+        shape = StepShape(len(decoding), context, len(done), remote, handed_off)
+        seconds += self.spec.serving.step_s(shape) * self._jitter()
         self._step = (jobs, decoding)
         return seconds
 
@@ -245,7 +253,7 @@ class SimWorker:
         assert self._step is not None, "finish_step without start_step"
         jobs, decoding = self._step
         self._step = None
-        outcome = StepOutcome()
+        outcome = StepOutcome(tokens=len(decoding))
         for seq in decoding:
             seq.generated += 1
             if seq.generated >= seq.output_tokens:
@@ -263,11 +271,14 @@ class SimWorker:
             if job.seq.decode_worker != self.worker_id:
                 outcome.prefilled.append(job)
                 continue
+            outcome.first_tokens.append(job.seq)
             done = self.join(job.seq, now)
             if done is not None:
                 outcome.finished.append(done)
         landed, self._landed = self._landed, []
+        outcome.first_tokens.extend(landed)
         outcome.finished.extend(seq for seq in landed if self.join(seq, now) is not None)
+        outcome.tokens += len(outcome.first_tokens)
         return outcome
 
     def transfer_s(self, tokens: int) -> float:

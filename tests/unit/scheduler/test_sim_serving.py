@@ -12,7 +12,7 @@ from loadtest.experiments.serving_cost import Bucket, buckets, fit, gaps
 from loadtest.records import RequestRecord
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, workers_for
-from scheduler.sim.serving import MEASURED_H100, ServingCost
+from scheduler.sim.serving import MEASURED_H100, ServingCost, StepShape
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -42,8 +42,24 @@ def test_a_decode_step_costs_the_profile_plus_the_serving_cost_per_step_and_sequ
         assert _decode_step_s(batch, serving) == pytest.approx(runner + 0.001 + 1e-4 * batch)
 
 
+def test_long_contexts_cost_more_per_token_when_the_serving_cost_says_so() -> None:
+    serving = ServingCost(per_context_token_s=2e-8)
+    for batch in (1, 32, 128):
+        runner = PROFILE.decode_step_s(batch, 64 * batch)
+        context = (64 + 1) * batch  # the prompt and the first token
+        assert _decode_step_s(batch, serving) == pytest.approx(runner + 2e-8 * context)
+
+
+def test_the_prefill_terms_price_only_the_hand_off_path() -> None:
+    serving = ServingCost(per_seq_s=1e-4, per_prefill_step_s=0.008, per_prefill_done_s=0.010)
+    local = StepShape(decoding=3, context_tokens=300, prompts_done=1)
+    remote = StepShape(prompts_done=1, remote_prefill=True, handed_off=1)
+    assert serving.step_s(local) == pytest.approx(4e-4)
+    assert serving.step_s(remote) == pytest.approx(1e-4 + 0.008 + 0.010)
+
+
 def test_an_idle_step_costs_nothing_and_negative_costs_are_refused() -> None:
-    assert ServingCost(0.001, 1e-4).step_s(0, 0, prefill=False) == 0.0
+    assert ServingCost(0.001, 1e-4).step_s(StepShape()) == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         ServingCost(per_seq_s=-1e-6)
 
