@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from loadtest.experiments.handoff_phases import scrape
 from loadtest.experiments.layouts import parse_layout
 from services.launcher.process import SupervisedProcess, free_port
 
@@ -155,23 +156,12 @@ class Cluster:
 
 
 def _scrape(urls: dict[str, str], prefixes: tuple[str, ...], buckets: bool) -> dict[str, dict[str, float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    skip = ("_created",) if buckets else ("_created", "_bucket")
     out: dict[str, dict[str, float]] = {}
     for name, url in urls.items():
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                text = reply.read().decode()
+            out[name] = scrape(url, prefixes, buckets)
         except OSError as e:
             out[name] = {"unreachable": 1.0, "error": str(e)}  # type: ignore[dict-item]
-            continue
-        samples = out[name] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(prefixes) and not sample.name.endswith(skip):
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                    samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

@@ -19,17 +19,19 @@ PHASE_PREFIXES = ("baton_pd_handoff_phase_seconds", "baton_kv_transfer_seconds")
 _KEY = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\}$")
 
 
-def scrape(url: str, prefixes: tuple[str, ...] = PHASE_PREFIXES) -> dict[str, float]:
-    """One worker's samples (buckets included) whose name starts with one of `prefixes`, keyed
-    `name{label=value,...}` with labels sorted, the way `Cluster.worker_counters` keys them."""
+def scrape(url: str, prefixes: tuple[str, ...] = PHASE_PREFIXES, buckets: bool = True) -> dict[str, float]:
+    """One process's samples (histogram buckets too with `buckets`) whose name starts with one of
+    `prefixes`, keyed `name{label=value,...}` with labels sorted, the way `Cluster.worker_counters` keys
+    them. Raises OSError when the endpoint cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    skip = ("_created",) if buckets else ("_created", "_bucket")
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith(prefixes) and not sample.name.endswith("_created"):
+            if sample.name.startswith(prefixes) and not sample.name.endswith(skip):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
@@ -42,7 +44,7 @@ def phase_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str
     for worker, samples in after.items():
         delta = {k: v - before.get(worker, {}).get(k, 0.0) for k, v in samples.items() if isinstance(v, float)}
         phases = _histograms(delta)
-        summary = {phase: _describe(h, quantiles) for phase, h in phases.items() if h["count"] > 0}
+        summary = {phase: describe(h, quantiles) for phase, h in phases.items() if h["count"] > 0}
         if summary:
             out[worker] = summary
     return out
@@ -71,7 +73,8 @@ def _histograms(delta: dict[str, float]) -> dict[str, dict[str, Any]]:
     return hists
 
 
-def _describe(h: dict[str, Any], quantiles: tuple[float, ...]) -> dict[str, Any]:
+def describe(h: dict[str, Any], quantiles: tuple[float, ...]) -> dict[str, Any]:
+    """A histogram delta ({count, sum, buckets}) as count, mean and quantiles in ms."""
     row: dict[str, Any] = {"count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1e3, 3)}
     for q in quantiles:
         value = quantile(h["buckets"], q)

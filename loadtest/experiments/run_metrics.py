@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from loadtest.experiments.handoff_phases import quantile
+from loadtest.experiments.handoff_phases import describe
 
 SERVICE_PREFIXES = (
     "baton_scheduler_queue_wait_seconds", "baton_scheduler_decisions", "baton_scheduler_event_loop_lag_seconds",
@@ -67,14 +67,7 @@ def _summaries(delta: dict[str, float], quantiles: tuple[float, ...]) -> dict[st
         else:
             h[part.removeprefix("_")] = value
     out: dict[str, Any] = {k: round(v, 3) for k, v in sorted(counters.items())}
-    for series, h in sorted(histograms.items()):
-        if h["count"] <= 0:
-            continue
-        row: dict[str, Any] = {"count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1e3, 3)}
-        for q in quantiles:
-            at = quantile(h["buckets"], q)
-            row[f"p{round(q * 100):d}_ms"] = None if at is None else round(at * 1e3, 3)
-        out[series] = row
+    out.update({series: describe(h, quantiles) for series, h in sorted(histograms.items()) if h["count"] > 0})
     return out
 
 
