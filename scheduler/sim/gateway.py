@@ -55,7 +55,8 @@ class SimGateway:
         """When `tokens` produced `now` (one step's) are out to their clients."""
         return self._queue(now, self.cost.per_token_s * tokens) if tokens else now
 
-# One gateway process on the 4xH100 host of docs/benchmarks.md, after its stream-log fix: replaying the
-# ShareGPT and random runs with TPOT <= 20 ms fitted 100 us per streamed token and 1 ms per request
-# (py-spy put its CPU at 110-140 us per streamed token, per-request work included).
-MEASURED_GATEWAY = GatewayCost(per_request_s=1e-3, per_token_s=100e-6)
+# One gateway process on the 4xH100 host of docs/benchmarks.md, after its stream-log and tokenizer fixes:
+# replaying that host's runs fitted 100 us per streamed token (py-spy put its CPU at 110-140 us per streamed
+# token, per-request work included) and, refitted with the serving terms on 2026-11-27
+# (scheduler/sim/serving.py), 2.66 ms per request.
+MEASURED_GATEWAY = GatewayCost(per_request_s=2.66e-3, per_token_s=100e-6)

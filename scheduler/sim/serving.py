@@ -32,10 +32,18 @@ of a 512-token chunk and ~40 decodes took 24-36 ms on co-located workers, about 
 prefill + decode; charging them the terms too made co-located TPOT 33 ms where 19 were measured at
 30 req/s of 2k prompts).
 
-Decode steps over long contexts cost more served than profiled: the single decode worker of 3P1D at
-20 req/s of 2k prompts (~54 sequences of ~2.1k tokens) stepped in 14.7 ms mean against the profile's
-12.0 ms, ~2.5e-8 s per context token more (`per_context_token_s`); ShareGPT's ~300-token contexts
-showed no such excess.
+Decode steps over long contexts cost more served than profiled (`per_context_token_s`): the single
+decode worker of 3P1D at 20 req/s of 2k prompts (~54 sequences of ~2.1k tokens) stepped in 14.7 ms mean
+against the profile's 12.0 ms; ShareGPT's ~300-token contexts showed no such excess.
+
+Refitted 2026-11-27 after the gateway stopped stalling its event loop (its stream log, then the tokenizer
+holding the GIL; docs/benchmarks.md, "After the tokenizer fix"). Client token gaps had carried the
+gateway's stalls, so the terms above, fitted from them, had priced the gateway as worker time. Coordinate
+descent over all terms and the gateway's, replaying the 48 runs of that day's 4xH100 repeat (attainment and
+log TTFT/TPOT errors, each run alike), moved per step 1.24 -> 0.3 ms, per sequence 117 -> 156 us, per
+context token 25 -> 12.5 ns, and the per-step prefill term 8.7 -> 0 ms (the per-prompt hand-off term kept
+its 10.9 ms); mean |error| of attainment 0.159 -> 0.104 over those runs, and of the per-GPU capacity the
+planner predicts for the measured layouts 18% -> 10%. In-sample: the same runs judged it.
 """
 
 from __future__ import annotations
@@ -75,8 +83,8 @@ class StepShape:
 
 
 NONE = ServingCost()
-# The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1): see the module docstring. The
-# prefill terms were fitted against that run's profile refitted with its floor (21.9 ms up to ~680
-# tokens, then 1.04 ms + 30.9 us/token); against a floorless profile they would be different.
-MEASURED_H100 = ServingCost(per_step_s=1.24e-3, per_seq_s=117e-6, per_prefill_step_s=8.7e-3, per_prefill_done_s=10.9e-3,
-                            per_context_token_s=2.5e-8)
+# The 4xH100 host of docs/benchmarks.md (Llama-3.1-8B shape, TP=1), as refitted on 2026-11-27 (module
+# docstring), against that host's profile refitted with its prefill floor (15.9 ms floor, then 4.36 ms +
+# 15.6 us/token + 3.2 ns/token^2: docs/benchmarks.md); against a floorless profile they would differ.
+MEASURED_H100 = ServingCost(per_step_s=0.3e-3, per_seq_s=156e-6, per_prefill_step_s=0.0, per_prefill_done_s=10.9e-3,
+                            per_context_token_s=1.25e-8)
