@@ -46,6 +46,8 @@ class SSEResponse(Response):
                            "x-baton-stream-id": event_log.stream_id, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Logged with the end below: a stream whose abort never came shows which of the two it reached.
+        log.info("stream %s: response starts after event %d", self.event_log.stream_id, self.after_seq)
         self.event_log.attach()
         completed = False  # anything else (disconnect, broken pipe, server cancelling us) counts as gone
         tasks: list[asyncio.Future[None]] = []
@@ -65,6 +67,8 @@ class SSEResponse(Response):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("stream %s: response ends (%s)", self.event_log.stream_id,
+                     "completed" if completed else "client gone")
             self.event_log.detach(disconnected=not completed)
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
