@@ -103,6 +103,13 @@ class Batcher:
         return waiting + sum(seq.num_pending_tokens for seq in self._running if seq.num_pending_tokens > 1)
 
     @property
+    def num_pending_prefill_requests(self) -> int:
+        """The prompts `num_pending_prefill_tokens` belongs to: waiting, or running part-way through
+        their chunks. The scheduler prices a backlog per prompt (attention grows with each prompt's
+        length), so it needs both numbers from one view."""
+        return len(self._waiting) + sum(1 for seq in self._running if seq.num_pending_tokens > 1)
+
+    @property
     def num_preemptions(self) -> int:
         """Preemptions since start (each costs a recompute of the victim's tokens)."""
         return self._num_preemptions

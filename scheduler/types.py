@@ -105,10 +105,13 @@ class WorkerSnapshot:
     # Batch slots (the engine's max_num_seqs): sequences beyond it wait inside the worker for one to
     # finish, however fast a step is. 0: unknown (an older worker), treated as unlimited.
     max_num_seqs: int = 0
+    # The prompts `inflight_prefill_tokens` belongs to, mid-prefill ones included (`queue_depth` counts
+    # only those not started). 0: unknown (an older worker): `queue_depth` stands in.
+    inflight_prefill_requests: int = 0
 
     def __post_init__(self) -> None:
         counts = (self.queue_depth, self.running_seqs, self.free_blocks, self.inflight_prefill_tokens)
-        if min(counts) < 0 or self.running_context_tokens < 0 or self.max_num_seqs < 0:
+        if min(counts) < 0 or min(self.running_context_tokens, self.max_num_seqs, self.inflight_prefill_requests) < 0:
             raise ValueError(f"worker {self.worker_id}: load counts must be non-negative")
         if self.block_size <= 0 or not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(

@@ -6,10 +6,12 @@ the gateway then waits out its 200 ms call timeout), from the gateway's own loop
 suite scrapes these histograms and counters before and after each run and keeps the difference:
 
 - scheduler: `baton_scheduler_queue_wait_seconds`, `baton_scheduler_decisions` (by kind and reason),
-  `baton_scheduler_event_loop_lag_seconds`, `baton_scheduler_gc_pause_seconds`;
+  `baton_scheduler_prefill_sites` (local or remote, by reason), `baton_scheduler_event_loop_lag_seconds`,
+  `baton_scheduler_gc_pause_seconds`;
 - gateway: `baton_gateway_ttft_seconds`, `baton_gateway_event_loop_lag_seconds`,
   `baton_gateway_gc_pause_seconds`;
-- each worker: `baton_engine_step_seconds` by kind of step (prefill, decode, mixed).
+- each worker: `baton_engine_step_seconds` by kind of step (prefill, decode, mixed), and a decode
+  worker's `baton_pd_prefill_path` (prompts prefilled locally or handed over).
 
 Histograms come out as count, mean and quantiles (linear in a bucket, as in handoff_phases.py);
 counters as their increase.
@@ -23,11 +25,12 @@ from typing import Any
 from loadtest.experiments.handoff_phases import describe
 
 SERVICE_PREFIXES = (
-    "baton_scheduler_queue_wait_seconds", "baton_scheduler_decisions", "baton_scheduler_event_loop_lag_seconds",
+    "baton_scheduler_queue_wait_seconds", "baton_scheduler_decisions", "baton_scheduler_prefill_sites",
+    "baton_scheduler_event_loop_lag_seconds",
     "baton_scheduler_gc_pause_seconds", "baton_gateway_ttft_seconds", "baton_gateway_event_loop_lag_seconds",
     "baton_gateway_gc_pause_seconds",
 )
-WORKER_PREFIXES = ("baton_engine_step_seconds",)
+WORKER_PREFIXES = ("baton_engine_step_seconds", "baton_pd_prefill_path")
 _KEY = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})?$")
 _HISTOGRAM_PARTS = ("_bucket", "_count", "_sum")
 

@@ -86,6 +86,7 @@ def snapshot_from_status(
             heartbeat_at=now,  # WorkerStatus carries no send time; liveness uses receipt time anyway
             running_context_tokens=running_context_tokens,
             max_num_seqs=status.max_num_seqs,
+            inflight_prefill_requests=status.inflight_prefill_requests,
         )
     except InvalidMessageError:
         raise
@@ -105,6 +106,7 @@ def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
         block_size=snapshot.block_size,
         inflight_prefill_tokens=snapshot.inflight_prefill_tokens,
         max_num_seqs=snapshot.max_num_seqs,
+        inflight_prefill_requests=snapshot.inflight_prefill_requests,
     )
 
 

@@ -19,7 +19,7 @@ from scheduler.types import WorkerRole, WorkerSnapshot
 class WorkerLoad:
     snapshot: WorkerSnapshot
     queued_prefill_tokens: int  # prompt tokens waiting to be prefilled here, reported + routed since
-    queued_prefill_requests: int
+    queued_prefill_requests: int  # the prompts those tokens belong to (mid-prefill ones included)
     decode_batch: int  # sequences that will be in the decode batch: running + waiting + routed since
     context_tokens: int  # their summed context length
     free_blocks: int  # reported free blocks minus blocks reserved by requests routed since

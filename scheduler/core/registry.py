@@ -73,7 +73,7 @@ class _WorkerRecord:
         return WorkerLoad(
             snapshot=s,
             queued_prefill_tokens=s.inflight_prefill_tokens + r.prefill_tokens,
-            queued_prefill_requests=s.queue_depth + r.prefill_requests,
+            queued_prefill_requests=max(s.queue_depth, s.inflight_prefill_requests) + r.prefill_requests,
             decode_batch=s.running_seqs + s.queue_depth + r.decode_seqs,
             context_tokens=s.running_context_tokens + r.context_tokens,
             free_blocks=max(s.free_blocks - r.blocks, 0),

@@ -313,12 +313,14 @@ class SimWorker:
     def heartbeat(self, now: float) -> tuple[WorkerSnapshot, list[StepSample], list[KVEvent]]:
         """The snapshot, samples and KV events a real worker would send now."""
         in_step = [job for job, _ in self._step[0]] if self._step is not None else []
-        queued_tokens = sum(j.remaining for j in {*self._prefill_queue, *in_step})
+        jobs = {*self._prefill_queue, *in_step}
+        queued_tokens = sum(j.remaining for j in jobs)
         # Like the engine's pending prefill tokens: prompts waiting for a slot here count too.
-        queued_tokens += sum(s.arrival.prompt_tokens for s in self._waiting if s.prefill_worker is None)
+        local_waiting = [s for s in self._waiting if s.prefill_worker is None]
+        queued_tokens += sum(s.arrival.prompt_tokens for s in local_waiting)
         not_running = len(self._waiting) + self._holding - len(self._running)
-        if self.spec.role is WorkerRole.PREFILL:
-            not_running = len(self._prefill_queue)
+        if self.spec.role is WorkerRole.PREFILL:  # like the engine's waiting queue: not started yet
+            not_running = sum(1 for j in self._prefill_queue if not j.done_tokens and j not in in_step)
         snapshot = WorkerSnapshot(
             worker_id=self.worker_id,
             role=self.spec.role,
@@ -333,6 +335,7 @@ class SimWorker:
             heartbeat_at=now,
             running_context_tokens=sum(s.context for s in self._running),
             max_num_seqs=self.spec.max_batch,
+            inflight_prefill_requests=len(jobs) + len(local_waiting),
         )
         samples, self._samples = self._samples, []
         return snapshot, samples, self.cache.drain_events()

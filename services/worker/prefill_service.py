@@ -90,6 +90,10 @@ class PrefillService:
     def inflight_prefill_tokens(self) -> int:
         return sum(len(j.order.prompt) for j in self._jobs.values() if j.prefilling)
 
+    @property
+    def inflight_prefill_requests(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.prefilling)
+
     async def handshake(self, decode: HandshakeInfo) -> HandshakeInfo:
         """Check the decode worker's layout (IncompatiblePeerError names each field), connect once."""
         name = await self._link.add_peer(decode)

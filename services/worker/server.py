@@ -155,14 +155,17 @@ class WorkerServer:
         self.metrics.held_blocks.set(s.held_blocks)
         quarantined = self._decode.num_quarantined if self._decode is not None else 0
         self.metrics.quarantined.set(quarantined)
+        # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
+        # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum, and
+        # its prompt count with it (the scheduler prices a backlog per prompt).
+        backlog = (s.num_pending_prefill_tokens, s.num_pending_prefill_requests)
+        if self._prefill is not None:
+            backlog = max(backlog, (self._prefill.inflight_prefill_tokens, self._prefill.inflight_prefill_requests))
         return pb.WorkerStatus(
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-            # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
-            # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum.
-            inflight_prefill_tokens=max(s.num_pending_prefill_tokens, self._prefill.inflight_prefill_tokens
-                                        if self._prefill is not None else 0),
+            inflight_prefill_tokens=backlog[0], inflight_prefill_requests=backlog[1],
             held_blocks=s.held_blocks, quarantined_requests=quarantined,
             waiting_for_remote_kv=s.num_waiting_for_remote_kv,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,

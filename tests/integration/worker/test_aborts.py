@@ -70,6 +70,8 @@ def test_abort_while_waiting_for_the_prefill_worker(cluster, pool, prompt):
     _, result = _start(pool, cluster.decode, req)
     wait_for(lambda: cluster.decode.status().waiting_for_remote_kv == 1, 10, "a reservation")
     wait_for(lambda: cluster.prefill.status().inflight_prefill_tokens > 0, 10, "the prefill job")
+    status = cluster.prefill.status()  # the scheduler prices a backlog per prompt: the count comes with the tokens
+    assert (status.inflight_prefill_tokens, status.inflight_prefill_requests) == (len(prompt), 1)
     assert _abort(cluster.decode, req.request_id)
     assert result.result(QUICK_S).finish_reason == pb.FINISH_REASON_ABORT
 

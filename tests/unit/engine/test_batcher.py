@@ -359,8 +359,10 @@ def test_pending_prefill_tokens_count_queued_prompts_not_decodes() -> None:
     batcher = Batcher(BatcherConfig(max_num_seqs=4, max_num_batched_tokens=8, max_prefill_chunk=8), bm, 256)
     batcher.add(Sequence(request_id="a", prompt_token_ids=list(range(1, 6)), sampling=SamplingParams()))
     batcher.add(Sequence(request_id="b", prompt_token_ids=list(range(1, 11)), sampling=SamplingParams()))
-    assert batcher.num_pending_prefill_tokens == 15
+    assert (batcher.num_pending_prefill_tokens, batcher.num_pending_prefill_requests) == (15, 2)
     plan = batcher.schedule()  # a: all 5 tokens; b: the first 3 (budget 8)
     batcher.postprocess(plan, StepResult(sampled={c.request_id: SampledToken(7) for c in plan.chunks
                                                   if c.needs_sample}))
     assert batcher.num_pending_prefill_tokens == 7  # b's remaining 7; a now only decodes
+    # b is running (no longer waiting) part-way through its chunks: still one prompt behind those 7 tokens
+    assert (batcher.num_waiting, batcher.num_pending_prefill_requests) == (0, 1)

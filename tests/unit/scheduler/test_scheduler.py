@@ -1,3 +1,4 @@
+from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy, LeastLoadedPolicy, RoundRobinPolicy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import (
@@ -192,3 +193,33 @@ def test_when_the_only_worker_is_reported_failed_requests_find_no_worker(make_sn
     scheduler = scheduler_with(RoundRobinPolicy(), make_snapshot, "w")
     scheduler.report_failure("w", now=0.1)
     assert scheduler.route(make_request("r"), now=0.2).reason == Reason.NO_WORKERS
+
+
+# An H100-like prefill line with its attention term: a backlog priced as one lumped prompt costs the
+# square of the whole queue's length.
+_H100_LIKE = WorkerProfile(
+    prefill_fixed_s=4e-3, prefill_per_token_s=1.6e-5, prefill_per_token_sq_s=3.2e-9, prefill_floor_s=0.016,
+    decode_fixed_s=6.7e-3, decode_per_seq_s=1e-5, decode_per_context_token_s=4.3e-8,
+    transfer_fixed_s=0.011, transfer_per_token_s=2e-6,
+)
+
+
+def test_a_prefill_workers_backlog_is_priced_per_prompt_it_reports(make_snapshot, make_request) -> None:
+    """A chunked prefill worker computes four 2k prompts at once and has one more waiting: 10,240 tokens,
+    but only 1 not started (`queue_depth`). Priced as one 10k-token prompt, the remote TTFT passed the
+    500 ms target and the prompt went to the decode worker, into its 24-sequence batch (on 4xH100 the
+    scheduler did that to 13% of the prompts at 24 req/s, and the batch's TPOT p90 rose past 20 ms).
+    With the prompt count the worker reports, the same backlog is five 2k prompts: remote, on time."""
+    def route_with(reported_prompts: int):
+        scheduler = Scheduler(GoodputPolicy(), SchedulerConfig(heartbeat_timeout_s=TIMEOUT_S, dispatch_grace_s=0.05,
+                                                                default_profile=_H100_LIKE))
+        scheduler.register(make_snapshot("d", running_seqs=24, running_context_tokens=24 * 2100), now=0.0)
+        scheduler.register(make_snapshot("p", WorkerRole.PREFILL, queue_depth=1, running_seqs=4,
+                                         inflight_prefill_tokens=10_240,
+                                         inflight_prefill_requests=reported_prompts), now=0.0)
+        return scheduler.route(make_request("r", prompt=2048, slo=SLO(500, 20)), now=0.0)
+
+    lumped, counted = route_with(0), route_with(5)  # 0: an older worker that does not say
+    assert (lumped.prefill_worker_id, lumped.prefill_reason) == (None, "prefill_fleet_busy")
+    assert (counted.prefill_worker_id, counted.prefill_reason) == ("p", "remote_cheaper")
+    assert counted.predicted_ttft_ms < 500

@@ -102,3 +102,11 @@ def test_a_decision_degraded_to_a_smaller_model_names_it_and_keeps_the_asked_cap
     decision = RouteDecision("r", DecisionKind.DEGRADE, decode_worker_id="s", model="small")
     response = response_from_decision(decision, workers, asked_max_tokens=64)
     assert (response.model, response.max_tokens, response.decode_worker) == ("small", 64, "s:1")
+
+
+def test_the_prompt_count_of_a_prefill_backlog_crosses_the_wire() -> None:
+    wire = status("p", role="prefill", queue_depth=1, inflight_prefill_tokens=10_240, inflight_prefill_requests=5)
+    snapshot = snapshot_from_status(wire, "p:1", now=0.0)
+    counts = (snapshot.queue_depth, snapshot.inflight_prefill_tokens, snapshot.inflight_prefill_requests)
+    assert counts == (1, 10_240, 5)
+    assert status_from_snapshot(snapshot).inflight_prefill_requests == 5
