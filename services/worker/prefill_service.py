@@ -64,7 +64,9 @@ class PrefillResult:
 class _RunningOrder:
     order: PrefillOrder
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
-    prefilling: bool = True  # counts toward in-flight prefill tokens until the first token
+    prefilling: bool = True  # until the first token
+    # Handed to the engine: from then on its remaining tokens are in the engine's pending prefill count.
+    in_engine: bool = False
     task: asyncio.Task[PrefillResult] | None = None
 
 
@@ -86,13 +88,11 @@ class PrefillService:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
-    @property
-    def inflight_prefill_tokens(self) -> int:
-        return sum(len(j.order.prompt) for j in self._jobs.values() if j.prefilling)
-
-    @property
-    def inflight_prefill_requests(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.prefilling)
+    def unsubmitted_prefill(self) -> tuple[int, int]:
+        """(prompt tokens, prompts) of jobs not handed to the engine yet (queued behind a delay, or just
+        arrived): the engine's pending count does not hold them, and the scheduler must."""
+        waiting = [len(j.order.prompt) for j in self._jobs.values() if j.prefilling and not j.in_engine]
+        return sum(waiting), len(waiting)
 
     async def handshake(self, decode: HandshakeInfo) -> HandshakeInfo:
         """Check the decode worker's layout (IncompatiblePeerError names each field), connect once."""
@@ -199,6 +199,7 @@ class PrefillService:
     async def _first_token(self, job: _RunningOrder) -> RequestOutput | None:
         """Prefill in the engine with the blocks held afterwards; None when aborted first."""
         order = job.order
+        job.in_engine = True
         stream = self._engine.generate(order.prompt, order.params, order.request_id,
                                        hold_for_s=self._config.hold_lease_s, checksum_hold=self._config.checksums,
                                        choice_samplings=order.choice_params)

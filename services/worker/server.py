@@ -156,11 +156,12 @@ class WorkerServer:
         quarantined = self._decode.num_quarantined if self._decode is not None else 0
         self.metrics.quarantined.set(quarantined)
         # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
-        # locally too); a prefill worker's jobs are in its engine, so take the larger, not the sum, and
-        # its prompt count with it (the scheduler prices a backlog per prompt).
+        # locally too): the tokens still to compute and the prompts they belong to (the scheduler prices
+        # a backlog per prompt), plus a prefill worker's jobs not handed to its engine yet.
         backlog = (s.num_pending_prefill_tokens, s.num_pending_prefill_requests)
         if self._prefill is not None:
-            backlog = max(backlog, (self._prefill.inflight_prefill_tokens, self._prefill.inflight_prefill_requests))
+            tokens, prompts = self._prefill.unsubmitted_prefill()
+            backlog = (backlog[0] + tokens, backlog[1] + prompts)
         return pb.WorkerStatus(
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,

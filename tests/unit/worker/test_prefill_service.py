@@ -71,6 +71,8 @@ async def test_abort_while_delayed_cancels_before_the_engine_sees_it(service, pr
     prefill_worker.faults.arm(DELAY_PREFILL, delay_s=30.0)
     task, _ = await _submit(service, decode_worker, "p2")
     await eventually(lambda: service.num_jobs == 1)
+    # Not in the engine yet: the worker's report of queued prefill work counts it from here
+    assert service.unsubmitted_prefill() == (len(PROMPT), 1)
     assert service.abort("p2")
     result = await asyncio.wait_for(task, TIMEOUT_S)
     assert (result.state, result.reason) == (TransferState.CANCELLED, "aborted before prefill")
@@ -82,6 +84,7 @@ async def test_abort_while_prefilling_frees_the_blocks_and_writes_nothing(servic
     prefill_worker.gate.arm()
     task, _ = await _submit(service, decode_worker, "p3")  # 20 tokens: three chunks of 8
     await prefill_worker.gate.paused()  # after the first chunk
+    assert service.unsubmitted_prefill() == (0, 0)  # in the engine: its pending count holds the rest
     assert service.abort("p3")
     await asyncio.sleep(0.01)  # the job queues the engine abort, applied before the next step
     prefill_worker.gate.release()
