@@ -150,6 +150,9 @@ class WorkerServer:
     async def status(self) -> pb.WorkerStatus:
         """A consistent snapshot, taken on the engine thread between steps."""
         assert self._async_engine is not None
+        # Read before the engine's snapshot: a job handed over in between then counts twice for one
+        # heartbeat rather than not at all (undercounting herds the scheduler's next picks here).
+        unsubmitted = self._prefill.unsubmitted_prefill() if self._prefill is not None else (0, 0)
         s = await self._async_engine.status()
         self.metrics.free_blocks.set(s.free_blocks)
         self.metrics.held_blocks.set(s.held_blocks)
@@ -158,10 +161,7 @@ class WorkerServer:
         # Prefill work queued in this engine, whatever the role (a `both` or decode worker prefills
         # locally too): the tokens still to compute and the prompts they belong to (the scheduler prices
         # a backlog per prompt), plus a prefill worker's jobs not handed to its engine yet.
-        backlog = (s.num_pending_prefill_tokens, s.num_pending_prefill_requests)
-        if self._prefill is not None:
-            tokens, prompts = self._prefill.unsubmitted_prefill()
-            backlog = (backlog[0] + tokens, backlog[1] + prompts)
+        backlog = (s.num_pending_prefill_tokens + unsubmitted[0], s.num_pending_prefill_requests + unsubmitted[1])
         return pb.WorkerStatus(
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,
