@@ -34,6 +34,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 WORKER_READY = "BATON_WORKER_READY"
 _POLL_S = 0.2
+# A port found free can be taken by another process before the child binds it; the child then exits at once
+# with this error, and is started again on new ports.
+_PORT_TAKEN = "Address already in use"
+_START_ATTEMPTS = 3
+
+
+class PortTakenError(RuntimeError):
+    """The child exited while starting because a port it was given was taken meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,17 @@ class ServiceProcess:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, argv: list[str], env: dict[str, str], ready: Readiness) -> tuple[str, str]:
+        attempt = 1
+        while True:
+            try:
+                return self._start_once(argv, env, ready)
+            except PortTakenError:
+                if attempt == _START_ATTEMPTS:
+                    raise
+                attempt += 1
+                log.warning("%s: a port it was given was taken before it bound it; starting again", self.name)
+
+    def _start_once(self, argv: list[str], env: dict[str, str], ready: Readiness) -> tuple[str, str]:
         import ray
 
         from services.launcher.process import free_port
@@ -77,7 +96,9 @@ class ServiceProcess:
         deadline = time.monotonic() + ready.timeout_s
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited while starting:\n{self.log_tail()}")
+                tail = self.log_tail()
+                error = PortTakenError if _PORT_TAKEN in tail else RuntimeError
+                raise error(f"{self.name} exited while starting:\n{tail}")
             if ready.log_marker and ready.log_marker in self.log_path.read_text(errors="replace"):
                 return
             if ready.http_path and _http_ok(url):
