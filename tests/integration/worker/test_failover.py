@@ -51,6 +51,12 @@ def _fallbacks(worker: WorkerProcess, reason: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def _busy(status: pb.WorkerStatus) -> bool:
+    """Jobs in flight: prompt tokens still to compute (a short prompt's are gone within one engine step),
+    or blocks held for a WRITE of the KV."""
+    return status.inflight_prefill_tokens > 0 or status.held_blocks > 0
+
+
 def test_slow_prefill_worker_hits_the_deadline_and_another_one_serves(pair, prompts, references):
     prefill, decode = pair
     prefill.stub.InjectFault(pb.InjectFaultRequest(fault="delay_prefill", delay_s=15.0))
@@ -67,7 +73,7 @@ def test_killed_prefill_worker_in_flight_and_later_requests_complete(pair, promp
     reqs = [request(prompts[i % len(prompts)], 16, prefill_worker=prefill.address) for i in range(12)]
     with ThreadPoolExecutor(12) as pool:
         running = pool.map(lambda r: generate(decode, r), reqs)
-        wait_for(lambda: prefill.status().inflight_prefill_tokens > 0, 30, "prefills on the doomed worker")
+        wait_for(lambda: _busy(prefill.status()), 30, "prefills on the doomed worker")
         prefill.signal(signal.SIGKILL)
         results = list(running)
     later = generate_many(decode, [request(p, 16) for p in prompts[:4]])
