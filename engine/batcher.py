@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Iterator
 
 from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
@@ -99,15 +100,19 @@ class Batcher:
     def num_pending_prefill_tokens(self) -> int:
         """Prompt (or recompute) tokens still to be prefilled here: queued work for the scheduler's TTFT
         predictions. A running decode's single pending token does not count."""
-        waiting = sum(seq.num_pending_tokens for seq in self._waiting)
-        return waiting + sum(seq.num_pending_tokens for seq in self._running if seq.num_pending_tokens > 1)
+        return sum(seq.num_pending_tokens for seq in self._prefilling())
 
     @property
     def num_pending_prefill_requests(self) -> int:
-        """The prompts `num_pending_prefill_tokens` belongs to: waiting, or running part-way through
-        their chunks. The scheduler prices a backlog per prompt (attention grows with each prompt's
-        length), so it needs both numbers from one view."""
-        return len(self._waiting) + sum(1 for seq in self._running if seq.num_pending_tokens > 1)
+        """The prompts `num_pending_prefill_tokens` belongs to. The scheduler prices a backlog per prompt
+        (attention grows with each prompt's length), so it needs both numbers from one view."""
+        return sum(1 for _ in self._prefilling())
+
+    def _prefilling(self) -> Iterator[Sequence]:
+        """Sequences with prompt (or recompute) tokens still to prefill: waiting, or running part-way
+        through their chunks."""
+        yield from self._waiting
+        yield from (seq for seq in self._running if seq.num_pending_tokens > 1)
 
     @property
     def num_preemptions(self) -> int:
