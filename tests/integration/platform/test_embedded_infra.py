@@ -102,3 +102,24 @@ def test_infra_uses_given_urls_and_embeds_the_rest(postgres: EmbeddedPostgres) -
     finally:
         infra.stop()
     assert infra.redis is not None and not infra.redis.alive() and not infra.kafka.alive()
+
+
+def test_postgres_keeps_every_acknowledged_commit_across_a_sigkill() -> None:
+    # The usage outbox promises a request's usage is durable before its response ends: a commit
+    # Postgres acknowledged must survive its crash (`baton serve` and the chaos test SIGKILL it).
+    import psycopg
+
+    server = EmbeddedPostgres()  # its data directory outlives a kill until close()
+    server.start()
+    try:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE acked (n int)")
+            for n in range(50):  # each its own acknowledged commit, the last ones just before the kill
+                conn.execute("INSERT INTO acked VALUES (%s)", (n,))
+            server.kill()
+        server.start()
+        with psycopg.connect(server.url) as conn:
+            row = conn.execute("SELECT count(*) FROM acked").fetchone()
+        assert row is not None and row[0] == 50
+    finally:
+        server.close()
