@@ -73,6 +73,7 @@ class GatewayDeps:
     async def start(self) -> None:
         await self.tenancy.start()
         await self.relay.start()
+        await self.router.start()
 
     async def close(self, stream_grace_s: float = 1.0) -> None:
         """Abort what still runs (after the server's own drain), bill it, close every client.

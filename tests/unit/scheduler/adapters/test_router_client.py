@@ -77,6 +77,27 @@ async def test_the_scheduler_answers_with_addresses_and_its_workers_become_the_v
     await client.close()
 
 
+async def test_start_connects_and_takes_the_workers_before_the_first_request(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster("round_robin")
+    await cluster.register("a")
+    client = RouterClient(cluster.address)
+    await client.start()
+    assert [w.address for w in client.view.workers] == [address("a")]
+    assert client.scheduler_available
+    await client.close()
+
+
+async def test_start_without_a_scheduler_gives_up_after_its_timeout_and_routing_goes_on() -> None:
+    static = StaticWorkers(decode=("a:1",))
+    client = RouterClient("127.0.0.1:1", static_workers=static, config=RouterConfig(connect_timeout_s=0.3))
+    started = time.monotonic()
+    await client.start()  # nothing listens on port 1: a warning, no error
+    assert 0.25 < time.monotonic() - started < 2.0
+    decision = await client.route(summary("r0"))
+    assert (decision.source, decision.decode_address) == (RouteSource.LAST_VIEW, "a:1")
+    await client.close()
+
+
 async def test_a_lost_worker_reported_by_one_gateway_is_avoided_by_every_gateway(
     start_cluster: StartCluster,
 ) -> None:
