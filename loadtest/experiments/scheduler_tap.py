@@ -3,7 +3,8 @@
 The real scheduler service (same flags, same gRPC server, same core) whose core also records what
 it saw, for the simulator to replay afterwards:
 - every `route` call: the request summary as the gateway sent it (prompt tokens, chained prefix
-  hashes, tier, max_tokens) with its receipt time, and the decision;
+  hashes, tier, max_tokens) with its receipt time, the decision, and each worker's load as the
+  decision saw it (batch, prefill backlog, slots: to tell a misprediction's inputs from its model);
 - every decision a `tick` answered for a queued request;
 - every step sample each worker reported, in order, with the heartbeat's receipt time;
 - each worker's registration snapshot (KV blocks, block size, role);
@@ -27,6 +28,7 @@ from typing import Any
 
 from scheduler.adapters.main import add_scheduler_arguments, config_from_args
 from scheduler.adapters.server import SchedulerService
+from scheduler.core.cluster_view import WorkerLoad
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -69,8 +71,10 @@ class TappedScheduler(Scheduler):
         super().on_heartbeat(snapshot, samples, kv_events, now)
 
     def route(self, request: RequestSummary, now: float) -> RouteDecision:
+        loads = {w.worker_id: _load_json(w) for w in self.worker_loads(now)}
         decision = super().route(request, now)
-        self.routes.append({"t": now, "request": _summary_json(request), "decision": _decision_json(decision)})
+        self.routes.append({"t": now, "request": _summary_json(request), "decision": _decision_json(decision),
+                            "loads": loads})
         return decision
 
     def tick(self, now: float) -> list[RouteDecision]:
@@ -93,6 +97,13 @@ class TappedScheduler(Scheduler):
 def _snapshot_json(s: WorkerSnapshot) -> dict[str, Any]:
     return {"role": s.role.value, "model": s.model, "address": s.address, "total_blocks": s.total_blocks,
             "block_size": s.block_size}
+
+
+def _load_json(w: WorkerLoad) -> dict[str, Any]:
+    s = w.snapshot
+    return {"running": s.running_seqs, "waiting": s.queue_depth, "decode_batch": w.decode_batch,
+            "max_num_seqs": s.max_num_seqs, "queued_prefill_tokens": w.queued_prefill_tokens,
+            "queued_prefill_requests": w.queued_prefill_requests, "prefill_share": w.prefill_share}
 
 
 def _summary_json(r: RequestSummary) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from scheduler.core.admission import AdmissionConfig, AdmissionQueue
-from scheduler.core.cluster_view import ClusterView
+from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel, WorkerProfile
 from scheduler.core.fleet_signals import FleetSignal, fleet_signals
 from scheduler.core.placement import cached_tokens
@@ -146,6 +146,11 @@ class Scheduler:
 
     def role_switches(self) -> list[RoleSwitch]:
         return self._switches.all()
+
+    def worker_loads(self, now: float) -> list[WorkerLoad]:
+        """Every live worker's load as the next decision would see it (reported + reserved since)."""
+        self._expire(now)
+        return self._registry.loads(now)
 
     def fleet_signals(self, now: float) -> list[FleetSignal]:
         """Per-role load signals for autoscaling (core/fleet_signals.py)."""
