@@ -50,6 +50,7 @@ class EngineStatus:
     num_waiting_for_remote_kv: int
     num_pending_prefill_tokens: int  # prompt tokens queued or mid-prefill in this engine
     num_pending_prefill_requests: int  # the prompts those tokens belong to
+    running_context_tokens: int  # summed context of the running sequences
     free_blocks: int
     total_blocks: int
     held_blocks: int
@@ -170,7 +171,8 @@ class AsyncEngine:
         def snapshot() -> EngineStatus:
             e, b, bm = self.engine, self.engine.batcher, self.engine.block_manager
             return EngineStatus(b.num_waiting, b.num_running, b.num_waiting_for_remote_kv,
-                                b.num_pending_prefill_tokens, b.num_pending_prefill_requests, bm.num_free_blocks,
+                                b.num_pending_prefill_tokens, b.num_pending_prefill_requests,
+                                b.num_running_context_tokens, bm.num_free_blocks,
                                 bm.num_total_blocks, e.num_held_blocks, bm.block_size, e.config.batcher.max_num_seqs)
 
         return await self._call(snapshot)  # type: ignore[no-any-return]

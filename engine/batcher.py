@@ -108,6 +108,12 @@ class Batcher:
         (attention grows with each prompt's length), so it needs both numbers from one view."""
         return sum(1 for _ in self._prefilling())
 
+    @property
+    def num_running_context_tokens(self) -> int:
+        """Summed context of the running sequences: a decode step's cost grows with it (attention reads
+        every context token's KV), so the scheduler prices the batch by it."""
+        return sum(seq.num_tokens for seq in self._running)
+
     def _prefilling(self) -> Iterator[Sequence]:
         """Sequences with prompt (or recompute) tokens still to prefill: waiting, or running part-way
         through their chunks."""

@@ -24,9 +24,11 @@ The residuals' relative spread (against the table for decodes, the fit for prefi
 simulator's step noise.
 
 Workers. `MirroredSimWorker` reports what the real `both` worker reports, not what an ideal one
-would: no sample for a mixed step, and `inflight_prefill_tokens = 0` (a `both` worker has no
-prefill service to count its queued prompts; services/worker/server.py). The scheduler in the
-simulator then learns from the same signal as the real one. It is swapped in by subclassing the
+would: no sample for a mixed step. (Its status is the plain simulated worker's: like the real
+worker's since it reports its engine's pending prefill and, since 2026-11-27, its running
+sequences' summed context; before that the real scheduler priced every decode batch at zero
+context while the simulated one did not, one cause of their online fits ending far apart.) The
+scheduler in the simulator then learns from the same signal as the real one. It is swapped in by subclassing the
 replay driver (`scheduler.replay._Replay`), whose constructor builds plain `SimWorker`s;
 everything else is the replay code unchanged.
 """
@@ -48,7 +50,7 @@ from scheduler.core.scheduler import SchedulerConfig
 from scheduler.replay import ReplayConfig, _Replay
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimWorker, SimWorkerSpec
-from scheduler.types import SLO, Tier, WorkerRole, WorkerSnapshot
+from scheduler.types import SLO, Tier, WorkerRole
 
 _WARMUP_STEPS = 2  # a worker's first steps include lazy initialisation; not representative
 _MIN_TABLE_SAMPLES = 5  # decode steps of one batch size needed for its own table entry
@@ -207,12 +209,6 @@ class MirroredSimWorker(SimWorker):
         if len(self._samples) - before == 2:  # a mixed step: the real worker reports nothing for it
             del self._samples[before:]
         return seconds
-
-    def heartbeat(self, now: float) -> tuple[WorkerSnapshot, list, list]:  # type: ignore[type-arg]
-        snapshot, samples, events = super().heartbeat(now)
-        if self.spec.role is WorkerRole.BOTH:
-            snapshot = replace(snapshot, inflight_prefill_tokens=0)
-        return snapshot, samples, events
 
 
 class _ExperimentReplay(_Replay):

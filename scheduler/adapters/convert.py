@@ -63,9 +63,7 @@ def _enum_value(enum: type[_E], value: str, field: str) -> _E:
         raise InvalidMessageError(f"{field}={value!r} is not one of: {valid}") from None
 
 
-def snapshot_from_status(
-    status: worker_pb2.WorkerStatus, address: str, now: float, running_context_tokens: int = 0
-) -> WorkerSnapshot:
+def snapshot_from_status(status: worker_pb2.WorkerStatus, address: str, now: float) -> WorkerSnapshot:
     """A heartbeat's status as a snapshot; `address` comes from the worker's registration."""
     if not status.worker_id:
         raise InvalidMessageError("status.worker_id is empty")
@@ -84,7 +82,7 @@ def snapshot_from_status(
             block_size=status.block_size,
             inflight_prefill_tokens=status.inflight_prefill_tokens,
             heartbeat_at=now,  # WorkerStatus carries no send time; liveness uses receipt time anyway
-            running_context_tokens=running_context_tokens,
+            running_context_tokens=status.running_context_tokens,
             max_num_seqs=status.max_num_seqs,
             inflight_prefill_requests=status.inflight_prefill_requests,
         )
@@ -107,6 +105,7 @@ def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
         inflight_prefill_tokens=snapshot.inflight_prefill_tokens,
         max_num_seqs=snapshot.max_num_seqs,
         inflight_prefill_requests=snapshot.inflight_prefill_requests,
+        running_context_tokens=snapshot.running_context_tokens,
     )
 
 

@@ -126,7 +126,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             return pb.HeartbeatResponse(known=False)
         address = self._workers[worker_id].address
         try:
-            snapshot = snapshot_from_status(request.status, address, now, request.running_context_tokens)
+            snapshot = snapshot_from_status(request.status, address, now)
             samples = [sample_from_proto(s) for s in request.samples]
             events = [kv_event_from_proto(e) for e in request.kv_events]
         except InvalidMessageError as e:

@@ -23,6 +23,12 @@ dear for small steps and too cheap for large ones. `baton profile` fits the floo
 (services/profiler/fit.py); the floor is not refitted online, and samples at or under it carry
 nothing about the line above it, so they are not fitted (`CostModel.observe`). A profile without a
 floor (older files) has floor 0: the plain line, as before.
+Cold start: until a worker has `MIN_OWN_SAMPLES` steps of a kind, that kind is predicted from its
+model's pooled fit (every worker of the model feeding one more model, `pool`), when the pool has
+more samples. The default profile describes a small model on a GPU; on a CPU its 15-ms decode step is
+~5x too fast, and on the CPU policy runs a worker that had not decoded yet looked nearly free for its
+first second or two: the goodput policy queued requests on the one-slot worker at a predicted TTFT of
+~0.2 s that took 2.2 s, while the other worker's samples already said what a step costs.
 Pure Python: the systems are 3x3.
 """
 
@@ -39,6 +45,7 @@ from scheduler.types import DecodeSample, PrefillSample, StepSample
 _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would attract every request
 _MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
 _TINY = 1e-12  # keeps the penalty positive for a feature that is 0 throughout the window
+MIN_OWN_SAMPLES = 8  # a worker's own steps of a kind before its own fit replaces the pooled one
 
 
 @dataclass(frozen=True)
@@ -248,9 +255,13 @@ class CostModel:
     """One worker's predicted step times; `observe` samples as heartbeats deliver them."""
 
     def __init__(
-        self, profile: WorkerProfile | None = None, window: int = 512, prior_weight: float = 0.1
+        self, profile: WorkerProfile | None = None, window: int = 512, prior_weight: float = 0.1,
+        pool: CostModel | None = None,
     ) -> None:
+        """`pool`: the fit of every worker serving the same model, which predicts a kind of step this
+        worker has too few samples of (see the module docstring); the owner feeds it."""
         self._profile = profile or WorkerProfile()
+        self._pool = pool
         p = self._profile
         self._prefill = WindowedLeastSquares(
             (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s), window, prior_weight
@@ -271,6 +282,12 @@ class CostModel:
         elif isinstance(sample, DecodeSample):
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
 
+    def _prefill_coefficients(self) -> tuple[float, ...]:
+        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill)
+
+    def _decode_coefficients(self) -> tuple[float, ...]:
+        return _own_or_pooled(self._decode, None if self._pool is None else self._pool._decode)
+
     def _at_floor(self, tokens: int, attention: int) -> bool:
         """A step of this size that the profile puts on its floor (never, without a floor)."""
         p = self._profile
@@ -282,8 +299,8 @@ class CostModel:
 
     def fitted_profile(self) -> WorkerProfile:
         """The current coefficients as a profile (for metrics, and to seed the next start)."""
-        a, b, c = self._prefill.coefficients
-        d, e, f = self._decode.coefficients
+        a, b, c = self._prefill_coefficients()
+        d, e, f = self._decode_coefficients()
         return WorkerProfile(
             prefill_fixed_s=a,
             prefill_per_token_s=b,
@@ -297,13 +314,13 @@ class CostModel:
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        a, b, c = self._prefill.coefficients
+        a, b, c = self._prefill_coefficients()
         line = a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
         return max(_MIN_STEP_S, self._profile.prefill_floor_s, line)
 
     def prefill_marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """A prefill's cost inside a step that runs anyway (chunked into a decode step): no fixed part."""
-        _, b, c = self._prefill.coefficients
+        _, b, c = self._prefill_coefficients()
         return b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
 
     def prefill_backlog_s(self, queued_tokens: int, queued_requests: int) -> float:
@@ -311,13 +328,13 @@ class CostModel:
         prompt no cheaper than the floor."""
         if queued_tokens <= 0:
             return 0.0
-        a, b, c = self._prefill.coefficients
+        a, b, c = self._prefill_coefficients()
         requests = max(queued_requests, 1)
         per_prompt = queued_tokens / requests
         return requests * max(self._profile.prefill_floor_s, a + b * per_prompt + c * per_prompt**2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        d, e, f = self._decode.coefficients
+        d, e, f = self._decode_coefficients()
         return max(_MIN_STEP_S, d + e * batch + f * context_tokens)
 
     def transfer_s(self, tokens: int) -> float:
@@ -350,3 +367,10 @@ class CostModel:
         """TPOT with this worker decoding a batch of `batch` sequences plus this request, taken at
         its mid-life context; the rest of the batch is assumed to keep its current context."""
         return self.decode_step_s(batch + 1, context_tokens + prompt_tokens + max_tokens // 2)
+
+
+def _own_or_pooled(own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> tuple[float, ...]:
+    """A worker's own fit once it has `MIN_OWN_SAMPLES`; before that the pooled one if it knows more."""
+    if pooled is not None and own.num_samples < MIN_OWN_SAMPLES and pooled.num_samples > own.num_samples:
+        return pooled.coefficients
+    return own.coefficients

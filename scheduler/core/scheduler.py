@@ -63,6 +63,7 @@ class Scheduler:
         self._queue = AdmissionQueue(self.config.admission)
         self._prefix = PrefixIndex()
         self._costs: dict[str, CostModel] = {}
+        self._pools: dict[str, CostModel] = {}  # model -> every worker's samples of it (cost_model.py: cold start)
         self._profiles: dict[str, WorkerProfile] = {}
         self._conversations: OrderedDict[str, str] = OrderedDict()
         self._switches = RoleSwitches()  # workers being drained for a role change: not routable
@@ -80,7 +81,7 @@ class Scheduler:
         if profile is not None:
             self._profiles[worker_id] = profile
         self._prefix.drop_worker(worker_id)  # a (re)registering worker starts with an empty cache
-        self._costs[worker_id] = self._new_cost_model(worker_id)
+        self._costs[worker_id] = self._new_cost_model(snapshot)
         self._registry.update(snapshot, now)
         self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
@@ -96,10 +97,11 @@ class Scheduler:
         worker_id = snapshot.worker_id
         if self._registry.update(snapshot, now):
             self._prefix.drop_worker(worker_id)
-            self._costs[worker_id] = self._new_cost_model(worker_id)
-        cost = self._costs[worker_id]
+            self._costs[worker_id] = self._new_cost_model(snapshot)
+        cost, pool = self._costs[worker_id], self._pool(snapshot.model, worker_id)
         for sample in samples:
             cost.observe(sample)
+            pool.observe(sample)
         self._prefix.apply(worker_id, kv_events)
         self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
@@ -213,9 +215,17 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _new_cost_model(self, worker_id: str) -> CostModel:
-        profile = self._profiles.get(worker_id, self.config.default_profile)
-        return CostModel(profile, window=self.config.cost_window)
+    def _new_cost_model(self, snapshot: WorkerSnapshot) -> CostModel:
+        profile = self._profiles.get(snapshot.worker_id, self.config.default_profile)
+        return CostModel(profile, window=self.config.cost_window, pool=self._pool(snapshot.model, snapshot.worker_id))
+
+    def _pool(self, model: str, worker_id: str) -> CostModel:
+        """The model's pooled fit, started from the profile of the first worker seen serving it."""
+        pool = self._pools.get(model)
+        if pool is None:
+            profile = self._profiles.get(worker_id, self.config.default_profile)
+            pool = self._pools[model] = CostModel(profile, window=self.config.cost_window)
+        return pool
 
     def _expire(self, now: float) -> None:
         for worker_id in self._registry.expire(now):

@@ -63,16 +63,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("status", "samples", "kv_events", "running_context_tokens")
+    __slots__ = ("status", "samples", "kv_events")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     status: _worker_pb2.WorkerStatus
     samples: _containers.RepeatedCompositeFieldContainer[StepSample]
     kv_events: _containers.RepeatedCompositeFieldContainer[KVEvent]
-    running_context_tokens: int
-    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., running_context_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "switch_to_role")

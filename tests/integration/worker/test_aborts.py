@@ -55,6 +55,8 @@ def test_abort_while_queued_in_the_decode_engine(cluster, pool, prompt):
     fillers = [request(prompt[:6], 200, mode=pb.PREFILL_MODE_LOCAL) for _ in range(8)]  # max_num_seqs is 8
     running = [_start(pool, cluster.decode, r) for r in fillers]
     wait_for(lambda: cluster.decode.status().running_seqs == 8, 60, "8 running sequences")
+    # The scheduler prices the decode batch by its summed context: 8 six-token prompts plus their outputs.
+    assert 8 * 6 <= cluster.decode.status().running_context_tokens <= 8 * (6 + 200)
     queued = request(prompt[:7], 4, mode=pb.PREFILL_MODE_LOCAL)
     _, result = _start(pool, cluster.decode, queued)
     wait_for(lambda: cluster.decode.status().queue_depth == 1, 10, "the request to queue")

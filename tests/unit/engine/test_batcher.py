@@ -366,3 +366,17 @@ def test_pending_prefill_tokens_count_queued_prompts_not_decodes() -> None:
     assert batcher.num_pending_prefill_tokens == 7  # b's remaining 7; a now only decodes
     # b is running (no longer waiting) part-way through its chunks: still one prompt behind those 7 tokens
     assert (batcher.num_waiting, batcher.num_pending_prefill_requests) == (0, 1)
+
+
+def test_running_context_counts_every_running_sequence_tokens() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    batcher = Batcher(BatcherConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=32), bm, 256)
+    for request_id, length in (("a", 5), ("b", 10)):
+        batcher.add(Sequence(request_id=request_id, prompt_token_ids=list(range(1, length + 1)),
+                             sampling=SamplingParams()))
+    assert batcher.num_running_context_tokens == 0  # both still waiting
+    for _ in range(3):  # both prefill, then two decode steps: 5 + 10 prompt tokens + 3 sampled each
+        plan = batcher.schedule()
+        batcher.postprocess(plan, StepResult(sampled={c.request_id: SampledToken(7) for c in plan.chunks
+                                                      if c.needs_sample}))
+    assert batcher.num_running_context_tokens == 5 + 10 + 2 * 3

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from scheduler.core.cost_model import CostModel, WorkerProfile
+from scheduler.core.cost_model import MIN_OWN_SAMPLES, CostModel, WorkerProfile
 from scheduler.types import DecodeSample, PrefillSample
 
 TRUE = WorkerProfile(
@@ -161,3 +161,17 @@ def test_a_batch_size_that_never_varies_is_predicted_from_its_samples() -> None:
     assert model.decode_step_s(1, 500) == pytest.approx(CPU.decode_step_s(1, 500), rel=0.01)
     # Collinear with the fixed term: the ridge splits the sum, the data fix the prediction.
     assert model.fitted_profile().decode_fixed_s > WorkerProfile().decode_fixed_s
+
+
+def test_a_worker_without_samples_predicts_from_its_models_pool_until_it_has_its_own() -> None:
+    pool = CostModel(TRUE)
+    newcomer = CostModel(TRUE, pool=pool)
+    for _ in range(20):  # the fleet measured 80-ms decode steps (a CPU, not the profile's GPU)
+        pool.observe(DecodeSample(batch_size=1, context_tokens=100, seconds=0.08))
+    assert newcomer.decode_step_s(1, 100) == pytest.approx(0.08, rel=0.05)
+    assert newcomer.prefill_s(100) == pytest.approx(TRUE.prefill_s(100))  # no prefill seen anywhere yet
+    for _ in range(MIN_OWN_SAMPLES):  # its own steps are faster: once it has enough, they decide
+        sample = DecodeSample(batch_size=1, context_tokens=100, seconds=0.04)
+        newcomer.observe(sample)
+        pool.observe(sample)
+    assert newcomer.decode_step_s(1, 100) == pytest.approx(0.04, rel=0.05)

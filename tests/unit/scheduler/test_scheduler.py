@@ -1,3 +1,5 @@
+import pytest
+
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy, LeastLoadedPolicy, RoundRobinPolicy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -223,3 +225,16 @@ def test_a_prefill_workers_backlog_is_priced_per_prompt_it_reports(make_snapshot
     assert (lumped.prefill_worker_id, lumped.prefill_reason) == (None, "prefill_fleet_busy")
     assert (counted.prefill_worker_id, counted.prefill_reason) == ("p", "remote_cheaper")
     assert counted.predicted_ttft_ms < 500
+
+
+def test_a_worker_that_has_not_decoded_yet_is_priced_by_its_models_other_workers(make_snapshot, make_request) -> None:
+    """CPU workers start from the default (GPU-like) profile, whose decode step is ~5x too fast: a worker
+    with no samples yet looked nearly free, and a one-slot worker got requests queued behind its running
+    one at a predicted TTFT of ~0.2 s that took ~2 s. Its peers' steps (same model) now stand in."""
+    scheduler = Scheduler(GoodputPolicy(), SchedulerConfig(heartbeat_timeout_s=TIMEOUT_S))
+    for worker_id, model in (("seasoned", "m"), ("fresh", "m"), ("other", "other-model")):
+        scheduler.register(make_snapshot(worker_id, model=model), now=0.0)
+    steps = [DecodeSample(batch_size=1, context_tokens=100, seconds=0.08)] * 20
+    scheduler.on_heartbeat(make_snapshot("seasoned"), steps, [], now=0.5)
+    assert scheduler.cost_model("fresh").decode_step_s(1, 100) == pytest.approx(0.08, rel=0.05)
+    assert scheduler.cost_model("other").decode_step_s(1, 100) < 0.02  # another model's steps say nothing

@@ -90,10 +90,11 @@ def test_a_profile_with_an_unknown_key_names_the_model_and_the_valid_keys(tmp_pa
         ProfileBook.load(path)
 
 
-def test_a_status_carries_the_worker_batch_slots_both_ways() -> None:
-    snapshot = snapshot_from_status(status("w", max_num_seqs=8), "w:7000", now=1.0)
-    assert snapshot.max_num_seqs == 8
-    assert status_from_snapshot(snapshot).max_num_seqs == 8
+def test_a_status_carries_the_worker_batch_slots_and_context_both_ways() -> None:
+    snapshot = snapshot_from_status(status("w", max_num_seqs=8, running_context_tokens=4200), "w:7000", now=1.0)
+    assert (snapshot.max_num_seqs, snapshot.running_context_tokens) == (8, 4200)
+    assert (status_from_snapshot(snapshot).max_num_seqs, status_from_snapshot(snapshot).running_context_tokens) == (
+        8, 4200)
     assert snapshot_from_status(status("old"), "old:7000", now=1.0).max_num_seqs == 0  # unknown
 
 
