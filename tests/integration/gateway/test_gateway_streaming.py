@@ -40,8 +40,14 @@ def _idle_before_the_test(stack: GatewayStack) -> None:
     stack.wait_worker_idle(ABORT_DEADLINE_S, context="left running by an earlier test")
 
 
-def _freed_after_the_abort(stack: GatewayStack) -> None:
-    stack.wait_worker_idle(ABORT_DEADLINE_S, context="this test's disconnect did not abort its generation")
+def _freed_after_the_abort(stack: GatewayStack, stream_id: str = "") -> None:
+    # On failure, the gateway's own lines about the stream tell two causes apart: no "response ends" line
+    # means the server never saw the disconnect; one with no "aborting" after it, that it saw it and did not abort.
+    try:
+        stack.wait_worker_idle(ABORT_DEADLINE_S, context="this test's disconnect did not abort its generation")
+    except AssertionError as e:
+        seen = [line for line in stack.log_tail(lines=400).splitlines() if stream_id and stream_id in line]
+        raise AssertionError(f"{e}; the gateway's lines on stream {stream_id or '?'}: {seen}") from None
 
 
 def test_every_event_has_a_sequential_id_and_the_stream_ends_with_done(stack: GatewayStack,
@@ -68,7 +74,8 @@ def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: Gat
                 break
         running = stack.worker_status()
         assert running.running_seqs == 1 and running.free_blocks < WORKER_BLOCKS
-    _freed_after_the_abort(stack)  # 1500 tokens would take minutes on this CPU
+        stream_id = r.headers["x-baton-stream-id"]
+    _freed_after_the_abort(stack, stream_id)  # 1500 tokens would take minutes on this CPU
 
 
 def test_last_event_id_replays_the_missed_events(stack: GatewayStack, tenant: Tenant) -> None:
