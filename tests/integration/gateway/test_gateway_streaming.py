@@ -5,6 +5,8 @@ default grace (a disconnected stream keeps generating for a resume) is tested in
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
@@ -38,6 +40,12 @@ ABORT_DEADLINE_S = 30.0
 def _idle_before_the_test(stack: GatewayStack) -> None:
     """Work left running by an earlier test would be blamed on this test's abort: say so instead."""
     stack.wait_worker_idle(ABORT_DEADLINE_S, context="left running by an earlier test")
+
+
+def _socket(response: httpx.Response) -> socket.socket:
+    sock = response.extensions["network_stream"].get_extra_info("socket")
+    assert isinstance(sock, socket.socket)
+    return sock
 
 
 def _freed_after_the_abort(stack: GatewayStack, stream_id: str = "") -> None:
@@ -75,6 +83,10 @@ def test_client_disconnect_aborts_the_generation_and_frees_its_blocks(stack: Gat
         running = stack.worker_status()
         assert running.running_seqs == 1 and running.free_blocks < WORKER_BLOCKS
         stream_id = r.headers["x-baton-stream-id"]
+        # Disconnect with a FIN now. Closing the client only closes this process's descriptor: in two
+        # fresh-clone runs (2026-11-27) the gateway logged nothing about the stream for 2+ minutes after
+        # the close (it acts on a FIN at once), as if another holder of the socket kept the connection up.
+        _socket(r).shutdown(socket.SHUT_RDWR)
     _freed_after_the_abort(stack, stream_id)  # 1500 tokens would take minutes on this CPU
 
 
@@ -96,13 +108,14 @@ def test_a_resume_after_a_disconnect_replays_up_to_the_abort(stack: GatewayStack
     _idle_before_the_test(stack)
     with stack.http(tenant.key) as http, http.stream("POST", "/v1/chat/completions",
                                                      json=_body(1500, ESSAY)) as r:
-        head = []
-        for ev in events(r.iter_lines()):
+        head, stream = [], events(r.iter_lines())  # held: a dropped iterator would close the connection first
+        for ev in stream:
             head.append(ev)
             if len(head) == 2:
                 break
+        _socket(r).shutdown(socket.SHUT_RDWR)  # a FIN now (see the test above)
     stream_id = head[0].json["id"]
-    _freed_after_the_abort(stack)
+    _freed_after_the_abort(stack, stream_id)
     with stack.http(tenant.key) as http, http.stream(
             "GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": head[1].id}) as r:
         rest = list(events(r.iter_lines()))
