@@ -59,7 +59,7 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
         records = result.runs[0].records
         for kind, values in latency_samples(records).items():
             latencies.setdefault(kind, []).extend(values)
-        served += pair_requests(_placed_routes(tap, spec.tier), records)
+        served += pair_requests(_placed_routes(tap, spec.tier), records, templated=spec.chat)
     fallbacks_file = run_dir / "gateway_fallbacks.txt"
     fallbacks = int(fallbacks_file.read_text()) if fallbacks_file.exists() else -1
     seed = run_dir / "seed_profile.json"

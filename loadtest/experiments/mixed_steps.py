@@ -50,17 +50,24 @@ class MixedStep:
     batch: int  # requests decoding in it
 
 
-def pair_requests(routes: Sequence[Mapping], records: Sequence[RequestRecord]) -> list[ServedRequest]:
-    """Tapped routes (one tier's, in arrival order) with the bench records of the same requests."""
-    pending = [r for r in sorted(routes, key=lambda r: r["t"]) if r["decision"].get("decode")]
+def pair_requests(routes: Sequence[Mapping], records: Sequence[RequestRecord], *,
+                  templated: bool = False) -> list[ServedRequest]:
+    """Tapped routes (one tier's, in arrival order) with the bench records of the same requests.
+
+    A record pairs with the earliest pending route of its lengths. Refused routes (no decode worker)
+    stay candidates, so a refused request's record takes its own route, not that of a later request
+    of the same lengths. `templated`: the client sent chat messages and counted its prompt before the
+    gateway's chat template, which adds tokens per message (+14 to +47 on the multi-turn workload), so
+    a record pairs with the earliest pending route of its max_tokens and at least its prompt length.
+    """
+    pending = sorted(routes, key=lambda r: r["t"])
     served = []
     for record in sorted(records, key=lambda r: r.send_time):
-        match = next((r for r in pending if r["request"]["prompt_tokens"] == record.prompt_len
-                      and r["request"]["max_tokens"] == record.max_tokens), None)
+        match = next((r for r in pending if _same_request(r["request"], record, templated)), None)
         if match is None:
             continue
         pending.remove(match)
-        if not record.ok or record.ttft is None:
+        if not match["decision"].get("decode") or not record.ok or record.ttft is None:
             continue
         # On the scheduler's clock (the route's time + what the client measured from its send), so
         # that two benches' requests (exp3's two tiers, each bench its own clock) line up.
@@ -69,6 +76,13 @@ def pair_requests(routes: Sequence[Mapping], records: Sequence[RequestRecord]) -
             times.append(times[-1] + gap)
         served.append(ServedRequest(match["decision"]["decode"], record.prompt_len, match["t"], tuple(times)))
     return served
+
+
+def _same_request(request: Mapping, record: RequestRecord, templated: bool) -> bool:
+    if request["max_tokens"] != record.max_tokens:
+        return False
+    prompt = request["prompt_tokens"]
+    return prompt >= record.prompt_len if templated else prompt == record.prompt_len
 
 
 def mixed_steps(requests: Sequence[ServedRequest], worker_id: str) -> list[MixedStep]:

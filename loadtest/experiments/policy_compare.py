@@ -88,6 +88,12 @@ class BenchSpec:
     args: tuple[str, ...]  # dataset, load and SLO flags of `baton bench`
     label: str = "bench"
 
+    @property
+    def chat(self) -> bool:
+        """Sent as chat messages (`baton bench`'s default for the multi-turn dataset): the gateway's chat
+        template adds tokens to each prompt that the bench does not count."""
+        return "multiturn" in self.args
+
 
 @dataclass(frozen=True)
 class RunSpec:

@@ -23,14 +23,12 @@ too few samples are interpolated between their neighbours; beyond the last the p
 The residuals' relative spread (against the table for decodes, the fit for prefills) becomes the
 simulator's step noise.
 
-Workers. `MirroredSimWorker` reports what the real `both` worker reports, not what an ideal one
-would: no sample for a mixed step. (Its status is the plain simulated worker's: like the real
-worker's since it reports its engine's pending prefill and, since 2026-11-27, its running
-sequences' summed context; before that the real scheduler priced every decode batch at zero
-context while the simulated one did not, one cause of their online fits ending far apart.) The
-scheduler in the simulator then learns from the same signal as the real one. It is swapped in by subclassing the
-replay driver (`scheduler.replay._Replay`), whose constructor builds plain `SimWorker`s;
-everything else is the replay code unchanged.
+Workers. The simulated workers report what the real `both` worker reports: no sample for a mixed
+step, its engine's pending prefill and, since 2026-11-27, its running sequences' summed context (before
+that the real scheduler priced every decode batch at zero context while the simulated one did not, one
+cause of their online fits ending far apart). The scheduler in the simulator then learns from the same
+signal as the real one. The replay driver (`scheduler.replay._Replay`) is subclassed only to give each
+worker its fitted noise; everything else is the replay code unchanged.
 """
 
 from __future__ import annotations
@@ -200,24 +198,12 @@ def tier_slos(tap: Mapping[str, Any], default: SLO) -> dict[Tier, SLO]:
     return slos
 
 
-class MirroredSimWorker(SimWorker):
-    """A simulated `both` worker that reports like the real one (see the module docstring)."""
-
-    def start_step(self, now: float) -> float | None:
-        before = len(self._samples)
-        seconds = super().start_step(now)
-        if len(self._samples) - before == 2:  # a mixed step: the real worker reports nothing for it
-            del self._samples[before:]
-        return seconds
-
-
 class _ExperimentReplay(_Replay):
     def __init__(self, trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_name: str,
-                 slos: Mapping[Tier, SLO], config: ReplayConfig, noise: Mapping[str, float], mirror: bool) -> None:
+                 slos: Mapping[Tier, SLO], config: ReplayConfig, noise: Mapping[str, float]) -> None:
         super().__init__(trace, workers, make_policy(policy_name), slos.__getitem__, config)
         rng = random.Random(config.seed)
-        cls = MirroredSimWorker if mirror else SimWorker
-        self.workers = {w.worker_id: cls(w, rng, noise.get(w.worker_id, config.step_noise)) for w in workers}
+        self.workers = {w.worker_id: SimWorker(w, rng, noise.get(w.worker_id, config.step_noise)) for w in workers}
 
 
 @dataclass(frozen=True)
@@ -236,7 +222,7 @@ class SimRun:
 
 
 def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_name: str,
-             slos: Mapping[Tier, SLO], noise: Mapping[str, float], *, seed: int = 0, mirror: bool = True,
+             slos: Mapping[Tier, SLO], noise: Mapping[str, float], *, seed: int = 0,
              heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None,
              client_overhead_s: float = 0.0) -> SimRun:
     """One replay; the scheduler's cost models start from `seed_profile` (as `--profile` gave the real
@@ -244,7 +230,7 @@ def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_
     core = SchedulerConfig(default_profile=seed_profile or WorkerProfile())
     config = ReplayConfig(heartbeat_interval_s=heartbeat_interval_s, tick_interval_s=0.05, seed=seed,
                           seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s)
-    run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise, mirror)
+    run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise)
     run.run()
     result = run.result(policy_name)
     served = [s for s in run.sequences.values() if s.first_token_at is not None]

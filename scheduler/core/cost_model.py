@@ -29,6 +29,17 @@ more samples. The default profile describes a small model on a GPU; on a CPU its
 ~5x too fast, and on the CPU policy runs a worker that had not decoded yet looked nearly free for its
 first second or two: the goodput policy queued requests on the one-slot worker at a predicted TTFT of
 ~0.2 s that took 2.2 s, while the other worker's samples already said what a step costs.
+Beyond the batches seen: past the largest decode batch the window holds `MIN_SEEN_SAMPLES` steps of,
+a step is the fitted one at that batch plus the profile's per-sequence cost for each sequence more,
+not the fitted line extended. The fitted per-sequence cost is a slope measured over the sizes the
+worker has run, and decode cost is not linear in batch everywhere: on the 2-core CPU of the policy
+runs steps took ~75 / 130 / 160-190 ms at 1 / 2 / 3 sequences and 140-190 ms from 4 to 8, so a line
+through 1-3 priced a fourth sequence at ~250 ms, over the 250-ms TPOT target, and the goodput policy
+held the batch at 3 and never saw that 4 was cheaper (docs/benchmarks.md, pass I and after). Pricing the
+unseen size by the profile is optimism where the data say nothing: the next placement there is
+tried, its steps are reported within a heartbeat, and from then on the line covers that size. One
+size at a time: each placement beyond the seen range is priced from the largest seen size, and a burst
+can overshoot only by the arrivals of one heartbeat interval.
 Pure Python: the systems are 3x3.
 """
 
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -46,6 +57,7 @@ _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would at
 _MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
 _TINY = 1e-12  # keeps the penalty positive for a feature that is 0 throughout the window
 MIN_OWN_SAMPLES = 8  # a worker's own steps of a kind before its own fit replaces the pooled one
+MIN_SEEN_SAMPLES = 3  # steps of one decode batch size before that size counts as seen (see decode_step_s)
 
 
 @dataclass(frozen=True)
@@ -123,9 +135,15 @@ class WindowedLeastSquares:
     worth (see the module docstring). The first feature must be the constant 1 (the fixed cost).
     """
 
-    def __init__(self, prior: tuple[float, ...], window: int, prior_weight: float) -> None:
+    def __init__(
+        self, prior: tuple[float, ...], window: int, prior_weight: float, tracked: int | None = None
+    ) -> None:
+        """`tracked`: the index of a feature whose values the window counts (see `largest_seen`)."""
         if window <= 0 or prior_weight <= 0:
             raise ValueError("need window > 0 and prior_weight > 0")
+        self._tracked = tracked
+        self._seen: Counter[float] = Counter()  # tracked feature value -> samples in the window
+        self._largest_seen: float | None = None  # cached `largest_seen`, None when stale
         self._prior = prior
         self._prior_weight = prior_weight
         self._window = window
@@ -141,9 +159,11 @@ class WindowedLeastSquares:
             raise ValueError(f"expected {len(self._prior)} features, the first the constant 1.0")
         self._samples.append((features, target))
         self._accumulate(features, target, 1.0)
+        self._count(features, 1)
         if len(self._samples) > self._window:
             old, old_target = self._samples.popleft()
             self._accumulate(old, old_target, -1.0)
+            self._count(old, -1)
         self._since_rebuild += 1
         if self._since_rebuild >= self._window:
             self._rebuild()
@@ -152,6 +172,21 @@ class WindowedLeastSquares:
     @property
     def num_samples(self) -> int:
         return len(self._samples)
+
+    def largest_seen(self) -> float:
+        """The largest value of the tracked feature with `MIN_SEEN_SAMPLES` in the window (0: none)."""
+        if self._largest_seen is None:
+            self._largest_seen = max((v for v, n in self._seen.items() if n >= MIN_SEEN_SAMPLES), default=0.0)
+        return self._largest_seen
+
+    def _count(self, features: tuple[float, ...], sign: int) -> None:
+        if self._tracked is None:
+            return
+        value = features[self._tracked]
+        self._seen[value] += sign
+        if not self._seen[value]:
+            del self._seen[value]
+        self._largest_seen = None
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -267,7 +302,7 @@ class CostModel:
             (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s), window, prior_weight
         )
         self._decode = WindowedLeastSquares(
-            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight
+            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight, tracked=1
         )
 
     def observe(self, sample: StepSample) -> None:
@@ -283,9 +318,12 @@ class CostModel:
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
 
     def _prefill_coefficients(self) -> tuple[float, ...]:
-        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill)
+        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill).coefficients
 
     def _decode_coefficients(self) -> tuple[float, ...]:
+        return self._decode_fit().coefficients
+
+    def _decode_fit(self) -> WindowedLeastSquares:
         return _own_or_pooled(self._decode, None if self._pool is None else self._pool._decode)
 
     def _at_floor(self, tokens: int, attention: int) -> bool:
@@ -334,8 +372,14 @@ class CostModel:
         return requests * max(self._profile.prefill_floor_s, a + b * per_prompt + c * per_prompt**2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        d, e, f = self._decode_coefficients()
-        return max(_MIN_STEP_S, d + e * batch + f * context_tokens)
+        """The fitted line up to the largest batch the fit has seen; beyond it, the step at that batch
+        plus the profile's per-sequence cost for each sequence more (see the module docstring)."""
+        fit = self._decode_fit()
+        d, e, f = fit.coefficients
+        seen = fit.largest_seen()
+        unseen = batch - seen if 0 < seen < batch else 0.0  # sequences past the largest batch seen
+        batch_s = d + e * (batch - unseen) + self._profile.decode_per_seq_s * unseen
+        return max(_MIN_STEP_S, batch_s + f * context_tokens)
 
     def transfer_s(self, tokens: int) -> float:
         return self._profile.transfer_s(tokens) if tokens > 0 else 0.0
@@ -369,8 +413,8 @@ class CostModel:
         return self.decode_step_s(batch + 1, context_tokens + prompt_tokens + max_tokens // 2)
 
 
-def _own_or_pooled(own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> tuple[float, ...]:
+def _own_or_pooled(own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> WindowedLeastSquares:
     """A worker's own fit once it has `MIN_OWN_SAMPLES`; before that the pooled one if it knows more."""
     if pooled is not None and own.num_samples < MIN_OWN_SAMPLES and pooled.num_samples > own.num_samples:
-        return pooled.coefficients
-    return own.coefficients
+        return pooled
+    return own

@@ -5,11 +5,12 @@ sequence only when it can reserve KV blocks for prompt + max_tokens (decode-firs
 prefill), prefill runs whole prompts in batches up to a token budget (or, with `max_prefill_chunk`, the
 engine's chunked prefill: each step takes at most that many tokens of a prompt, prompts in arrival
 order, within the step's token budget that the decodes share), a prefill on the decode
-worker itself shares the step with the decode batch, and each step reports samples and KV events
-that the next heartbeat carries to the scheduler. Step times are the profile's plus the serving
-cost the profile does not see (`SimWorkerSpec.serving`), times a noise factor; a measured decode
-step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode price. Not modelled:
-preemption, transfer contention on the link.
+worker itself shares the step with the decode batch, and each step reports KV events and, when it is
+a pure prefill or a pure decode step, a step sample that the next heartbeat carries to the scheduler
+(a real worker reports no mixed step: services/worker/heartbeat.py says why). Step times are the
+profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
+factor; a measured decode step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode
+price. Not modelled: preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -232,14 +233,16 @@ class SimWorker:
             tokens = sum(t for _, t in jobs)
             attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
             prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter()
-            self._samples.append(PrefillSample(tokens, prefill_s, attention))
+            if not decoding:
+                self._samples.append(PrefillSample(tokens, prefill_s, attention))
             seconds += prefill_s
         context = sum(s.context for s in decoding)
         if decoding:
             decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
             if jobs:
                 decode_s *= self.spec.mixed_decode_share
-            self._samples.append(DecodeSample(len(decoding), context, decode_s))
+            else:
+                self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s
         done = [j for j, t in jobs if t >= j.remaining]  # their first token is sampled now
         handed_off = sum(1 for j in done if j.seq.decode_worker != self.worker_id)

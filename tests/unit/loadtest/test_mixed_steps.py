@@ -35,6 +35,22 @@ def test_requests_pair_with_routes_by_order_and_lengths_on_the_scheduler_clock()
     assert served[1].token_times == pytest.approx((100.2, 100.3, 100.4))
 
 
+def test_a_refused_requests_record_takes_its_own_route_not_a_later_one_of_the_same_lengths() -> None:
+    routes = [_route(100.0, 50, 16, None), _route(101.0, 50, 16, "a")]  # the first was refused (503)
+    records = [_record(0.0, 50, 16, 0.2, [], ok=False), _record(1.0, 50, 16, 0.3, [0.1])]
+    served = pair_requests(routes, records)
+    assert [(s.worker_id, s.routed_at) for s in served] == [("a", 101.0)]
+    assert served[0].token_times == pytest.approx((101.3, 101.4))
+
+
+def test_chat_records_pair_with_the_next_route_of_their_max_tokens_whose_prompt_the_template_lengthened() -> None:
+    routes = [_route(100.0, 302, 16, "a"), _route(100.5, 361, 16, "b"), _route(101.0, 302, 16, "b")]
+    records = [_record(0.0, 288, 16, 0.2, []), _record(0.5, 336, 16, 0.2, []), _record(1.0, 288, 16, 0.2, [])]
+    assert pair_requests(routes, records) == []  # the client's counts never equal the templated ones
+    served = pair_requests(routes, records, templated=True)
+    assert [(s.worker_id, s.routed_at) for s in served] == [("a", 100.0), ("b", 100.5), ("b", 101.0)]
+
+
 def test_a_failed_request_is_paired_but_not_timed() -> None:
     assert pair_requests([_route(0.0, 50, 16, "a")], [_record(0.0, 50, 16, 0.2, [], ok=False)]) == []
 

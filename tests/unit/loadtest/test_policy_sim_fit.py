@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.experiments.simulate import MirroredSimWorker, decode_table, fit_workers, rebuild_steps
+from loadtest.experiments.simulate import decode_table, fit_workers, rebuild_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
@@ -75,16 +75,6 @@ def test_the_decode_table_prices_the_batches_it_covers_and_the_profile_the_rest(
 def test_a_non_positive_decode_table_entry_is_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, decode_step_s=(0.08, 0.0))
-
-
-@pytest.mark.parametrize(("cls", "reported"), [(SimWorker, 2), (MirroredSimWorker, 0)])
-def test_a_mixed_step_is_not_reported_by_the_mirrored_worker(cls: type[SimWorker], reported: int) -> None:
-    worker = _worker(cls)
-    _decoding(worker, 2)
-    _sequence(worker, 9, prefill=True)  # its prefill joins the decodes: a mixed step
-    assert worker.start_step(0.0) is not None
-    _, samples, _ = worker.heartbeat(0.0)
-    assert len(samples) == reported
 
 
 def test_a_mixed_step_pays_its_share_of_the_decode_part() -> None:

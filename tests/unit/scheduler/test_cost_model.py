@@ -175,3 +175,40 @@ def test_a_worker_without_samples_predicts_from_its_models_pool_until_it_has_its
         newcomer.observe(sample)
         pool.observe(sample)
     assert newcomer.decode_step_s(1, 100) == pytest.approx(0.04, rel=0.05)
+
+
+def _concave_cpu_steps(model: CostModel, batches: range) -> None:
+    """The 2-core CPU's decode curve (docs/benchmarks.md): steep to 3 sequences, flat after."""
+    step_ms = {1: 75, 2: 130, 3: 185, 4: 145, 5: 155, 6: 160, 7: 170, 8: 170}
+    for _ in range(10):
+        for batch in batches:
+            model.observe(DecodeSample(batch, 0, step_ms[batch] / 1e3))
+
+
+def test_a_batch_past_the_largest_seen_costs_the_step_there_plus_the_profiles_per_sequence_cost() -> None:
+    profile = WorkerProfile(decode_per_seq_s=0.011, decode_per_context_token_s=0.0)
+    model = CostModel(profile)
+    _concave_cpu_steps(model, range(1, 4))  # batches 1-3 only: a line of ~55 ms per sequence
+    at_three = model.decode_step_s(3, 0)
+    assert model.decode_step_s(2, 0) < at_three  # inside the seen range: the fitted line
+    assert model.decode_step_s(4, 0) == pytest.approx(at_three + 0.011)
+    assert model.decode_step_s(6, 0) == pytest.approx(at_three + 3 * 0.011)
+    line_at_four = 2 * at_three - model.decode_step_s(2, 0)
+    assert line_at_four > 0.23  # what the line would have said: near the CPU runs' 250-ms TPOT target
+
+    _concave_cpu_steps(model, range(1, 9))  # the worker ran 4-8 sequences: the line covers them now
+    assert model.decode_step_s(8, 0) < line_at_four
+
+
+def test_a_batch_size_counts_as_seen_after_a_few_steps_and_stops_when_they_leave_the_window() -> None:
+    model = CostModel(WorkerProfile(decode_per_context_token_s=0.0), window=20)
+    for _ in range(20):
+        model.observe(DecodeSample(2, 0, 0.1))
+    model.observe(DecodeSample(6, 0, 0.3))  # one step at 6 sequences: not yet a size the fit has seen
+    assert model.decode_step_s(6, 0) == pytest.approx(model.decode_step_s(2, 0) + 4 * WorkerProfile().decode_per_seq_s)
+    model.observe(DecodeSample(6, 0, 0.3))
+    model.observe(DecodeSample(6, 0, 0.3))
+    assert model.decode_step_s(6, 0) > 0.25  # three steps: the line through 2 and 6
+    for _ in range(20):  # the window moves on to batch-2 steps only
+        model.observe(DecodeSample(2, 0, 0.1))
+    assert model.decode_step_s(6, 0) == pytest.approx(0.1 + 4 * WorkerProfile().decode_per_seq_s, rel=0.01)
