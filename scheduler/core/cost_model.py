@@ -10,11 +10,11 @@ fixes the prediction at that size, the per-unit costs stay the profile's until s
 full window of recent samples dominates it, so a worker that slows down (thermal throttling, a
 noisy neighbour) is tracked within one window. The ridge is relative to the data: `prior_weight`
 is worth that many samples in the units of the sizes the window actually holds (see
-`WindowedLeastSquares._penalty`). Fixed feature scales did not do that: a CPU worker's batches
-of 1-8 scaled by 1/100 left the data's pull on the per-sequence term ~1e-4 of the prior's, and the
-fit never left the default profile. The default weight is a tenth of a sample: a wrong profile
-(the default one on a CPU is off 10-100x) is one pseudo-sample with a huge error, and a whole
-sample of it still biased poorly separable terms (fixed vs per-token over prompts of 32-512
+`WindowedLeastSquares._penalty`, scheduler/core/windowed_fit.py). Fixed feature scales did not do
+that: a CPU worker's batches of 1-8 scaled by 1/100 left the data's pull on the per-sequence term
+~1e-4 of the prior's, and the fit never left the default profile. The default weight is a tenth of
+a sample: a wrong profile (the default one on a CPU is off 10-100x) is one pseudo-sample with a huge
+error, and a whole sample of it still biased poorly separable terms (fixed vs per-token over prompts of 32-512
 tokens) by 30% after 300 real samples.
 The prefill floor: an eager prefill forward costs the same up to a few hundred tokens (the launches
 of every layer's kernels bound it, not the GPU: on the 4xH100 profile of docs/benchmarks.md, 16 to 512
@@ -29,7 +29,7 @@ more samples. The default profile describes a small model on a GPU; on a CPU its
 ~5x too fast, and on the CPU policy runs a worker that had not decoded yet looked nearly free for its
 first second or two: the goodput policy queued requests on the one-slot worker at a predicted TTFT of
 ~0.2 s that took 2.2 s, while the other worker's samples already said what a step costs.
-Beyond the batches seen: past the largest decode batch the window holds `MIN_SEEN_SAMPLES` steps of,
+Beyond the batches seen: past the largest decode batch the window holds a few steps of (`MIN_SEEN_SAMPLES`),
 a step is the fitted one at that batch plus the profile's per-sequence cost for each sequence more,
 not the fitted line extended. The fitted per-sequence cost is a slope measured over the sizes the
 worker has run, and decode cost is not linear in batch everywhere: on the 2-core CPU of the policy
@@ -40,24 +40,19 @@ unseen size by the profile is optimism where the data say nothing: the next plac
 tried, its steps are reported within a heartbeat, and from then on the line covers that size. One
 size at a time: each placement beyond the seen range is priced from the largest seen size, and a burst
 can overshoot only by the arrivals of one heartbeat interval.
-Pure Python: the systems are 3x3.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter, deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from scheduler.core.windowed_fit import WindowedLeastSquares
 from scheduler.types import DecodeSample, PrefillSample, StepSample
 
 _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would attract every request
-_MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
-_TINY = 1e-12  # keeps the penalty positive for a feature that is 0 throughout the window
 MIN_OWN_SAMPLES = 8  # a worker's own steps of a kind before its own fit replaces the pooled one
-MIN_SEEN_SAMPLES = 3  # steps of one decode batch size before that size counts as seen (see decode_step_s)
 
 
 @dataclass(frozen=True)
@@ -123,167 +118,6 @@ class WorkerProfile:
 
     def transfer_s(self, tokens: int) -> float:
         return self.transfer_fixed_s + self.transfer_per_token_s * tokens
-
-
-class WindowedLeastSquares:
-    """Least squares over the last `window` samples, regularised towards `prior` coefficients.
-
-    The normal equations are kept as running sums of raw features (a sample's outer product is
-    added on arrival and subtracted when it leaves the window), so a refit is a small k-by-k solve
-    however large the window. The sums are rebuilt from the window once per `window` samples to
-    stop floating-point drift from accumulating. `prior_weight` is how many samples the prior is
-    worth (see the module docstring). The first feature must be the constant 1 (the fixed cost).
-    """
-
-    def __init__(
-        self, prior: tuple[float, ...], window: int, prior_weight: float, tracked: int | None = None
-    ) -> None:
-        """`tracked`: the index of a feature whose values the window counts (see `largest_seen`)."""
-        if window <= 0 or prior_weight <= 0:
-            raise ValueError("need window > 0 and prior_weight > 0")
-        self._tracked = tracked
-        self._seen: Counter[float] = Counter()  # tracked feature value -> samples in the window
-        self._largest_seen: float | None = None  # cached `largest_seen`, None when stale
-        self._prior = prior
-        self._prior_weight = prior_weight
-        self._window = window
-        self._samples: deque[tuple[tuple[float, ...], float]] = deque()
-        self._since_rebuild = 0
-        self._xtx = [[0.0] * len(prior) for _ in prior]
-        self._xty = [0.0] * len(prior)
-        self._coefficients = tuple(prior)
-        self._dirty = False
-
-    def add(self, features: tuple[float, ...], target: float) -> None:
-        if len(features) != len(self._prior) or features[0] != 1.0:
-            raise ValueError(f"expected {len(self._prior)} features, the first the constant 1.0")
-        self._samples.append((features, target))
-        self._accumulate(features, target, 1.0)
-        self._count(features, 1)
-        if len(self._samples) > self._window:
-            old, old_target = self._samples.popleft()
-            self._accumulate(old, old_target, -1.0)
-            self._count(old, -1)
-        self._since_rebuild += 1
-        if self._since_rebuild >= self._window:
-            self._rebuild()
-        self._dirty = True
-
-    @property
-    def num_samples(self) -> int:
-        return len(self._samples)
-
-    def largest_seen(self) -> float:
-        """The largest value of the tracked feature with `MIN_SEEN_SAMPLES` in the window (0: none)."""
-        if self._largest_seen is None:
-            self._largest_seen = max((v for v, n in self._seen.items() if n >= MIN_SEEN_SAMPLES), default=0.0)
-        return self._largest_seen
-
-    def _count(self, features: tuple[float, ...], sign: int) -> None:
-        if self._tracked is None:
-            return
-        value = features[self._tracked]
-        self._seen[value] += sign
-        if not self._seen[value]:
-            del self._seen[value]
-        self._largest_seen = None
-
-    @property
-    def coefficients(self) -> tuple[float, ...]:
-        # Refit lazily: heartbeats bring many samples, routing asks for few predictions in between.
-        if self._dirty:
-            self._coefficients = self._solve()
-            self._dirty = False
-        return self._coefficients
-
-    def _accumulate(self, x: tuple[float, ...], target: float, sign: float) -> None:
-        for i, xi in enumerate(x):
-            self._xty[i] += sign * xi * target
-            row = self._xtx[i]
-            for j, xj in enumerate(x):
-                row[j] += sign * xi * xj
-
-    def _rebuild(self) -> None:
-        self._xtx = [[0.0] * len(self._prior) for _ in self._prior]
-        self._xty = [0.0] * len(self._prior)
-        for x, target in self._samples:
-            self._accumulate(x, target, 1.0)
-        self._since_rebuild = 0
-
-    def _penalty(self) -> list[list[float]]:
-        """The ridge's quadratic form P (penalty = prior_weight * d'Pd, d = theta - prior), from the
-        window's feature means mu and variances var: P = mu mu' + diag(var).
-
-        That is `prior_weight` samples' worth of evidence on each direction the data can see, in
-        the data's own units: mu mu' holds the prediction at the window's mean sizes, diag(var)
-        holds each per-unit cost over the spread of sizes actually seen (the standardised-feature
-        ridge, with features centred so the fixed term is not collinear with the others). A
-        variance is floored at `_MIN_RELATIVE_VAR` of the feature's mean square: a feature that
-        never varies in the window (always batch 1) is collinear with the fixed term, and the
-        floor keeps its per-unit cost at the prior while the fixed term absorbs what the data
-        say about their sum, which predicts the sizes actually seen exactly.
-        """
-        n = len(self._samples)
-        k = len(self._prior)
-        mu = [self._xtx[0][j] / n for j in range(k)]  # feature 0 is the constant 1
-        var = []
-        for j in range(k):
-            mean_sq = self._xtx[j][j] / n
-            var.append(max(mean_sq - mu[j] ** 2, _MIN_RELATIVE_VAR * mean_sq, _TINY))
-        return [[mu[i] * mu[j] + (var[i] if i == j else 0.0) for j in range(k)] for i in range(k)]
-
-    def _solve(self) -> tuple[float, ...]:
-        if not self._samples:
-            return tuple(self._prior)
-        penalty = self._penalty()
-        free = list(range(len(self._prior)))
-        theta = [0.0] * len(self._prior)
-        # Every true coefficient is a cost, so a negative one is noise: pin it at 0 and refit the
-        # others (clamping alone would leave them fitted around the negative value, e.g. long
-        # prompts predicted cheaper than short ones). At most k rounds: one pin per round.
-        while free:
-            solved = self._solve_free(free, penalty)
-            negative = [i for i in free if solved[i] < 0]
-            theta = [max(v, 0.0) for v in solved]
-            if not negative:
-                break
-            free.remove(min(negative, key=lambda i: solved[i] * math.sqrt(self._xtx[i][i])))
-        return tuple(theta)
-
-    def _solve_free(self, free: list[int], penalty: list[list[float]]) -> list[float]:
-        """(X'X + lam P) theta = X'y + lam P prior over the `free` coefficients, the others held
-        at 0. The system is solved Jacobi-scaled (tokens**2 reaches 1e8, its sums 1e18)."""
-        lam = self._prior_weight
-        prior = self._prior
-        a = [[self._xtx[i][j] + lam * penalty[i][j] for j in free] for i in free]
-        b = [
-            self._xty[i] + lam * sum(penalty[i][j] * prior[j] for j in range(len(prior))) for i in free
-        ]
-        scale = [math.sqrt(a[r][r]) for r in range(len(free))]
-        a = [[v / (scale[r] * scale[c]) for c, v in enumerate(row)] for r, row in enumerate(a)]
-        b = [v / scale[r] for r, v in enumerate(b)]
-        theta = [0.0] * len(prior)
-        for r, value in enumerate(_solve_spd(a, b)):
-            theta[free[r]] = value / scale[r]
-        return theta
-
-
-def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination for the small symmetric positive-definite systems above (no pivoting
-    needed: the ridge term keeps every pivot positive)."""
-    n = len(b)
-    a = [row[:] for row in a]
-    b = b[:]
-    for k in range(n):
-        for i in range(k + 1, n):
-            factor = a[i][k] / a[k][k]
-            for j in range(k, n):
-                a[i][j] -= factor * a[k][j]
-            b[i] -= factor * b[k]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
-    return x
 
 
 class CostModel:
