@@ -51,6 +51,7 @@ class EngineStatus:
     num_pending_prefill_tokens: int  # prompt tokens queued or mid-prefill in this engine
     num_pending_prefill_requests: int  # the prompts those tokens belong to
     running_context_tokens: int  # summed context of the running sequences
+    running_remaining_tokens: int  # tokens the running sequences may still generate
     free_blocks: int
     total_blocks: int
     held_blocks: int
@@ -172,7 +173,8 @@ class AsyncEngine:
             e, b, bm = self.engine, self.engine.batcher, self.engine.block_manager
             return EngineStatus(b.num_waiting, b.num_running, b.num_waiting_for_remote_kv,
                                 b.num_pending_prefill_tokens, b.num_pending_prefill_requests,
-                                b.num_running_context_tokens, bm.num_free_blocks,
+                                b.num_running_context_tokens, b.num_running_remaining_tokens,
+                                bm.num_free_blocks,
                                 bm.num_total_blocks, e.num_held_blocks, bm.block_size, e.config.batcher.max_num_seqs)
 
         return await self._call(snapshot)  # type: ignore[no-any-return]

@@ -114,6 +114,12 @@ class Batcher:
         every context token's KV), so the scheduler prices the batch by it."""
         return sum(seq.num_tokens for seq in self._running)
 
+    @property
+    def num_running_remaining_tokens(self) -> int:
+        """Tokens the running sequences may still generate (max_tokens minus those out): how soon their
+        slots free. A scheduler that guessed it saw a just-started sequence as half done."""
+        return sum(max(seq.sampling.max_tokens - seq.num_output_tokens, 0) for seq in self._running)
+
     def _prefilling(self) -> Iterator[Sequence]:
         """Sequences with prompt (or recompute) tokens still to prefill: waiting, or running part-way
         through their chunks."""

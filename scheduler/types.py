@@ -108,10 +108,15 @@ class WorkerSnapshot:
     # The prompts `inflight_prefill_tokens` belongs to, mid-prefill ones included (`queue_depth` counts
     # only those not started). 0: unknown (an older worker): `queue_depth` stands in.
     inflight_prefill_requests: int = 0
+    # Tokens the running sequences may still generate (their max_tokens minus those out): when their
+    # slots free. 0 with sequences running: unknown (an older worker), their progress is guessed.
+    running_remaining_tokens: int = 0
 
     def __post_init__(self) -> None:
         counts = (self.queue_depth, self.running_seqs, self.free_blocks, self.inflight_prefill_tokens)
-        if min(counts) < 0 or min(self.running_context_tokens, self.max_num_seqs, self.inflight_prefill_requests) < 0:
+        extras = (self.running_context_tokens, self.max_num_seqs, self.inflight_prefill_requests,
+                  self.running_remaining_tokens)
+        if min(counts) < 0 or min(extras) < 0:
             raise ValueError(f"worker {self.worker_id}: load counts must be non-negative")
         if self.block_size <= 0 or not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(

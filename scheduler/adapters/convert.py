@@ -83,6 +83,7 @@ def snapshot_from_status(status: worker_pb2.WorkerStatus, address: str, now: flo
             inflight_prefill_tokens=status.inflight_prefill_tokens,
             heartbeat_at=now,  # WorkerStatus carries no send time; liveness uses receipt time anyway
             running_context_tokens=status.running_context_tokens,
+            running_remaining_tokens=status.running_remaining_tokens,
             max_num_seqs=status.max_num_seqs,
             inflight_prefill_requests=status.inflight_prefill_requests,
         )
@@ -106,6 +107,7 @@ def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
         max_num_seqs=snapshot.max_num_seqs,
         inflight_prefill_requests=snapshot.inflight_prefill_requests,
         running_context_tokens=snapshot.running_context_tokens,
+        running_remaining_tokens=snapshot.running_remaining_tokens,
     )
 
 

@@ -29,6 +29,9 @@ class WorkerLoad:
     # Fraction of the engine's time recent placements' prefills take here (prefill_load.py): the
     # decode steps of everyone on the worker get the rest.
     prefill_share: float = 0.0
+    # Seconds since the heartbeat behind `snapshot` arrived: the running sequences have made that much
+    # progress since they reported how many tokens they may still generate.
+    heartbeat_age_s: float = 0.0
 
     @property
     def worker_id(self) -> str:

@@ -203,10 +203,13 @@ def local_interference_s(cost: CostModel, new_tokens: int, cached: int, max_toke
     """TPOT added to each running sequence when `new_tokens` are prefilled on their decode worker.
 
     Chunked prefill folds the prompt into the batch's steps, so the running sequences wait for its
-    marginal compute (the step's fixed cost is paid anyway) once; spread over the tokens they still
-    have to generate (taken as half of `max_tokens`, the only length known) that is their TPOT rise.
+    compute once; spread over the tokens they still have to generate (taken as half of `max_tokens`,
+    the only length known) that is their TPOT rise. The whole prefill cost counts, its fixed part
+    too: a step carrying a prompt costs about a pure prefill plus the decode part (what the replay
+    simulator prices, validated on the CPU policy runs), and on a CPU the fitted prefill cost is
+    nearly all fixed part.
     """
-    return cost.prefill_marginal_s(new_tokens, cached) / max(max_tokens // 2, 1)
+    return cost.prefill_s(new_tokens, cached) / max(max_tokens // 2, 1)
 
 
 def running_batch(decode: WorkerLoad) -> int:
@@ -225,20 +228,42 @@ def batch_context(decode: WorkerLoad, seqs: int) -> int:
 def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
     """Predicted wait for a decode slot when all `max_num_seqs` are taken (0 otherwise).
 
-    The sequences already holding slots are taken to be as long as this request (`max_tokens`, the
-    only length known) and uniformly far along, so their finishing times spread evenly over one
-    lifetime L = max_tokens steps: the j-th slot to free (j = 1..S of S slots) frees after about
-    j/(S+1) of L. A request with `ahead` sequences waiting before it takes the slot freed by the
-    (ahead+1)-th finish: `waves` = ahead // S whole lifetimes, plus (ahead % S + 1)/(S+1) of one.
-    With one slot that is half the running request's life, plus a whole life per waiting one.
-    Steps are priced at a full batch of S sequences.
+    Slots free in the order `slot_free_steps` gives. The sequences ahead of this request (waiting in
+    the worker, or routed there since its heartbeat: none has started) take them in that order, each
+    for a whole lifetime L = `max_tokens` steps (the only length known), so the one `ahead` places
+    in line gets slot `ahead % S` after `ahead // S` such lifetimes. Steps are priced at a full batch.
     """
     slots = decode.max_num_seqs
     if slots is None or decode.decode_batch < slots:
         return 0.0
-    waves, position = divmod(decode.decode_batch - slots, slots)
+    running = min(decode.snapshot.running_seqs, slots)
+    ahead = decode.decode_batch - running
     step = cost.decode_step_s(slots, batch_context(decode, slots))
-    return step * max_tokens * (waves + (position + 1) / (slots + 1))
+    waves, position = divmod(ahead, slots)
+    frees = slot_free_steps(decode, running, slots, max_tokens, step)
+    return step * (frees[position] + waves * max_tokens)
+
+
+def slot_free_steps(decode: WorkerLoad, running: int, slots: int, max_tokens: int, step_s: float) -> list[float]:
+    """Decode steps until each of the `slots` frees, soonest first: 0 for a free slot; for the
+    `running` sequences, spread evenly over (0, 2m] where m is their mean remaining length.
+
+    m is what the worker reported (their max_tokens minus tokens out, less the steps run since the
+    heartbeat). A worker that does not report it leaves m at L/2: the running sequences are taken
+    to be as long as this request and uniformly far along. That guess sees a sequence that has just
+    started as half done; decisions come right after heartbeats, when a slot has often just been
+    refilled (measured on the CPU policy runs: one-slot TTFTs predicted at 1.4-1.9 s came out 2.6-2.9 s).
+    """
+    if running <= 0:
+        return [0.0] * slots
+    reported = decode.snapshot.running_remaining_tokens
+    if reported > 0:
+        steps_since = decode.heartbeat_age_s / (step_s * decode_stretch(decode.prefill_share, decode.max_num_seqs))
+        mean = max(reported / running - steps_since, 0.0)
+    else:
+        mean = max_tokens / 2
+    spread = [2 * mean * j / (running + 1) for j in range(1, running + 1)]
+    return [0.0] * (slots - running) + spread
 
 
 def prefill_options(

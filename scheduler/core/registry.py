@@ -79,6 +79,7 @@ class _WorkerRecord:
             free_blocks=max(s.free_blocks - r.blocks, 0),
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
             prefill_share=self.prefill_work.value(now),
+            heartbeat_age_s=max(now - self.last_seen, 0.0),
         )
 
 

@@ -264,7 +264,7 @@ class Scheduler:
         new_tokens = prompt - prefill_cached_tokens
         self._registry.reserve(decode_id, decode_share, now)
         self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
-        prefill_s = self._costs[prefill_id].prefill_marginal_s(new_tokens, prefill_cached_tokens)
+        prefill_s = self._costs[prefill_id].prefill_s(new_tokens, prefill_cached_tokens)
         self._registry.record_prefill(prefill_id, prefill_s, now)
         self._registry.track(request.request_id, decode_id, request.slo.tpot_ms)
         if request.conversation_id is not None:

@@ -337,6 +337,8 @@ class SimWorker:
             inflight_prefill_tokens=queued_tokens,
             heartbeat_at=now,
             running_context_tokens=sum(s.context for s in self._running),
+            # max_tokens, like a real engine: it cannot know where a sequence's EOS falls
+            running_remaining_tokens=sum(max(s.max_tokens - s.generated, 0) for s in self._running),
             max_num_seqs=self.spec.max_batch,
             inflight_prefill_requests=len(jobs) + len(local_waiting),
         )

@@ -167,7 +167,7 @@ class WorkerServer:
             queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
             inflight_prefill_tokens=backlog[0], inflight_prefill_requests=backlog[1],
-            running_context_tokens=s.running_context_tokens,
+            running_context_tokens=s.running_context_tokens, running_remaining_tokens=s.running_remaining_tokens,
             held_blocks=s.held_blocks, quarantined_requests=quarantined,
             waiting_for_remote_kv=s.num_waiting_for_remote_kv,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,

@@ -57,6 +57,8 @@ def test_abort_while_queued_in_the_decode_engine(cluster, pool, prompt):
     wait_for(lambda: cluster.decode.status().running_seqs == 8, 60, "8 running sequences")
     # The scheduler prices the decode batch by its summed context: 8 six-token prompts plus their outputs.
     assert 8 * 6 <= cluster.decode.status().running_context_tokens <= 8 * (6 + 200)
+    # ...and by when their slots free: each may still generate up to its 200 tokens.
+    assert 0 < cluster.decode.status().running_remaining_tokens <= 8 * 200
     queued = request(prompt[:7], 4, mode=pb.PREFILL_MODE_LOCAL)
     _, result = _start(pool, cluster.decode, queued)
     wait_for(lambda: cluster.decode.status().queue_depth == 1, 10, "the request to queue")

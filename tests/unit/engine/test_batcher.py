@@ -380,3 +380,17 @@ def test_running_context_counts_every_running_sequence_tokens() -> None:
         batcher.postprocess(plan, StepResult(sampled={c.request_id: SampledToken(7) for c in plan.chunks
                                                       if c.needs_sample}))
     assert batcher.num_running_context_tokens == 5 + 10 + 2 * 3
+
+
+def test_running_remaining_counts_tokens_each_running_sequence_may_still_generate() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    batcher = Batcher(BatcherConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=32), bm, 256)
+    for request_id, max_tokens in (("a", 10), ("b", 4)):
+        batcher.add(Sequence(request_id=request_id, prompt_token_ids=[1, 2, 3],
+                             sampling=SamplingParams(max_tokens=max_tokens)))
+    assert batcher.num_running_remaining_tokens == 0  # both still waiting: no slot to free yet
+    for _ in range(3):  # prefill, then two decode steps: 3 tokens out each
+        plan = batcher.schedule()
+        batcher.postprocess(plan, StepResult(sampled={c.request_id: SampledToken(7) for c in plan.chunks
+                                                      if c.needs_sample}))
+    assert batcher.num_running_remaining_tokens == (10 - 3) + (4 - 3)

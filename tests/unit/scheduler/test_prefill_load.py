@@ -67,7 +67,7 @@ def test_local_prefills_placed_on_a_worker_stretch_its_predicted_tpot_until_they
     busy = fresh()
     for i in range(10):  # ten 512-token prompts prefilled on "w" within a second
         assert busy.route(request(f"r{i}", prompt=512), now=0.1 * i).decode_worker_id == "w"
-    per_prompt = busy.cost_model("w").prefill_marginal_s(512, 0)
+    per_prompt = busy.cost_model("w").prefill_s(512, 0)  # whole: fixed part too
     share = sum(per_prompt / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i in range(10))
     base = _probe_tpot_ms(fresh(), now=1.0)
     assert _probe_tpot_ms(busy, now=1.0) == pytest.approx(base / (1 - share), rel=0.02)

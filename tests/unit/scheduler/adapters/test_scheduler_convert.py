@@ -90,11 +90,12 @@ def test_a_profile_with_an_unknown_key_names_the_model_and_the_valid_keys(tmp_pa
         ProfileBook.load(path)
 
 
-def test_a_status_carries_the_worker_batch_slots_and_context_both_ways() -> None:
-    snapshot = snapshot_from_status(status("w", max_num_seqs=8, running_context_tokens=4200), "w:7000", now=1.0)
-    assert (snapshot.max_num_seqs, snapshot.running_context_tokens) == (8, 4200)
-    assert (status_from_snapshot(snapshot).max_num_seqs, status_from_snapshot(snapshot).running_context_tokens) == (
-        8, 4200)
+def test_a_status_carries_the_worker_batch_slots_context_and_remaining_tokens_both_ways() -> None:
+    reported = status("w", max_num_seqs=8, running_context_tokens=4200, running_remaining_tokens=96)
+    snapshot = snapshot_from_status(reported, "w:7000", now=1.0)
+    assert (snapshot.max_num_seqs, snapshot.running_context_tokens, snapshot.running_remaining_tokens) == (8, 4200, 96)
+    back = status_from_snapshot(snapshot)
+    assert (back.max_num_seqs, back.running_context_tokens, back.running_remaining_tokens) == (8, 4200, 96)
     assert snapshot_from_status(status("old"), "old:7000", now=1.0).max_num_seqs == 0  # unknown
 
 
