@@ -72,3 +72,17 @@ def test_local_prefills_placed_on_a_worker_stretch_its_predicted_tpot_until_they
     base = _probe_tpot_ms(fresh(), now=1.0)
     assert _probe_tpot_ms(busy, now=1.0) == pytest.approx(base / (1 - share), rel=0.02)
     assert _probe_tpot_ms(busy, now=60.0) == pytest.approx(base, rel=0.02)
+
+
+def test_a_local_prompt_adds_only_the_interference_the_prefill_share_does_not_already_forecast() -> None:
+    def placed(share: float):
+        snap = snapshot("w", WorkerRole.BOTH, max_num_seqs=8)
+        worker = load("w", WorkerRole.BOTH, batch=2, snapshot=snap, prefill_share=share)
+        return evaluate(request(prompt=512, max_tokens=8), view([worker]), worker, None)
+
+    quiet, busy = placed(0.0), placed(0.5)
+    interference = view([load("w")]).cost("w").prefill_s(512, 0) / 4  # spread over 8 // 2 tokens
+    assert quiet.added_tpot_s == pytest.approx(interference)  # a burst on a quiet worker: all of it
+    step = quiet.tpot_s
+    assert busy.tpot_s == pytest.approx(2 * step)  # the share's forecast...
+    assert busy.added_tpot_s == pytest.approx(max(interference - step, 0.0))  # ...covers that much of it
