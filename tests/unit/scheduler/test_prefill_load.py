@@ -82,7 +82,8 @@ def test_a_local_prompt_adds_only_the_interference_the_prefill_share_does_not_al
 
     quiet, busy = placed(0.0), placed(0.5)
     interference = view([load("w")]).cost("w").prefill_s(512, 0) / 4  # spread over 8 // 2 tokens
-    assert quiet.added_tpot_s == pytest.approx(interference)  # a burst on a quiet worker: all of it
+    assert quiet.added_tpot_s == busy.added_tpot_s == pytest.approx(interference)  # what siting weighs
+    assert quiet.batch_tpot_s == pytest.approx(quiet.tpot_s + interference)  # a burst on a quiet worker
     step = quiet.tpot_s
     assert busy.tpot_s == pytest.approx(2 * step)  # the share's forecast...
-    assert busy.added_tpot_s == pytest.approx(max(interference - step, 0.0))  # ...covers that much of it
+    assert busy.batch_tpot_s == pytest.approx(2 * step + max(interference - step, 0.0))  # ...covers that much
