@@ -240,25 +240,28 @@ def batch_context(decode: WorkerLoad, seqs: int) -> int:
 def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
     """Predicted wait for a decode slot when all `max_num_seqs` are taken (0 otherwise).
 
-    Slots free in the order `slot_free_steps` gives. The sequences ahead of this request (waiting in
-    the worker, or routed there since its heartbeat: none has started) take them in that order, each
-    for a whole lifetime L = `max_tokens` steps (the only length known), so the one `ahead` places
-    in line gets slot `ahead % S` after `ahead // S` such lifetimes. Steps are priced at a full batch.
+    Slots free soonest first (`slot_free_steps`). The sequences ahead of this request (waiting in the
+    worker, or routed there since its heartbeat: none has started) take them in that order, each for
+    a whole lifetime L = `max_tokens` steps (the only length known), so the one `ahead` places in
+    line gets the `ahead % S`-th slot to free after `ahead // S` such lifetimes. Steps are priced at
+    a full batch.
     """
     slots = decode.max_num_seqs
     if slots is None or decode.decode_batch < slots:
         return 0.0
     running = min(decode.snapshot.running_seqs, slots)
-    ahead = decode.decode_batch - running
     step = cost.decode_step_s(slots, batch_context(decode, slots))
-    waves, position = divmod(ahead, slots)
-    frees = slot_free_steps(decode, running, slots, max_tokens, step)
-    return step * (frees[position] + waves * max_tokens)
+    waves, position = divmod(decode.decode_batch - running, slots)
+    return step * (slot_free_steps(decode, running, slots, position, max_tokens, step) + waves * max_tokens)
 
 
-def slot_free_steps(decode: WorkerLoad, running: int, slots: int, max_tokens: int, step_s: float) -> list[float]:
-    """Decode steps until each of the `slots` frees, soonest first: 0 for a free slot; for the
-    `running` sequences, spread evenly over (0, 2m] where m is their mean remaining length.
+def slot_free_steps(
+    decode: WorkerLoad, running: int, slots: int, nth: int, max_tokens: int, step_s: float
+) -> float:
+    """Decode steps until the `nth` (0-based) of the `slots` to free does: 0 for the free ones, which
+    come first; then the `running` sequences' slots, spread evenly over (0, 2m], m being their mean
+    remaining length. Computed directly, not by listing every slot: this runs per candidate per
+    decision, and a GPU worker has hundreds of slots.
 
     m is what the worker reported (their max_tokens minus tokens out, less the steps run since the
     heartbeat). A worker that does not report it leaves m at L/2: the running sequences are taken
@@ -266,16 +269,16 @@ def slot_free_steps(decode: WorkerLoad, running: int, slots: int, max_tokens: in
     started as half done; decisions come right after heartbeats, when a slot has often just been
     refilled (measured on the CPU policy runs: one-slot TTFTs predicted at 1.4-1.9 s came out 2.6-2.9 s).
     """
-    if running <= 0:
-        return [0.0] * slots
+    j = nth - (slots - running) + 1  # the j-th running sequence to finish, 1-based; < 1: a free slot
+    if j < 1:
+        return 0.0
     reported = decode.snapshot.running_remaining_tokens
     if reported > 0:
         steps_since = decode.heartbeat_age_s / (step_s * decode_stretch(decode.prefill_share, decode.max_num_seqs))
         mean = max(reported / running - steps_since, 0.0)
     else:
         mean = max_tokens / 2
-    spread = [2 * mean * j / (running + 1) for j in range(1, running + 1)]
-    return [0.0] * (slots - running) + spread
+    return 2 * mean * j / (running + 1)
 
 
 def prefill_options(
