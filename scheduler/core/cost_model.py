@@ -29,6 +29,12 @@ more samples. The default profile describes a small model on a GPU; on a CPU its
 ~5x too fast, and on the CPU policy runs a worker that had not decoded yet looked nearly free for its
 first second or two: the goodput policy queued requests on the one-slot worker at a predicted TTFT of
 ~0.2 s that took 2.2 s, while the other worker's samples already said what a step costs.
+Decode steps are a line plus a per-batch-size correction: the mean residual of the window's steps at
+that size, shrunk towards the line while they are few (`WindowedLeastSquares.residual_at`). A line
+alone misprices a curve that is not one: on the 2-core CPU of the policy runs the fitted 96 ms +
+22 ms per sequence priced 4 sequences at ~184 ms where they took 146-159, and the goodput policy, its
+TPOT judged ~20% high, held requests in the admission queue until 11-30 of 60 timed out
+(docs/benchmarks.md, pass K).
 Beyond the batches seen: past the largest decode batch the window holds a few steps of (`MIN_SEEN_SAMPLES`),
 a step is the fitted one at that batch plus the profile's per-sequence cost for each sequence more,
 not the fitted line extended. The fitted per-sequence cost is a slope measured over the sizes the
@@ -206,13 +212,15 @@ class CostModel:
         return requests * max(self._profile.prefill_floor_s, a + b * per_prompt + c * per_prompt**2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        """The fitted line up to the largest batch the fit has seen; beyond it, the step at that batch
-        plus the profile's per-sequence cost for each sequence more (see the module docstring)."""
+        """The fitted line, corrected by what the steps at this batch size say it misses, up to the
+        largest batch the fit has seen; beyond it, the step at that batch plus the profile's
+        per-sequence cost for each sequence more (see the module docstring)."""
         fit = self._decode_fit()
         d, e, f = fit.coefficients
         seen = fit.largest_seen()
         unseen = batch - seen if 0 < seen < batch else 0.0  # sequences past the largest batch seen
-        batch_s = d + e * (batch - unseen) + self._profile.decode_per_seq_s * unseen
+        priced = batch - unseen
+        batch_s = d + e * priced + fit.residual_at(priced) + self._profile.decode_per_seq_s * unseen
         return max(_MIN_STEP_S, batch_s + f * context_tokens)
 
     def transfer_s(self, tokens: int) -> float:

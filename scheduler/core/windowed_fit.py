@@ -5,12 +5,34 @@ relative to the data). Pure Python: the systems are 3x3.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import Counter, deque
+from collections import deque
+from dataclasses import dataclass, field
 
 _MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
 _TINY = 1e-12  # keeps the penalty positive for a feature that is 0 throughout the window
 MIN_SEEN_SAMPLES = 3  # samples of one value of the tracked feature before it counts as seen
+# How many samples a tracked value's own mean residual needs to be trusted half (`residual_at`): a
+# value seen n times keeps n / (n + this) of its residual, the rest stays with the line.
+RESIDUAL_SHRINK_SAMPLES = 3.0
+
+
+@dataclass
+class _Group:
+    """The window's samples at one value of the tracked feature: their count and sums."""
+
+    count: int = 0
+    features: list[float] = field(default_factory=list)
+    target: float = 0.0
+
+    def add(self, x: tuple[float, ...], target: float, sign: int) -> None:
+        if not self.features:
+            self.features = [0.0] * len(x)
+        self.count += sign
+        self.target += sign * target
+        for i, xi in enumerate(x):
+            self.features[i] += sign * xi
 
 
 class WindowedLeastSquares:
@@ -26,12 +48,15 @@ class WindowedLeastSquares:
     def __init__(
         self, prior: tuple[float, ...], window: int, prior_weight: float, tracked: int | None = None
     ) -> None:
-        """`tracked`: the index of a feature whose values the window counts (see `largest_seen`)."""
+        """`tracked`: the index of a feature whose values the window groups its samples by (see
+        `largest_seen` and `residual_at`)."""
         if window <= 0 or prior_weight <= 0:
             raise ValueError("need window > 0 and prior_weight > 0")
         self._tracked = tracked
-        self._seen: Counter[float] = Counter()  # tracked feature value -> samples in the window
+        self._groups: dict[float, _Group] = {}  # tracked feature value -> its samples in the window
         self._largest_seen: float | None = None  # cached `largest_seen`, None when stale
+        self._values: list[float] | None = None  # sorted group keys, None when stale
+        self._residuals: dict[float, float] = {}  # shrunk mean residual per value, for `_coefficients`
         self._prior = prior
         self._prior_weight = prior_weight
         self._window = window
@@ -47,11 +72,11 @@ class WindowedLeastSquares:
             raise ValueError(f"expected {len(self._prior)} features, the first the constant 1.0")
         self._samples.append((features, target))
         self._accumulate(features, target, 1.0)
-        self._count(features, 1)
+        self._group(features, target, 1)
         if len(self._samples) > self._window:
             old, old_target = self._samples.popleft()
             self._accumulate(old, old_target, -1.0)
-            self._count(old, -1)
+            self._group(old, old_target, -1)
         self._since_rebuild += 1
         if self._since_rebuild >= self._window:
             self._rebuild()
@@ -64,16 +89,56 @@ class WindowedLeastSquares:
     def largest_seen(self) -> float:
         """The largest value of the tracked feature with `MIN_SEEN_SAMPLES` in the window (0: none)."""
         if self._largest_seen is None:
-            self._largest_seen = max((v for v, n in self._seen.items() if n >= MIN_SEEN_SAMPLES), default=0.0)
+            self._largest_seen = max(
+                (v for v, g in self._groups.items() if g.count >= MIN_SEEN_SAMPLES), default=0.0
+            )
         return self._largest_seen
 
-    def _count(self, features: tuple[float, ...], sign: int) -> None:
+    def residual_at(self, value: float) -> float:
+        """What the window's samples at this value of the tracked feature say the fitted line misses
+        there: their mean residual, shrunk towards 0 by `RESIDUAL_SHRINK_SAMPLES` (a value seen once
+        is mostly noise). Between seen values it is interpolated, outside them the nearest one's.
+
+        The line carries what varies smoothly (context length, the trend in batch size); this carries
+        the shape a line cannot: a CPU's decode step is not linear in batch size (docs/benchmarks.md,
+        scheduler policies: 84 / 158 / 194 / 159 ms at 1-4 sequences, which a line over-prices at 4 by
+        ~20%). 0 without a tracked feature or samples."""
+        values = self._sorted_values()
+        if not values:
+            return 0.0
+        coefficients = self.coefficients  # refits, and clears the residual cache, when stale
+        i = bisect.bisect_left(values, value)
+        if i < len(values) and values[i] == value or i == 0 or i == len(values):
+            return self._residual(values[min(i, len(values) - 1)], coefficients)
+        lo, hi = values[i - 1], values[i]
+        weight = (value - lo) / (hi - lo)
+        return (1 - weight) * self._residual(lo, coefficients) + weight * self._residual(hi, coefficients)
+
+    def _residual(self, value: float, coefficients: tuple[float, ...]) -> float:
+        cached = self._residuals.get(value)
+        if cached is None:
+            group = self._groups[value]
+            line = sum(c * x for c, x in zip(coefficients, group.features, strict=True))
+            cached = self._residuals[value] = (group.target - line) / (group.count + RESIDUAL_SHRINK_SAMPLES)
+        return cached
+
+    def _sorted_values(self) -> list[float]:
+        if self._values is None:
+            self._values = sorted(self._groups)
+        return self._values
+
+    def _group(self, features: tuple[float, ...], target: float, sign: int) -> None:
         if self._tracked is None:
             return
         value = features[self._tracked]
-        self._seen[value] += sign
-        if not self._seen[value]:
-            del self._seen[value]
+        group = self._groups.get(value)
+        if group is None:
+            group = self._groups[value] = _Group()
+            self._values = None
+        group.add(features, target, sign)
+        if not group.count:
+            del self._groups[value]
+            self._values = None
         self._largest_seen = None
 
     @property
@@ -81,6 +146,7 @@ class WindowedLeastSquares:
         # Refit lazily: heartbeats bring many samples, routing asks for few predictions in between.
         if self._dirty:
             self._coefficients = self._solve()
+            self._residuals = {}
             self._dirty = False
         return self._coefficients
 
@@ -94,8 +160,11 @@ class WindowedLeastSquares:
     def _rebuild(self) -> None:
         self._xtx = [[0.0] * len(self._prior) for _ in self._prior]
         self._xty = [0.0] * len(self._prior)
+        self._groups = {}
+        self._values = None
         for x, target in self._samples:
             self._accumulate(x, target, 1.0)
+            self._group(x, target, 1)
         self._since_rebuild = 0
 
     def _penalty(self) -> list[list[float]]:

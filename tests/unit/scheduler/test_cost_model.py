@@ -212,3 +212,60 @@ def test_a_batch_size_counts_as_seen_after_a_few_steps_and_stops_when_they_leave
     for _ in range(20):  # the window moves on to batch-2 steps only
         model.observe(DecodeSample(2, 0, 0.1))
     assert model.decode_step_s(6, 0) == pytest.approx(0.1 + 4 * WorkerProfile().decode_per_seq_s, rel=0.01)
+
+
+def test_the_steps_at_a_batch_size_correct_the_line_where_the_curve_is_not_one() -> None:
+    """The CPU's concave decode curve: a line through 1-8 sequences misprices most sizes by 10-25%;
+    each size's own steps bring its prediction back to what it costs."""
+    model = CostModel(WorkerProfile(decode_per_context_token_s=0.0))
+    step_ms = {1: 75, 2: 130, 3: 185, 4: 145, 5: 155, 6: 160, 7: 170, 8: 170}
+    for _ in range(30):
+        for batch, ms in step_ms.items():
+            model.observe(DecodeSample(batch, 0, ms / 1e3))
+    d, e = _decode_line(model)
+    for batch in (1, 3):  # the line alone is far off there
+        assert abs(d + batch * e - step_ms[batch] / 1e3) > 0.15 * step_ms[batch] / 1e3
+    for batch, ms in step_ms.items():  # 30 samples each keep 30/33 of their residual
+        assert model.decode_step_s(batch, 0) == pytest.approx(ms / 1e3, abs=0.1 * abs(d + batch * e - ms / 1e3) + 1e-6)
+
+
+def test_a_batch_size_seen_once_moves_its_prediction_a_quarter_of_the_way() -> None:
+    model = CostModel(WorkerProfile(decode_per_context_token_s=0.0))
+    for _ in range(50):
+        for batch in (2, 4):
+            model.observe(DecodeSample(batch, 0, 0.05 * batch))  # a line: 50 ms per sequence
+    assert model.decode_step_s(3, 0) == pytest.approx(0.15, rel=1e-3)
+    model.observe(DecodeSample(3, 0, 0.35))  # one slow step at 3 (a noisy neighbour, say)
+    d, e = _decode_line(model)
+    line = d + 3 * e
+    assert model.decode_step_s(3, 0) == pytest.approx(line + (0.35 - line) / 4, rel=1e-3)
+
+
+def test_between_and_beside_the_sizes_seen_the_correction_is_interpolated_or_the_nearest() -> None:
+    model = CostModel(WorkerProfile(decode_per_context_token_s=0.0, decode_per_seq_s=0.0))
+    for _ in range(40):
+        for batch, seconds in ((2, 0.10), (4, 0.30), (6, 0.30)):
+            model.observe(DecodeSample(batch, 0, seconds))
+    d, e = _decode_line(model)
+
+    def residual(batch: int) -> float:
+        return model.decode_step_s(batch, 0) - (d + batch * e)
+
+    assert residual(3) == pytest.approx((residual(2) + residual(4)) / 2)
+    assert residual(1) == pytest.approx(residual(2))  # below the smallest size seen: its correction
+    assert model.decode_step_s(9, 0) == pytest.approx(model.decode_step_s(6, 0))  # past the largest: the step there
+
+
+def test_a_linear_worker_gets_no_correction_and_context_still_counts() -> None:
+    rng = random.Random(7)
+    model = CostModel(WorkerProfile(), window=2000)
+    for _ in range(2000):
+        batch, context = rng.randint(1, 64), rng.randint(0, 200_000)
+        model.observe(DecodeSample(batch, context, TRUE.decode_step_s(batch, context)))
+    for batch, context in ((1, 1000), (32, 100_000), (64, 190_000)):
+        assert model.decode_step_s(batch, context) == pytest.approx(TRUE.decode_step_s(batch, context), rel=0.01)
+
+
+def _decode_line(model: CostModel) -> tuple[float, float]:
+    fitted = model.fitted_profile()
+    return fitted.decode_fixed_s, fitted.decode_per_seq_s
