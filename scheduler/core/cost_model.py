@@ -158,13 +158,19 @@ class CostModel:
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
 
     def _prefill_coefficients(self) -> tuple[float, ...]:
-        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill).coefficients
+        own = self._prefill
+        if self._pool is None or own.num_samples >= MIN_OWN_SAMPLES:  # the common case, first: this runs
+            return own.coefficients  # tens of times per routing decision
+        return _own_or_pooled(own, self._pool._prefill).coefficients
 
     def _decode_coefficients(self) -> tuple[float, ...]:
         return self._decode_fit().coefficients
 
     def _decode_fit(self) -> WindowedLeastSquares:
-        return _own_or_pooled(self._decode, None if self._pool is None else self._pool._decode)
+        own = self._decode
+        if self._pool is None or own.num_samples >= MIN_OWN_SAMPLES:
+            return own
+        return _own_or_pooled(own, self._pool._decode)
 
     def _at_floor(self, tokens: int, attention: int) -> bool:
         """A step of this size that the profile puts on its floor (never, without a floor)."""

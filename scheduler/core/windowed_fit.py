@@ -56,7 +56,7 @@ class WindowedLeastSquares:
         self._groups: dict[float, _Group] = {}  # tracked feature value -> its samples in the window
         self._largest_seen: float | None = None  # cached `largest_seen`, None when stale
         self._values: list[float] | None = None  # sorted group keys, None when stale
-        self._residuals: dict[float, float] = {}  # shrunk mean residual per value, for `_coefficients`
+        self._residuals: dict[float, float] = {}  # `residual_at` per value asked, until the next sample
         self._prior = prior
         self._prior_weight = prior_weight
         self._window = window
@@ -103,10 +103,16 @@ class WindowedLeastSquares:
         the shape a line cannot: a CPU's decode step is not linear in batch size (docs/benchmarks.md,
         scheduler policies: 84 / 158 / 194 / 159 ms at 1-4 sequences, which a line over-prices at 4 by
         ~20%). 0 without a tracked feature or samples."""
+        coefficients = self.coefficients  # refits, and clears the cache below, when stale
+        cached = self._residuals.get(value)  # routing asks for the same few sizes between heartbeats
+        if cached is None:
+            cached = self._residuals[value] = self._interpolated_residual(value, coefficients)
+        return cached
+
+    def _interpolated_residual(self, value: float, coefficients: tuple[float, ...]) -> float:
         values = self._sorted_values()
         if not values:
             return 0.0
-        coefficients = self.coefficients  # refits, and clears the residual cache, when stale
         i = bisect.bisect_left(values, value)
         if i < len(values) and values[i] == value or i == 0 or i == len(values):
             return self._residual(values[min(i, len(values) - 1)], coefficients)
@@ -115,12 +121,9 @@ class WindowedLeastSquares:
         return (1 - weight) * self._residual(lo, coefficients) + weight * self._residual(hi, coefficients)
 
     def _residual(self, value: float, coefficients: tuple[float, ...]) -> float:
-        cached = self._residuals.get(value)
-        if cached is None:
-            group = self._groups[value]
-            line = sum(c * x for c, x in zip(coefficients, group.features, strict=True))
-            cached = self._residuals[value] = (group.target - line) / (group.count + RESIDUAL_SHRINK_SAMPLES)
-        return cached
+        group = self._groups[value]
+        line = sum(c * x for c, x in zip(coefficients, group.features, strict=True))
+        return (group.target - line) / (group.count + RESIDUAL_SHRINK_SAMPLES)
 
     def _sorted_values(self) -> list[float]:
         if self._values is None:
