@@ -148,66 +148,97 @@ def cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> in
     return min(cached_blocks * block_size, prompt_tokens - 1)
 
 
-def evaluate(
-    request: RequestSummary, view: ClusterView, decode: WorkerLoad, prefill: WorkerLoad | None
-) -> Placement:
-    prompt = request.num_prompt_tokens
-    decode_cost = view.cost(decode.worker_id)
+@dataclass(frozen=True)
+class DecodeSide:
+    """The terms of a placement on one decode worker that do not depend on who prefills: computed once
+    per (request, decode worker) and shared by every prefill option priced there (`evaluate`)."""
+
+    cost: CostModel
+    cached_blocks: int  # leading prompt blocks already on the decode worker
+    cached_tokens: int
+    running: int  # sequences in its decode batch (`running_batch`)
+    running_step_s: float  # one step of that batch; 0 when idle
+    stretch: float  # `decode_stretch` of its prefill share
+    slot_wait_s: float  # stretched
+    step_s: float  # the decode step with this request added, unstretched
+
+
+def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) -> DecodeSide:
+    cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
-    decode_cached = cached_tokens(prompt, cached_blocks, decode.block_size)
     running = running_batch(decode)
     running_context = batch_context(decode, running)
     stretch = decode_stretch(decode.prefill_share, decode.max_num_seqs)
-    slot_wait = slot_wait_s(decode, decode_cost, request.max_tokens) * stretch
+    others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
+    step = cost.predict_tpot_s(
+        batch=others,
+        context_tokens=batch_context(decode, others),
+        prompt_tokens=request.num_prompt_tokens,
+        max_tokens=request.max_tokens,
+    )
+    return DecodeSide(
+        cost=cost,
+        cached_blocks=cached_blocks,
+        cached_tokens=cached_tokens(request.num_prompt_tokens, cached_blocks, decode.block_size),
+        running=running,
+        running_step_s=cost.decode_step_s(running, running_context) if running else 0.0,
+        stretch=stretch,
+        slot_wait_s=slot_wait_s(decode, cost, request.max_tokens) * stretch,
+        step_s=step,
+    )
+
+
+def evaluate(
+    request: RequestSummary, view: ClusterView, decode: WorkerLoad, prefill: WorkerLoad | None,
+    side: DecodeSide | None = None,
+) -> Placement:
+    """`side`: `decode_side(request, view, decode)`, when the caller prices several prefill options there."""
+    side = side or decode_side(request, view, decode)
+    prompt = request.num_prompt_tokens
+    decode_cost = side.cost
     added_tpot = 0.0
     if prefill is None:
-        shared_step = decode_cost.decode_step_s(running, running_context) if running else 0.0
-        compute_tokens = prompt - decode_cached
+        compute_tokens = prompt - side.cached_tokens
         # Sequences waiting for a slot on a `both`/decode worker are also in its prefill queue:
         # their prefills and the decode steps of the slot wait run one after the other on the
         # same engine, so the two add up (no double count).
-        ttft = slot_wait + decode_cost.predict_ttft_s(
+        ttft = side.slot_wait_s + decode_cost.predict_ttft_s(
             queued_tokens=decode.queued_prefill_tokens,
             queued_requests=decode.queued_prefill_requests,
             new_tokens=compute_tokens,
-            cached_tokens=decode_cached,
-            shared_step_s=shared_step,
+            cached_tokens=side.cached_tokens,
+            shared_step_s=side.running_step_s,
         )
-        if running:
-            added_tpot = local_interference_s(decode_cost, compute_tokens, decode_cached, request.max_tokens)
-        wait = slot_wait + decode_cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
+        if side.running:
+            added_tpot = local_interference_s(decode_cost, compute_tokens, side.cached_tokens, request.max_tokens)
+        wait = side.slot_wait_s + decode_cost.prefill_backlog_s(
+            decode.queued_prefill_tokens, decode.queued_prefill_requests)
     else:
+        prefill_cost = view.cost(prefill.worker_id)
         prefill_blocks = view.cached_blocks(prefill.worker_id, request.prefix_hashes)
         prefill_cached = cached_tokens(prompt, prefill_blocks, prefill.block_size)
         compute_tokens = prompt - prefill_cached
         # Decode-first: the prefill is asked for once the decode side has taken the request on.
         # (A real decode engine takes a remote prefill's KV beyond its slots and then holds back
         # its decode steps instead: the wait lands on the second token rather than the first.)
-        ttft = slot_wait + view.cost(prefill.worker_id).predict_ttft_s(
+        ttft = side.slot_wait_s + prefill_cost.predict_ttft_s(
             queued_tokens=prefill.queued_prefill_tokens,
             queued_requests=prefill.queued_prefill_requests,
             new_tokens=compute_tokens,
             cached_tokens=prefill_cached,
-            transfer_tokens=prompt - decode_cached,
+            transfer_tokens=prompt - side.cached_tokens,
         )
         # The hand-off lands between two of the decode worker's steps: reserving the blocks and
         # committing the KV each wait for a step boundary, about half a step each (measured: the
         # hand-off overhead grows from ~13 to ~30 ms p50 as the decode batch grows, docs/benchmarks.md).
-        ttft += decode_cost.decode_step_s(running, running_context) if running else 0.0
-        wait = slot_wait + view.cost(prefill.worker_id).prefill_backlog_s(
+        ttft += side.running_step_s
+        wait = side.slot_wait_s + prefill_cost.prefill_backlog_s(
             prefill.queued_prefill_tokens, prefill.queued_prefill_requests)
-    others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
-    step = decode_cost.predict_tpot_s(
-        batch=others,
-        context_tokens=batch_context(decode, others),
-        prompt_tokens=prompt,
-        max_tokens=request.max_tokens,
-    )
-    tpot = step * stretch
-    blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - cached_blocks
+    tpot = side.step_s * side.stretch
+    blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - side.cached_blocks
     return Placement(
-        decode, prefill, cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot,
-        stretch_tpot_s=tpot - step, wait_s=wait,
+        decode, prefill, side.cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot,
+        stretch_tpot_s=tpot - side.step_s, wait_s=wait,
     )
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
-from scheduler.core.placement import Placement, cached_tokens, evaluate
+from scheduler.core.placement import Placement, cached_tokens, decode_side, evaluate
 from scheduler.types import RequestSummary, WorkerRole
 
 
@@ -94,14 +94,15 @@ class PrefillSiting:
         pool: Sequence[WorkerLoad] | None = None,
     ) -> SiteChoice:
         """The cheapest option meeting the SLO, else the cheapest; `pool` from `remote_pool`."""
-        local = evaluate(request, view, decode, None)
+        side = decode_side(request, view, decode)  # shared by the local and the remote options
+        local = evaluate(request, view, decode, None, side)
         remote_allowed = decode.role is WorkerRole.DECODE
         pool = self.remote_pool(request, view) if pool is None and remote_allowed else (pool or [])
         if not remote_allowed or not pool:
             return SiteChoice(local, SiteReason.NO_PREFILL_WORKER, self._cost(request, local))
         if local.prefill_tokens < self.config.min_remote_tokens:
             return SiteChoice(local, SiteReason.SHORT_PROMPT, self._cost(request, local))
-        options = [local, *(evaluate(request, view, decode, p) for p in pool)]
+        options = [local, *(evaluate(request, view, decode, p, side) for p in pool)]
         costs = [self._cost(request, p) for p in options]
         feasible = [i for i, p in enumerate(options) if p.meets(request)] or range(len(options))
         best = min(feasible, key=lambda i: costs[i])
