@@ -158,19 +158,13 @@ class CostModel:
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
 
     def _prefill_coefficients(self) -> tuple[float, ...]:
-        own = self._prefill
-        if self._pool is None or own.num_samples >= MIN_OWN_SAMPLES:  # the common case, first: this runs
-            return own.coefficients  # tens of times per routing decision
-        return _own_or_pooled(own, self._pool._prefill).coefficients
+        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill).coefficients
 
     def _decode_coefficients(self) -> tuple[float, ...]:
         return self._decode_fit().coefficients
 
     def _decode_fit(self) -> WindowedLeastSquares:
-        own = self._decode
-        if self._pool is None or own.num_samples >= MIN_OWN_SAMPLES:
-            return own
-        return _own_or_pooled(own, self._pool._decode)
+        return _own_or_pooled(self._decode, None if self._pool is None else self._pool._decode)
 
     def _at_floor(self, tokens: int, attention: int) -> bool:
         """A step of this size that the profile puts on its floor (never, without a floor)."""
@@ -262,7 +256,8 @@ class CostModel:
 
 
 def _own_or_pooled(own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> WindowedLeastSquares:
-    """A worker's own fit once it has `MIN_OWN_SAMPLES`; before that the pooled one if it knows more."""
-    if pooled is not None and own.num_samples < MIN_OWN_SAMPLES and pooled.num_samples > own.num_samples:
-        return pooled
-    return own
+    """A worker's own fit once it has `MIN_OWN_SAMPLES`; before that the pooled one if it knows more.
+    The common case is tested first: this runs tens of times per routing decision."""
+    if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
+        return own
+    return pooled

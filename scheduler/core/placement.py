@@ -193,7 +193,8 @@ def evaluate(
     side: DecodeSide | None = None,
 ) -> Placement:
     """`side`: `decode_side(request, view, decode)`, when the caller prices several prefill options there."""
-    side = side or decode_side(request, view, decode)
+    if side is None:
+        side = decode_side(request, view, decode)
     prompt = request.num_prompt_tokens
     decode_cost = side.cost
     added_tpot = 0.0
