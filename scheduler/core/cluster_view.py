@@ -8,7 +8,8 @@ request arriving between two heartbeats would see the same "emptiest" worker and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from scheduler.core.cost_model import CostModel
 from scheduler.core.prefix_index import PrefixIndex
@@ -32,23 +33,20 @@ class WorkerLoad:
     # Seconds since the heartbeat behind `snapshot` arrived: the running sequences have made that much
     # progress since they reported how many tokens they may still generate.
     heartbeat_age_s: float = 0.0
+    # Copied from the snapshot on construction (and by `replace`): a routing decision reads them a
+    # few hundred times, and a field costs less than a property (docs/benchmarks.md, decision latency).
+    worker_id: str = field(init=False, repr=False, compare=False)
+    role: WorkerRole = field(init=False, repr=False, compare=False)
+    block_size: int = field(init=False, repr=False, compare=False)
+    # Decode batch slots; None when the worker does not say (treated as unlimited).
+    max_num_seqs: int | None = field(init=False, repr=False, compare=False)
 
-    @property
-    def worker_id(self) -> str:
-        return self.snapshot.worker_id
-
-    @property
-    def role(self) -> WorkerRole:
-        return self.snapshot.role
-
-    @property
-    def block_size(self) -> int:
-        return self.snapshot.block_size
-
-    @property
-    def max_num_seqs(self) -> int | None:
-        """Decode batch slots; None when the worker does not say (treated as unlimited)."""
-        return self.snapshot.max_num_seqs or None
+    def __post_init__(self) -> None:
+        snapshot = self.snapshot
+        object.__setattr__(self, "worker_id", snapshot.worker_id)  # frozen: set once, here
+        object.__setattr__(self, "role", snapshot.role)
+        object.__setattr__(self, "block_size", snapshot.block_size)
+        object.__setattr__(self, "max_num_seqs", snapshot.max_num_seqs or None)
 
     @property
     def slot_queue(self) -> float:
@@ -87,21 +85,21 @@ class ClusterView:
         prefix_index: PrefixIndex,
         conversations: Mapping[str, str],
     ) -> None:
-        self._loads = sorted(loads, key=lambda w: w.worker_id)  # sorted: decisions are reproducible
+        self._loads = sorted(loads, key=_WORKER_ID)  # sorted: decisions are reproducible
         self._costs = costs
         self._prefix_index = prefix_index
         self._conversations = conversations
-        # Policies ask for the same (worker, prompt) match many times while comparing candidates.
-        # Keyed by the hash sequence's identity (hashing a long tuple costs as much as the match);
-        # the entry keeps the sequence itself, so its id can't be reused while the entry exists.
-        self._matches: dict[tuple[str, int], tuple[Sequence[int], int]] = {}
+        # Prefix matches per prompt (`prefix_matches`), keyed by the hash sequence's identity (hashing
+        # a long tuple costs as much as the match); the entry keeps the sequence itself, so its id
+        # can't be reused while the entry exists.
+        self._matches: dict[int, tuple[Sequence[int], dict[str, int]]] = {}
         self._by_model: dict[tuple[bool, str], list[WorkerLoad]] = {}  # (decode?, model) -> workers
 
     def decode_workers(self, model: str = "") -> list[WorkerLoad]:
         workers = self._by_model.get((True, model))
         if workers is None:
             workers = self._by_model[True, model] = [
-                w for w in self._loads if w.role.can_decode and _serves(w, model)
+                w for w in self._loads if w.role.can_decode and (not model or w.snapshot.model == model)
             ]
         return list(workers)
 
@@ -110,7 +108,7 @@ class ClusterView:
         workers = self._by_model.get((False, model))
         if workers is None:
             workers = self._by_model[False, model] = [
-                w for w in self._loads if w.role is WorkerRole.PREFILL and _serves(w, model)
+                w for w in self._loads if w.role is WorkerRole.PREFILL and (not model or w.snapshot.model == model)
             ]
         return list(workers)
 
@@ -118,15 +116,16 @@ class ClusterView:
         return self._costs[worker_id]
 
     def cached_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
-        key = (worker_id, id(hashes))
-        entry = self._matches.get(key)
-        if entry is None or entry[0] is not hashes:
-            entry = self._matches[key] = (hashes, self._prefix_index.match(worker_id, hashes))
-        return entry[1]
+        return self.prefix_matches(hashes).get(worker_id, 0)
 
-    def holders(self, block_hash: int) -> frozenset[str]:
-        """Workers holding this block (a worker missing a prompt's first block holds none of it)."""
-        return self._prefix_index.holders(block_hash)
+    def prefix_matches(self, hashes: Sequence[int]) -> Mapping[str, int]:
+        """Leading blocks of a prompt (its chained `hashes`) cached, per worker holding at least the
+        first; a worker not listed holds none. Computed once per prompt and view: policies ask for
+        many workers' matches while comparing candidates."""
+        entry = self._matches.get(id(hashes))
+        if entry is None or entry[0] is not hashes:
+            entry = self._matches[id(hashes)] = (hashes, self._prefix_index.match_all(hashes))
+        return entry[1]
 
     def conversation_worker(self, conversation_id: str | None) -> str | None:
         """The decode worker that served the conversation's previous turn, if known."""
@@ -135,5 +134,4 @@ class ClusterView:
         return self._conversations.get(conversation_id)
 
 
-def _serves(worker: WorkerLoad, model: str) -> bool:
-    return not model or worker.snapshot.model == model
+_WORKER_ID = attrgetter("worker_id")

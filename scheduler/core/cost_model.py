@@ -136,7 +136,6 @@ class CostModel:
         """`pool`: the fit of every worker serving the same model, which predicts a kind of step this
         worker has too few samples of (see the module docstring); the owner feeds it."""
         self._profile = profile or WorkerProfile()
-        self._pool = pool
         p = self._profile
         self._prefill = WindowedLeastSquares(
             (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s), window, prior_weight
@@ -144,6 +143,8 @@ class CostModel:
         self._decode = WindowedLeastSquares(
             (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight, tracked=1
         )
+        self._prefill_choice = _FitChoice(self._prefill, None if pool is None else pool._prefill)
+        self._decode_choice = _FitChoice(self._decode, None if pool is None else pool._decode)
 
     def observe(self, sample: StepSample) -> None:
         if sample.seconds <= 0:
@@ -157,14 +158,23 @@ class CostModel:
         elif isinstance(sample, DecodeSample):
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
 
+    def refit(self) -> None:
+        """Solve now the fits that took samples since the last solve. Reads refit lazily too, but a
+        solve costs more than a whole routing decision's other arithmetic, so the scheduler calls
+        this after each heartbeat's samples: a decision that came first to a fresh fit waited for
+        its solve (~0.15 ms each; 0.9 per decision in the slowest 1%)."""
+        self._prefill_choice.coefficients()
+        self._decode_choice.coefficients()
+
     def _prefill_coefficients(self) -> tuple[float, ...]:
-        return _own_or_pooled(self._prefill, None if self._pool is None else self._pool._prefill).coefficients
+        return self._prefill_choice.coefficients()
 
     def _decode_coefficients(self) -> tuple[float, ...]:
-        return self._decode_fit().coefficients
+        return self._decode_choice.coefficients()
 
     def _decode_fit(self) -> WindowedLeastSquares:
-        return _own_or_pooled(self._decode, None if self._pool is None else self._pool._decode)
+        self._decode_choice.coefficients()  # brings the choice up to date
+        return self._decode_choice.fit
 
     def _at_floor(self, tokens: int, attention: int) -> bool:
         """A step of this size that the profile puts on its floor (never, without a floor)."""
@@ -255,9 +265,25 @@ class CostModel:
         return self.decode_step_s(batch + 1, context_tokens + prompt_tokens + max_tokens // 2)
 
 
-def _own_or_pooled(own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> WindowedLeastSquares:
-    """A worker's own fit once it has `MIN_OWN_SAMPLES`; before that the pooled one if it knows more.
-    The common case is tested first: this runs tens of times per routing decision."""
-    if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
-        return own
-    return pooled
+class _FitChoice:
+    """One kind of step's fit for a worker: its own once it has `MIN_OWN_SAMPLES`, before that the
+    pooled one if it knows more; and that fit's coefficients, kept until either fit takes a sample.
+    Routing reads them ~100 times per decision and samples arrive a few times per second."""
+
+    def __init__(self, own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> None:
+        self._own = own
+        self._pooled = pooled
+        self.fit = own
+        self._coefficients = own.coefficients
+        self._versions = (-1, -1)  # stale: the first call chooses
+
+    def coefficients(self) -> tuple[float, ...]:
+        own, pooled = self._own, self._pooled
+        if own.version != self._versions[0] or pooled is not None and pooled.version != self._versions[1]:
+            self._versions = (own.version, -1 if pooled is None else pooled.version)
+            if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
+                self.fit = own
+            else:
+                self.fit = pooled
+            self._coefficients = self.fit.coefficients
+        return self._coefficients

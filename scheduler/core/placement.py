@@ -64,7 +64,9 @@ def _z(target_s: float, predicted_s: float, error_s: float) -> float:
     return (target_s - predicted_s) / max(error_s, _MIN_ERROR_S)
 
 
-@dataclass(frozen=True)
+# Not frozen: built dozens of times per routing decision, where a frozen dataclass costs ~4x as much
+# to construct (docs/benchmarks.md, decision latency). Read-only by convention.
+@dataclass(slots=True)
 class Placement:
     decode: WorkerLoad
     prefill: WorkerLoad | None  # None: prefill locally on the decode worker
@@ -148,7 +150,7 @@ def cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> in
     return min(cached_blocks * block_size, prompt_tokens - 1)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: see Placement
 class DecodeSide:
     """The terms of a placement on one decode worker that do not depend on who prefills: computed once
     per (request, decode worker) and shared by every prefill option priced there (`evaluate`)."""
@@ -188,11 +190,43 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     )
 
 
+@dataclass(slots=True)  # not frozen: see Placement
+class PrefillSide:
+    """The terms of a remote prefill on one prefill worker that do not depend on the decode worker:
+    computed once per (request, prefill worker), when the prefill workers are ranked, and shared by
+    every decode worker priced against it."""
+
+    worker: WorkerLoad
+    cost: CostModel
+    cached_tokens: int  # of the prompt, in the prefill worker's own cache
+    backlog_s: float  # its prefill queue ahead of the request
+    compute_s: float  # the request's own prefill there
+
+    @property
+    def finish_s(self) -> float:
+        """When the prefill worker would finish this prompt: its queue, then the uncached part."""
+        return self.backlog_s + self.compute_s
+
+
+def prefill_side(request: RequestSummary, view: ClusterView, prefill: WorkerLoad) -> PrefillSide:
+    cost = view.cost(prefill.worker_id)
+    prompt = request.num_prompt_tokens
+    cached = cached_tokens(prompt, view.cached_blocks(prefill.worker_id, request.prefix_hashes), prefill.block_size)
+    return PrefillSide(
+        worker=prefill,
+        cost=cost,
+        cached_tokens=cached,
+        backlog_s=cost.prefill_backlog_s(prefill.queued_prefill_tokens, prefill.queued_prefill_requests),
+        compute_s=cost.prefill_s(prompt - cached, cached),
+    )
+
+
 def evaluate(
     request: RequestSummary, view: ClusterView, decode: WorkerLoad, prefill: WorkerLoad | None,
-    side: DecodeSide | None = None,
+    side: DecodeSide | None = None, remote: PrefillSide | None = None,
 ) -> Placement:
-    """`side`: `decode_side(request, view, decode)`, when the caller prices several prefill options there."""
+    """`side`: `decode_side(request, view, decode)`, and `remote`: `prefill_side(request, view, prefill)`,
+    when the caller has them already (it prices several options with one of them)."""
     if side is None:
         side = decode_side(request, view, decode)
     prompt = request.num_prompt_tokens
@@ -215,26 +249,20 @@ def evaluate(
         wait = side.slot_wait_s + decode_cost.prefill_backlog_s(
             decode.queued_prefill_tokens, decode.queued_prefill_requests)
     else:
-        prefill_cost = view.cost(prefill.worker_id)
-        prefill_blocks = view.cached_blocks(prefill.worker_id, request.prefix_hashes)
-        prefill_cached = cached_tokens(prompt, prefill_blocks, prefill.block_size)
-        compute_tokens = prompt - prefill_cached
+        if remote is None:
+            remote = prefill_side(request, view, prefill)
+        compute_tokens = prompt - remote.cached_tokens
         # Decode-first: the prefill is asked for once the decode side has taken the request on.
         # (A real decode engine takes a remote prefill's KV beyond its slots and then holds back
         # its decode steps instead: the wait lands on the second token rather than the first.)
-        ttft = side.slot_wait_s + prefill_cost.predict_ttft_s(
-            queued_tokens=prefill.queued_prefill_tokens,
-            queued_requests=prefill.queued_prefill_requests,
-            new_tokens=compute_tokens,
-            cached_tokens=prefill_cached,
-            transfer_tokens=prompt - side.cached_tokens,
-        )
+        # The prefill worker's TTFT: its queue, the prompt's compute, the KV the decode worker lacks
+        # crossing the link (`CostModel.predict_ttft_s`, its terms computed once in `remote`).
+        ttft = side.slot_wait_s + (remote.finish_s + remote.cost.transfer_s(prompt - side.cached_tokens))
         # The hand-off lands between two of the decode worker's steps: reserving the blocks and
         # committing the KV each wait for a step boundary, about half a step each (measured: the
         # hand-off overhead grows from ~13 to ~30 ms p50 as the decode batch grows, docs/benchmarks.md).
         ttft += side.running_step_s
-        wait = side.slot_wait_s + prefill_cost.prefill_backlog_s(
-            prefill.queued_prefill_tokens, prefill.queued_prefill_requests)
+        wait = side.slot_wait_s + remote.backlog_s
     tpot = side.step_s * side.stretch
     blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - side.cached_blocks
     return Placement(

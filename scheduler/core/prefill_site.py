@@ -28,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
-from scheduler.core.placement import Placement, cached_tokens, decode_side, evaluate
+from scheduler.core.placement import DecodeSide, Placement, PrefillSide, decode_side, evaluate, prefill_side
 from scheduler.types import RequestSummary, WorkerRole
 
 
@@ -64,7 +65,7 @@ class SitingConfig:
             raise ValueError(f"cache_hit_fraction must be in [0, 1], got {self.cache_hit_fraction}")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per priced worker (see placement.Placement)
 class SiteChoice:
     placement: Placement
     reason: SiteReason
@@ -77,24 +78,28 @@ class PrefillSiting:
     def __init__(self, config: SitingConfig | None = None) -> None:
         self.config = config or SitingConfig()
 
-    def remote_pool(self, request: RequestSummary, view: ClusterView) -> list[WorkerLoad]:
-        """The prefill workers worth pricing for this request, best first (compute once per request)."""
-        workers = view.prefill_workers(request.model)
-        if len(workers) <= self.config.remote_candidates:
-            return workers
+    def remote_pool(self, request: RequestSummary, view: ClusterView) -> list[PrefillSide]:
+        """The prefill workers worth pricing for this request, best first, ranked by when they would
+        finish it (compute once per request: the terms are shared by every decode worker)."""
+        sides = [prefill_side(request, view, w) for w in view.prefill_workers(request.model)]
+        if len(sides) <= self.config.remote_candidates:
+            return sides
         if self.config.remote_candidates == 1:
-            return [min(workers, key=lambda w: _finish_s(request, view, w))]
-        return sorted(workers, key=lambda w: _finish_s(request, view, w))[: self.config.remote_candidates]
+            return [min(sides, key=_FINISH_S)]
+        return sorted(sides, key=_FINISH_S)[: self.config.remote_candidates]
 
     def choose(
         self,
         request: RequestSummary,
         view: ClusterView,
         decode: WorkerLoad,
-        pool: Sequence[WorkerLoad] | None = None,
+        pool: Sequence[PrefillSide] | None = None,
+        side: DecodeSide | None = None,
     ) -> SiteChoice:
-        """The cheapest option meeting the SLO, else the cheapest; `pool` from `remote_pool`."""
-        side = decode_side(request, view, decode)  # shared by the local and the remote options
+        """The cheapest option meeting the SLO, else the cheapest; `pool` from `remote_pool`, `side`
+        from `decode_side` (computed here when not given)."""
+        if side is None:
+            side = decode_side(request, view, decode)  # shared by the local and the remote options
         local = evaluate(request, view, decode, None, side)
         remote_allowed = decode.role is WorkerRole.DECODE
         pool = self.remote_pool(request, view) if pool is None and remote_allowed else (pool or [])
@@ -102,7 +107,7 @@ class PrefillSiting:
             return SiteChoice(local, SiteReason.NO_PREFILL_WORKER, self._cost(request, local))
         if local.prefill_tokens < self.config.min_remote_tokens:
             return SiteChoice(local, SiteReason.SHORT_PROMPT, self._cost(request, local))
-        options = [local, *(evaluate(request, view, decode, p, side) for p in pool)]
+        options = [local, *(evaluate(request, view, decode, p.worker, side, p) for p in pool)]
         costs = [self._cost(request, p) for p in options]
         feasible = [i for i, p in enumerate(options) if p.meets(request)] or range(len(options))
         best = min(feasible, key=lambda i: costs[i])
@@ -130,14 +135,7 @@ class PrefillSiting:
         return SiteReason.LOCAL_CHEAPER
 
 
-def _finish_s(request: RequestSummary, view: ClusterView, prefill: WorkerLoad) -> float:
-    """When `prefill` would finish this prompt: its queue, then the uncached part of the prompt."""
-    cost = view.cost(prefill.worker_id)
-    hit = cached_tokens(
-        request.num_prompt_tokens, view.cached_blocks(prefill.worker_id, request.prefix_hashes), prefill.block_size
-    )
-    backlog = cost.prefill_backlog_s(prefill.queued_prefill_tokens, prefill.queued_prefill_requests)
-    return backlog + cost.prefill_s(request.num_prompt_tokens - hit, hit)
+_FINISH_S = attrgetter("finish_s")
 
 
 def _backlogged(remote: Sequence[Placement]) -> bool:

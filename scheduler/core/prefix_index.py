@@ -46,6 +46,28 @@ class PrefixIndex:
             count += 1
         return count
 
+    def match_all(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`match` for every worker at once: the leading `hashes` each holds, for the workers that
+        hold at least the first (the others hold none). One walk down the prompt's blocks whatever
+        the number of workers; a routing decision asks this of dozens, and one lookup per (worker,
+        block) in as many per-worker sets, scattered in memory, was ~15% of its time."""
+        if not hashes or hashes[0] not in self._by_hash:
+            return {}
+        alive = set(self._by_hash[hashes[0]])  # workers holding every block so far
+        counts: dict[str, int] = {}
+        for position in range(1, len(hashes)):
+            holders = self._by_hash.get(hashes[position], _NOBODY)
+            if alive <= holders:
+                continue
+            for worker_id in alive - holders:
+                counts[worker_id] = position
+            alive &= holders
+            if not alive:
+                return counts
+        for worker_id in alive:
+            counts[worker_id] = len(hashes)
+        return counts
+
     def holders(self, block_hash: int) -> frozenset[str]:
         return frozenset(self._by_hash.get(block_hash, ()))
 
@@ -59,3 +81,6 @@ class PrefixIndex:
         holders.discard(worker_id)
         if not holders:
             del self._by_hash[block_hash]
+
+
+_NOBODY: frozenset[str] = frozenset()

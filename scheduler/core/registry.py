@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Container
 from dataclasses import dataclass, fields
 
 from scheduler.core.cluster_view import WorkerLoad
@@ -93,6 +94,7 @@ class WorkerRegistry:
         self._grace_s = dispatch_grace_s
         self._prefill_window_s = prefill_window_s
         self._workers: dict[str, _WorkerRecord] = {}
+        self._oldest_seen = math.inf  # a lower bound of every worker's last_seen (see `expire`)
         self._placed_on: dict[str, tuple[str, float]] = {}  # request id -> (decode worker, TPOT ms)
 
     def __contains__(self, worker_id: object) -> bool:
@@ -109,9 +111,11 @@ class WorkerRegistry:
         record = self._workers.get(snapshot.worker_id)
         if record is None:
             self._workers[snapshot.worker_id] = _WorkerRecord(snapshot, now, self._prefill_window_s)
+            self._oldest_seen = min(self._oldest_seen, now)
             return True
         record.snapshot = snapshot
         record.last_seen = now
+        self._oldest_seen = min(self._oldest_seen, now)  # a lower bound even if `now` went back
         record.failed = False  # alive after all (or again): routable
         record.changed()
         cutoff = now - self._grace_s
@@ -132,9 +136,12 @@ class WorkerRegistry:
 
     def expire(self, now: float) -> list[str]:
         """Drop workers silent for longer than the timeout; returns their ids."""
+        if now - self._oldest_seen <= self._timeout_s:
+            return []  # nobody can be late yet: this runs for every routing decision
         dead = [wid for wid, r in self._workers.items() if now - r.last_seen > self._timeout_s]
         for worker_id in dead:
             del self._workers[worker_id]
+        self._oldest_seen = min((r.last_seen for r in self._workers.values()), default=math.inf)
         if dead:
             self._placed_on = {rid: v for rid, v in self._placed_on.items() if v[0] not in dead}
         return dead
@@ -179,3 +186,9 @@ class WorkerRegistry:
 
     def loads(self, now: float) -> list[WorkerLoad]:
         return [record.load(now) for record in self._workers.values()]
+
+    def routable_loads(self, now: float, draining: Container[str]) -> list[WorkerLoad]:
+        """Loads of the workers not reported failed, less those in `draining` (one pass: this runs
+        for every routing decision)."""
+        return [record.load(now) for worker_id, record in self._workers.items()
+                if not record.failed and worker_id not in draining]

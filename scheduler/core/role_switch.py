@@ -15,6 +15,8 @@ forgotten with the switch. Pure: the scheduler core calls it with `now` and snap
 
 from __future__ import annotations
 
+from collections.abc import KeysView
+
 from scheduler.types import RoleSwitch, SwitchState, WorkerRole, WorkerSnapshot
 
 
@@ -24,6 +26,10 @@ class RoleSwitches:
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._switches
+
+    def worker_ids(self) -> KeysView[str]:
+        """The workers being switched (a live view: membership tests need no call per worker)."""
+        return self._switches.keys()
 
     def start(self, snapshot: WorkerSnapshot, role: WorkerRole) -> RoleSwitch:
         """Begin (or retarget) a switch; DONE at once when the worker already has `role`."""

@@ -102,6 +102,8 @@ class Scheduler:
         for sample in samples:
             cost.observe(sample)
             pool.observe(sample)
+        cost.refit()  # here, off the routing path (docs/benchmarks.md, decision latency)
+        pool.refit()
         self._prefix.apply(worker_id, kv_events)
         self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
@@ -235,8 +237,7 @@ class Scheduler:
             self._version += 1
 
     def _view(self, now: float) -> ClusterView:
-        loads = [w for w in self._registry.loads(now)
-                 if w.worker_id not in self._switches and not self._registry.is_failed(w.worker_id)]
+        loads = self._registry.routable_loads(now, self._switches.worker_ids())
         return ClusterView(loads, self._costs, self._prefix, self._conversations)
 
     def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:

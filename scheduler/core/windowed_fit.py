@@ -66,6 +66,7 @@ class WindowedLeastSquares:
         self._xty = [0.0] * len(prior)
         self._coefficients = tuple(prior)
         self._dirty = False
+        self.version = 0  # samples added so far: what a caller caching the coefficients compares
 
     def add(self, features: tuple[float, ...], target: float) -> None:
         if len(features) != len(self._prior) or features[0] != 1.0:
@@ -78,6 +79,7 @@ class WindowedLeastSquares:
             self._accumulate(old, old_target, -1.0)
             self._group(old, old_target, -1)
         self._since_rebuild += 1
+        self.version += 1
         if self._since_rebuild >= self._window:
             self._rebuild()
         self._dirty = True

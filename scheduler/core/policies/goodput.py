@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
-from scheduler.core.placement import Placement, cached_tokens, evaluate
+from scheduler.core.placement import DecodeSide, Placement, PrefillSide, cached_tokens, decode_side, evaluate
 from scheduler.core.policies.base import Policy, reject, reject_no_workers
 from scheduler.core.prefill_site import PrefillSiting, SiteChoice
 from scheduler.types import SLO, DecisionKind, Reason, RequestSummary, RouteDecision, Tier
@@ -70,7 +70,11 @@ class GoodputPolicy(Policy):
         self._siting = siting or PrefillSiting()
         self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
         self._sites: dict[int, SiteChoice] = {}  # id(placement) -> its site choice, for one route call
-        self._pool: list[WorkerLoad] = []  # the request's ranked prefill workers, for one route call
+        self._pool: list[PrefillSide] = []  # the request's ranked prefill workers, for one route call
+        # id(decode load) -> (load, its DecodeSide) for the request last priced by `_candidates`: its
+        # heavier-tier probe (`_best`) is the same request with other targets, and a DecodeSide does
+        # not depend on the targets, so the probe reuses them.
+        self._decode_sides: dict[int, tuple[WorkerLoad, DecodeSide]] = {}
         # id(load) -> (load, its request-independent score): a worker's load object is rebuilt by the
         # registry whenever it changes (heartbeat = new cost samples, or a placement), so it is the key.
         self._base_scores: dict[int, tuple[WorkerLoad, float]] = {}
@@ -89,9 +93,12 @@ class GoodputPolicy(Policy):
     def _candidates(self, request: RequestSummary, view: ClusterView) -> list[Placement]:
         """One placement per decode worker, its prefill sited by cost (core/prefill_site.py)."""
         pool = self._pool = self._siting.remote_pool(request, view)
+        sides = self._decode_sides = {}
         placements = []
         for decode in self._shortlist(request, view):
-            choice = self._siting.choose(request, view, decode, pool)
+            side = decode_side(request, view, decode)
+            sides[id(decode)] = (decode, side)
+            choice = self._siting.choose(request, view, decode, pool, side)
             self._sites[id(choice.placement)] = choice
             placements.append(choice.placement)
         return placements
@@ -105,29 +112,28 @@ class GoodputPolicy(Policy):
         limit = self.config.max_candidates
         if not limit or len(workers) <= limit:
             return workers
-        first = request.prefix_hashes[0] if request.prefix_hashes else None
-        holding = view.holders(first) if first is not None else frozenset()
+        matches = view.prefix_matches(request.prefix_hashes)
         if len(self._base_scores) > _MAX_CACHED_SCORES:
             self._base_scores.clear()
-        scores = {w.worker_id: self._score(request, view, w, w.worker_id in holding) for w in workers}
-        shortlist = sorted(workers, key=lambda w: scores[w.worker_id])[:limit]
+        scores = [self._score(request, view, w, matches.get(w.worker_id, 0)) for w in workers]
+        shortlist = [workers[i] for i in sorted(range(len(workers)), key=scores.__getitem__)[:limit]]
         previous = view.conversation_worker(request.conversation_id)
         if previous is not None and previous not in {w.worker_id for w in shortlist}:
             shortlist += [w for w in workers if w.worker_id == previous]
         return shortlist
 
-    def _score(self, request: RequestSummary, view: ClusterView, decode: WorkerLoad, holds_prefix: bool) -> float:
-        """Seconds, lower is better: a rough TTFT + TPOT without the per-site detail of `evaluate`."""
+    def _score(self, request: RequestSummary, view: ClusterView, decode: WorkerLoad, cached_blocks: int) -> float:
+        """Seconds, lower is better: a rough TTFT + TPOT without the per-site detail of `evaluate`;
+        `cached_blocks`: of the prompt, on `decode`."""
         cached = self._base_scores.get(id(decode))
         if cached is None or cached[0] is not decode:
             cost = view.cost(decode.worker_id)
             step = cost.decode_step_s(decode.decode_batch + 1, decode.context_tokens)
             backlog = cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
             cached = self._base_scores[id(decode)] = (decode, backlog + step * (1.0 + decode.slot_queue))
-        if not holds_prefix:
+        if not cached_blocks:
             return cached[1]
-        blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
-        hit = cached_tokens(request.num_prompt_tokens, blocks, decode.block_size)
+        hit = cached_tokens(request.num_prompt_tokens, cached_blocks, decode.block_size)
         return cached[1] - view.cost(decode.worker_id).prefill_marginal_s(hit)
 
     def _decide(
@@ -145,7 +151,7 @@ class GoodputPolicy(Policy):
         probe = self._heavier_probe(request)
         if probe is not None and qualifying:
             workers = view.decode_workers(request.model)
-            sites = _ProbeSites(self._siting, self._pool)  # same prompt: same ranking
+            sites = _ProbeSites(self._siting, self._pool, self._decode_sides)  # same prompt: same terms
             open_now = _open_now(probe, view, workers, sites)
             qualifying = [p for p in qualifying if _leaves_room(request, probe, view, p, open_now, sites)]
         if not qualifying:
@@ -274,14 +280,23 @@ _MAX_CACHED_SCORES = 4096
 @dataclass(frozen=True)
 class _ProbeSites:
     siting: PrefillSiting
-    pool: list[WorkerLoad]  # the probe's prefill workers, ranked once
+    pool: list[PrefillSide]  # the probe's prefill workers, ranked once
+    decode_sides: dict[int, tuple[WorkerLoad, DecodeSide]]  # priced for the request already (same shape)
+
+    def priced_first(self, workers: Sequence[WorkerLoad]) -> list[WorkerLoad]:
+        """`workers`, those whose DecodeSide is known first (which ones `_open_now` finds does not
+        change any answer of `_leaves_room`, see there; it only saves pricing)."""
+        known = [w for w in workers if id(w) in self.decode_sides]
+        return known + [w for w in workers if id(w) not in self.decode_sides]
 
     def serves(self, probe: RequestSummary, view: ClusterView, decode: WorkerLoad) -> bool:
         """Whether the heavier-tier probe would meet its latency targets on `decode`, by at least
         `RESERVED_CONFIDENCE` expected errors. KV room is not reserved: a lighter request held back
         for blocks alone would idle capacity that nothing needs yet, and heavier requests already
         waiting get freed blocks first through the admission queue."""
-        placement = self.siting.choose(probe, view, decode, self.pool).placement
+        known = self.decode_sides.get(id(decode))
+        side = known[1] if known is not None and known[0] is decode else None
+        placement = self.siting.choose(probe, view, decode, self.pool, side).placement
         return placement.confidence(probe) >= RESERVED_CONFIDENCE
 
 
@@ -292,7 +307,7 @@ def _open_now(
     `_leaves_room` only asks whether one other than the candidate's exists, and two always answer
     that (this keeps a decision O(1) probes on an unloaded cluster instead of one per worker)."""
     found: set[str] = set()
-    for decode in workers:
+    for decode in sites.priced_first(workers):
         if sites.serves(probe, view, decode):
             found.add(decode.worker_id)
             if len(found) == 2:

@@ -177,6 +177,26 @@ def test_a_worker_without_samples_predicts_from_its_models_pool_until_it_has_its
     assert newcomer.decode_step_s(1, 100) == pytest.approx(0.04, rel=0.05)
 
 
+def test_a_worker_joining_a_pool_that_knows_more_predicts_from_it_at_once() -> None:
+    pool = CostModel(TRUE)
+    for _ in range(20):
+        pool.observe(DecodeSample(batch_size=1, context_tokens=100, seconds=0.08))
+    newcomer = CostModel(TRUE, pool=pool)  # registered after the fleet measured its steps
+    assert newcomer.decode_step_s(1, 100) == pytest.approx(0.08, rel=0.05)
+
+
+def test_a_refit_changes_no_prediction_and_a_new_sample_changes_the_next_one() -> None:
+    lazy, eager = CostModel(TRUE), CostModel(TRUE)
+    rng = random.Random(3)
+    for _ in range(40):
+        sample = PrefillSample(rng.randint(16, 2048), rng.uniform(0.05, 0.5))
+        lazy.observe(sample)
+        eager.observe(sample)
+        eager.refit()
+        assert lazy.prefill_s(512) == eager.prefill_s(512)  # read right after each sample: never stale
+        assert lazy.prefill_backlog_s(4096, 3) == eager.prefill_backlog_s(4096, 3)
+
+
 def _concave_cpu_steps(model: CostModel, batches: range) -> None:
     """The 2-core CPU's decode curve (docs/benchmarks.md): steep to 3 sequences, flat after."""
     step_ms = {1: 75, 2: 130, 3: 185, 4: 145, 5: 155, 6: 160, 7: 170, 8: 170}

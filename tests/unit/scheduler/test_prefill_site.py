@@ -77,8 +77,8 @@ def test_the_remote_pool_is_the_fastest_prefill_workers_counting_their_own_cache
     ]
     view = make_view(loads, cached={"p3": req.prefix_hashes})
     pool = PrefillSiting(SitingConfig(remote_candidates=2)).remote_pool(req, view)
-    assert [w.worker_id for w in pool] == ["p3", "p1"]
-    assert [w.worker_id for w in PrefillSiting().remote_pool(req, view)] == ["p3"]
+    assert [side.worker.worker_id for side in pool] == ["p3", "p1"]
+    assert [side.worker.worker_id for side in PrefillSiting().remote_pool(req, view)] == ["p3"]
 
 
 def test_siting_config_is_validated() -> None:

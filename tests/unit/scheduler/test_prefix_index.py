@@ -1,3 +1,5 @@
+import random
+
 from scheduler.core.prefix_index import PrefixIndex
 from scheduler.types import KVEvent, KVEventKind
 
@@ -47,3 +49,19 @@ def test_drop_worker_forgets_its_blocks_only() -> None:
     assert index.match("w1", [1, 2]) == 0
     assert index.holders(1) == {"w2"}
     assert index.num_blocks("w1") == 0
+
+
+def test_match_all_agrees_with_match_for_every_worker_through_evictions_and_holes() -> None:
+    rng = random.Random(7)
+    index = PrefixIndex()
+    chain = list(range(100, 140))
+    for worker in range(12):
+        held = chain[: rng.randint(0, len(chain))]
+        events = stored(*held)
+        events += [KVEvent(EVICTED, h) for h in rng.sample(held, k=min(len(held), rng.randint(0, 3)))]
+        index.apply(f"w{worker}", events)
+    for prompt in (chain, chain[:5], chain[:1], [], [999, *chain], [*chain[:10], 999, *chain[10:]]):
+        matches = index.match_all(prompt)
+        for worker in range(12):
+            assert matches.get(f"w{worker}", 0) == index.match(f"w{worker}", prompt)
+        assert all(count > 0 for count in matches.values())  # only holders of the first block listed
