@@ -7,9 +7,12 @@ suite scrapes these histograms and counters before and after each run and keeps 
 
 - scheduler: `baton_scheduler_queue_wait_seconds`, `baton_scheduler_decisions` (by kind and reason),
   `baton_scheduler_prefill_sites` (local or remote, by reason), `baton_scheduler_event_loop_lag_seconds`,
+  `baton_scheduler_event_loop_cpu_seconds`,
   `baton_scheduler_gc_pause_seconds`;
 - gateway: `baton_gateway_ttft_seconds`, `baton_gateway_event_loop_lag_seconds`,
-  `baton_gateway_gc_pause_seconds`;
+  `baton_gateway_gc_pause_seconds`, and what its loop cost per request and token
+  (`baton_gateway_event_loop_cpu_seconds`, `baton_gateway_tokens`, `baton_gateway_generations_finished`:
+  loadtest/experiments/gateway_cost.py);
 - each worker: `baton_engine_step_seconds` by kind of step (prefill, decode, mixed), and a decode
   worker's `baton_pd_prefill_path` (prompts prefilled locally or handed over).
 
@@ -26,8 +29,9 @@ from loadtest.experiments.handoff_phases import describe
 
 SERVICE_PREFIXES = (
     "baton_scheduler_queue_wait_seconds", "baton_scheduler_decisions", "baton_scheduler_prefill_sites",
-    "baton_scheduler_event_loop_lag_seconds",
+    "baton_scheduler_event_loop_lag_seconds", "baton_scheduler_event_loop_cpu_seconds",
     "baton_scheduler_gc_pause_seconds", "baton_gateway_ttft_seconds", "baton_gateway_event_loop_lag_seconds",
+    "baton_gateway_event_loop_cpu_seconds", "baton_gateway_tokens", "baton_gateway_generations_finished",
     "baton_gateway_gc_pause_seconds",
 )
 WORKER_PREFIXES = ("baton_engine_step_seconds", "baton_pd_prefill_path")

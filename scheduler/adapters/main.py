@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from scheduler.adapters.admin import add_admin_commands
+from scheduler.adapters.loop_watch import settle_gc
 from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
 from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
@@ -139,6 +140,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         print(f"baton scheduler: error: {e}", file=sys.stderr)
         return 2
+    settle_gc()  # garbage collections out of the p99 of routing decisions (loop_watch.py)
     try:
         asyncio.run(_serve(service))
     except OSError as e:

@@ -58,6 +58,10 @@ class SchedulerMetrics:
         self.gc_pause = Histogram(
             "baton_scheduler_gc_pause_seconds", "Garbage collection pauses.", buckets=LAG_BUCKETS_S, registry=r,
         )
+        self.loop_cpu = Counter(
+            "baton_scheduler_event_loop_cpu_seconds",
+            "CPU time of the event loop's thread, which every Route and heartbeat queues on.", registry=r,
+        )
         self.role_switches = Counter(
             "baton_scheduler_role_switches", "Role switches requested (SetRole), by target role.", ["to_role"],
             registry=r,

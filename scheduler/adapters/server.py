@@ -117,7 +117,9 @@ class SchedulerService:
         await server.start()
         self._server = server
         self._ticks = asyncio.create_task(self.servicer.run_ticks(), name="scheduler-ticks")
-        self._watch = asyncio.create_task(watch_loop("scheduler", self.metrics.loop_lag), name="scheduler-loop-watch")
+        self._watch = asyncio.create_task(
+            watch_loop("scheduler", self.metrics.loop_lag, cpu=self.metrics.loop_cpu), name="scheduler-loop-watch"
+        )
         self._stop_gc_timer = time_gc_pauses("scheduler", self.metrics.gc_pause)
         if self.config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(self.config.metrics_port, self.config.host)

@@ -23,6 +23,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from scheduler.adapters.loop_watch import settle_gc
 from services.common.errors import BatonError, ConfigError
 from services.common.settings import BatonSettings
 from services.gateway.app import create_app
@@ -74,6 +75,7 @@ async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings
                 grpc_api: GrpcApiConfig | None = None) -> None:
     deps = build_deps(config, gw, settings)
     app = create_app(deps, None if grpc_api is None else GrpcApiServer(deps, grpc_api))
+    settle_gc()  # fewer, cheaper collections on the loop every token crosses (scheduler/adapters/loop_watch.py)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level=gw.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=int(max(1, config.drain_timeout_s)), timeout_keep_alive=30))

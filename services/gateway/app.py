@@ -78,7 +78,7 @@ def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> Fast
         store = deps.tenancy.conversations
         purge = None if store is None else asyncio.create_task(run_purge_loop(
             store, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
-        watch = asyncio.create_task(watch_loop("gateway", deps.metrics.loop_lag))
+        watch = asyncio.create_task(watch_loop("gateway", deps.metrics.loop_lag, cpu=deps.metrics.loop_cpu))
         stop_gc_timer = time_gc_pauses("gateway", deps.metrics.gc_pause)
         try:
             yield

@@ -41,6 +41,8 @@ class GatewayMetrics:
                                   buckets=LAG_BUCKETS_S, registry=r)
         self.gc_pause = Histogram("baton_gateway_gc_pause_seconds", "Garbage collection pauses",
                                   buckets=LAG_BUCKETS_S, registry=r)
+        self.loop_cpu = Counter("baton_gateway_event_loop_cpu_seconds", "CPU time of the event loop's thread, "
+                                "which every request and streamed token queues on", registry=r)
 
     def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
                            ttft_s: float | None, e2e_s: float) -> None:

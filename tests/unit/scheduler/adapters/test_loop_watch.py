@@ -8,9 +8,17 @@ import logging
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from scheduler.adapters.loop_watch import LAG_BUCKETS_S, LoopWatch, time_gc_pauses, watch_loop
+from scheduler.adapters.loop_watch import (
+    LAG_BUCKETS_S,
+    YOUNG_GC_THRESHOLD,
+    LoopWatch,
+    quiet_gc,
+    settle_gc,
+    time_gc_pauses,
+    watch_loop,
+)
 
 
 def histogram(name: str) -> Histogram:
@@ -39,6 +47,22 @@ async def test_a_blocked_loop_is_measured_and_logged(caplog: pytest.LogCaptureFi
     assert any("test event loop woke" in r.getMessage() for r in caplog.records)
 
 
+async def test_the_loop_threads_cpu_time_is_counted_and_time_blocked_idle_is_not() -> None:
+    cpu = Counter("cpu", "cpu", registry=CollectorRegistry())
+    watch = asyncio.create_task(watch_loop("test", histogram("lag"), LoopWatch(interval_s=0.01), cpu=cpu))
+    await asyncio.sleep(0.02)
+    busy_until = time.perf_counter() + 0.2
+    while time.perf_counter() < busy_until:  # 0.2 s of work on the loop's thread
+        pass
+    time.sleep(0.2)  # 0.2 s blocked without using the CPU
+    await asyncio.sleep(0.03)
+    watch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await watch
+    counted = cpu.collect()[0].samples[0].value
+    assert 0.15 <= counted < 0.35
+
+
 def test_garbage_collections_are_timed_until_stopped() -> None:
     pauses = histogram("pauses")
     stop = time_gc_pauses("test", pauses)
@@ -53,3 +77,23 @@ def test_garbage_collections_are_timed_until_stopped() -> None:
 def test_a_non_positive_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         LoopWatch(interval_s=0.0)
+
+
+def test_quiet_gc_raises_only_the_young_threshold_and_gives_back_the_old_ones() -> None:
+    before = gc.get_threshold()
+    try:
+        assert quiet_gc(7000) == before
+        assert gc.get_threshold() == (7000, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_settle_gc_freezes_what_the_process_holds_and_quiets_the_young_generation() -> None:
+    before = gc.get_threshold()
+    try:
+        settle_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == YOUNG_GC_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
