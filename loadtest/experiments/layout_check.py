@@ -7,7 +7,8 @@ profile-8b.json). Their runs are merged and judged by one SLO (the runs' own, or
 every layout's attainment curve and DistServe goodput per GPU (loadtest/experiments/distserve_report.py),
 then the planner (scheduler/planner.py, the code behind `baton plan`) is given the same profile, the
 workload as it was sent (the lowest-rate run's arrivals and lengths: `--trace`), the same SLO, GPU
-count, KV pool and batch limit, and its recommendation is looked up in the measured ranking. The
+count, KV pool and batch limit (the simulated gateway's costs: --gateway-request-ms, --gateway-token-us),
+and its recommendation is looked up in the measured ranking. The
 issue's bar: the recommended layout measured best or within 5% of the best (`of_best >= 0.95`).
 Writes OUT/summary.json, OUT/check.json and the attainment/goodput plots; prints the tables.
 """
@@ -29,6 +30,7 @@ from loadtest.report import load_result
 from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, mean_attainment, plan, scaled_trace, trace_from_rows
+from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import SLO
 
@@ -95,14 +97,14 @@ def on_the_runs_grid(trace: list[Arrival], trace_rate: float, layout: Layout, pr
 
 
 def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
-          scheduler_seed: WorkerProfile | None = None) -> dict[str, Any]:
+          scheduler_seed: WorkerProfile | None = None, gateway: GatewayCost = MEASURED_GATEWAY) -> dict[str, Any]:
     """Per workload: the planner's ranking, its recommendation and where that stands in the measured one."""
     verdicts: dict[str, Any] = {}
     for workload, entry in summary["workloads"].items():
         gpus = max(g["gpus"] for g in entry["goodput"].values())
         measured = {r["config"]: r for r in entry["ranking"]}
         config = PlanConfig(gpus=gpus, slo=slo, kv_blocks_per_gpu=int(summary.get("num_blocks") or 20480),
-                            max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed)
+                            max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed, gateway=gateway)
         trace = trace_from_rows(workload_trace(runs, workload))
         predicted = plan(trace, {1: profile}, config)
         rates = {name: sorted(row["rate"] for row in rows) for name, rows in entry["configs"].items()}
@@ -150,6 +152,10 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
     p.add_argument("--run-seed", action="store_true",
                    help="start the simulated scheduler from the profile the runs' scheduler had (summary.json "
                         "scheduler_profile), not --profile: the runs' own siting decisions")
+    p.add_argument("--gateway-request-ms", type=float, default=MEASURED_GATEWAY.per_request_s * 1e3,
+                   help="the simulated gateway's loop CPU per request (as baton plan)")
+    p.add_argument("--gateway-token-us", type=float, default=MEASURED_GATEWAY.per_token_s * 1e6,
+                   help="the simulated gateway's loop CPU per streamed token (as baton plan)")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -157,6 +163,11 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
         p.error("no profile-8b.json in the outputs: give --profile")
     args.out.mkdir(parents=True, exist_ok=True)
     return args, profile_path
+
+
+def gateway_cost(args: argparse.Namespace) -> GatewayCost:
+    """The simulated gateway of the --gateway-* flags."""
+    return GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6)
 
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         report.print_tables(summary)
         seed = run_seed(meta) if args.run_seed else None
-        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed)
+        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed, gateway_cost(args))
         (args.out / "check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
         print_check(verdicts, slo)
         report.plot(Path(tmp) / "runs", args.out, summary)

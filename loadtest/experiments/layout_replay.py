@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
         config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
-                            handoff_s=layout_check.HANDOFF_S,
+                            handoff_s=layout_check.HANDOFF_S, gateway=layout_check.gateway_cost(args),
                             scheduler_seed=layout_check.run_seed(meta) if args.run_seed else None)
         rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
                 for path in sorted((Path(tmp) / "runs").glob("*.json"))]

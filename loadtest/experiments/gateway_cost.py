@@ -1,0 +1,160 @@
+"""What the gateway's event loop costs on this host, per request and per streamed token, from layout runs.
+
+    python -m loadtest.experiments.gateway_cost OUT [OUT ...] [--json FILE]
+
+OUT: outputs of `loadtest/micro/layouts_suite.sh` (their summary.json keeps each run's service metrics,
+loadtest/experiments/run_metrics.py). Per run: the CPU seconds of the gateway's event-loop thread
+(`baton_gateway_event_loop_cpu_seconds`), the generations it finished and the completion tokens it
+streamed. The fit is least squares over the runs, both costs non-negative:
+
+    loop CPU = per_request * generations + per_token * completion tokens
+
+Not yet a `baton plan` input: the planner simulates the gateway as one FIFO queue (scheduler/sim/gateway.py)
+at 2.66 ms per request + 100 us per streamed token, fitted by replaying one host's runs, and these measured
+costs make that queue far too slow. On two 4xH100 hosts (docs/benchmarks.md, 2026-11-27) the loop measured
+116-169 us per streamed token (10.2 ms per request + 93 us per token fitted over both workloads), yet at
+40 ShareGPT requests/s (~11k tokens/s at the peak) its event-loop lag p99 stayed at 25-44 ms, where a
+queue at those costs needs ~1.4 s of work per second and grows without bound; given them, the planner
+predicted 7.6 requests/s per GPU for a layout measured at 10.7 and picked one that was not measured best.
+Why the queue overstates the loop is not established (the run averages mix ramp-up and drain with the
+peak; a loop may coalesce work per wake-up). What the fit does say reliably: how one gateway process's
+cost moves with a change (GC settings, a new stream path) on one host, run against run.
+Runs of a single workload all stream about the same tokens per request, which leaves the two costs
+inseparable: then the per-request cost stays at `--request-ms` (default: the planner's) and only the
+per-token cost is fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
+
+LOOP_CPU = "baton_gateway_event_loop_cpu_seconds_total"
+TOKENS = "baton_gateway_tokens_total"
+FINISHED = "baton_gateway_generations_finished_total"
+# Tokens per request must spread by this much (max/min over the runs) to fit both costs.
+SEPARABLE_SPREAD = 1.3
+
+
+@dataclass(frozen=True)
+class GatewayRun:
+    run: str
+    loop_cpu_s: float
+    generations: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GatewayFit:
+    cost: GatewayCost
+    both_fitted: bool  # False: the per-request cost was held (one tokens-per-request ratio in the runs)
+    runs: tuple[GatewayRun, ...]
+    mean_abs_error: float  # of the fitted loop CPU per run, relative
+
+    def flags(self) -> str:
+        """The fit as `baton plan` flags (see the module docstring before using them there)."""
+        return (f"--gateway-request-ms {self.cost.per_request_s * 1e3:.3g} "
+                f"--gateway-token-us {self.cost.per_token_s * 1e6:.3g}")
+
+
+def gateway_runs(summary: dict[str, Any]) -> list[GatewayRun]:
+    """The runs of a layouts_suite summary.json whose gateway reported its loop CPU."""
+    runs = []
+    for config in (summary.get("configurations") or {}).values():
+        for entry in config.get("runs", []):
+            gateway = (entry.get("service_metrics") or {}).get("gateway") or {}
+            cpu = gateway.get(LOOP_CPU)
+            if cpu is None:
+                continue
+            runs.append(GatewayRun(entry["run"], float(cpu), int(_sum_of(gateway, FINISHED)),
+                                   int(_sum_of(gateway, TOKENS, "kind=completion"))))
+    return [r for r in runs if r.generations > 0]
+
+
+def _sum_of(series: dict[str, Any], name: str, label: str | None = None) -> float:
+    """A counter's increase summed over its label sets (those carrying `label` only, when given)."""
+    total = 0.0
+    for key, value in series.items():
+        if key.split("{")[0] == name and (label is None or label in key) and isinstance(value, int | float):
+            total += value
+    return total
+
+
+def fit(runs: list[GatewayRun], request_s: float = MEASURED_GATEWAY.per_request_s) -> GatewayFit:
+    """Least squares over `runs` (see the module docstring); `request_s`: the per-request cost held when
+    the runs cannot separate it."""
+    if not runs:
+        raise ValueError("no run with the gateway's loop CPU (baton_gateway_event_loop_cpu_seconds): "
+                         "runs from before the gateway counted it cannot be fitted")
+    cpu = np.array([r.loop_cpu_s for r in runs])
+    x = np.array([[r.generations, r.completion_tokens] for r in runs], dtype=float)
+    ratio = x[:, 1] / x[:, 0]
+    both = len(runs) >= 2 and ratio.max() / max(ratio.min(), 1e-9) >= SEPARABLE_SPREAD
+    if both:
+        coefficients = _nonnegative_lstsq(x, cpu)
+    else:
+        per_token = float(np.dot(x[:, 1], cpu - request_s * x[:, 0]) / np.dot(x[:, 1], x[:, 1]))
+        coefficients = np.array([request_s, max(per_token, 0.0)])
+    predicted = x @ coefficients
+    error = float(np.mean(np.abs(predicted - cpu) / np.maximum(cpu, 1e-9)))
+    cost = GatewayCost(per_request_s=float(coefficients[0]), per_token_s=float(coefficients[1]))
+    return GatewayFit(cost, both, tuple(runs), error)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Two-coefficient least squares with each >= 0 (a negative cost pinned at 0, the other refitted)."""
+    solved = np.linalg.lstsq(x, y, rcond=None)[0]
+    if (solved >= 0).all():
+        return solved
+    keep = int(np.argmax(solved))
+    column = x[:, keep]
+    out = np.zeros(2)
+    out[keep] = max(float(np.dot(column, y) / np.dot(column, column)), 0.0)
+    return out
+
+
+def load_fit(outs: list[Path], request_s: float = MEASURED_GATEWAY.per_request_s) -> GatewayFit:
+    runs = []
+    for out in outs:
+        summary = out / "summary.json"
+        if summary.exists():
+            runs += gateway_runs(json.loads(summary.read_text()))
+    return fit(runs, request_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.gateway_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outs", type=Path, nargs="+", help="layouts_suite.sh outputs")
+    p.add_argument("--request-ms", type=float, default=MEASURED_GATEWAY.per_request_s * 1e3,
+                   help="per-request cost held when the runs cannot separate it")
+    p.add_argument("--json", type=Path, default=None, help="also write the fit here")
+    args = p.parse_args(argv)
+    try:
+        result = load_fit(args.outs, args.request_ms / 1e3)
+    except ValueError as e:
+        print(f"gateway_cost: {e}", file=sys.stderr)
+        return 2
+    print(f"{'run':28} {'loop CPU s':>10} {'requests':>9} {'tokens':>8} {'us/token':>9}")
+    for r in result.runs:
+        print(f"{r.run:28} {r.loop_cpu_s:10.2f} {r.generations:9d} {r.completion_tokens:8d} "
+              f"{r.loop_cpu_s / max(r.completion_tokens, 1) * 1e6:9.1f}")
+    held = "" if result.both_fitted else " (per-request cost held: one tokens-per-request ratio in the runs)"
+    print(f"fit{held}: {result.cost.per_request_s * 1e3:.3g} ms per request + {result.cost.per_token_s * 1e6:.3g} "
+          f"us per streamed token; mean |error| per run {result.mean_abs_error:.1%}")
+    print(f"as baton plan flags (module docstring: pessimistic there): {result.flags()}")
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
