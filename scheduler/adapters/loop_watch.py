@@ -9,9 +9,9 @@ collection. Both log what crosses `warn_s`. The gateway and the scheduler both r
 
 `watch_loop` also counts the CPU time of the loop's thread: the work every request and streamed token
 queue on. Per run, that over the requests and tokens served is what a gateway (or scheduler) costs on
-this host, the figure `baton plan` simulates the gateway with (loadtest/experiments/gateway_cost.py fits
-it from layout runs); the process's CPU time would also count its other threads (gRPC's, the tokenizer's),
-which do not hold the loop up.
+this host (loadtest/experiments/gateway_cost.py fits it from layout runs, and says why it is not yet
+what `baton plan` simulates the gateway with); the process's CPU time would also count its other
+threads (gRPC's, the tokenizer's), which do not hold the loop up.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ async def watch_loop(
 # each, ~1.8 ms when it took generation 1 along: most of the slowest 1%, docs/benchmarks.md, decision
 # latency); the gateway's loop paused for it 700-960 times in a 25-s layout run at 40 req/s, 11-19% of
 # its CPU. Ten times the threshold makes young collections, and the full ones that every hundredth
-# triggers, ten times rarer. `quiet_gc` also freezes what the process allocated while starting
+# triggers, ten times rarer. `settle_gc` also freezes what the process allocated while starting
 # (modules, tokenizers, profiles), which never becomes garbage and each full collection re-scanned.
 YOUNG_GC_THRESHOLD = 7000
 

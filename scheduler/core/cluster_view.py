@@ -98,9 +98,7 @@ class ClusterView:
     def decode_workers(self, model: str = "") -> list[WorkerLoad]:
         workers = self._by_model.get((True, model))
         if workers is None:
-            workers = self._by_model[True, model] = [
-                w for w in self._loads if w.role.can_decode and (not model or w.snapshot.model == model)
-            ]
+            workers = self._by_model[True, model] = [w for w in self._serving(model) if w.role.can_decode]
         return list(workers)
 
     def prefill_workers(self, model: str = "") -> list[WorkerLoad]:
@@ -108,9 +106,13 @@ class ClusterView:
         workers = self._by_model.get((False, model))
         if workers is None:
             workers = self._by_model[False, model] = [
-                w for w in self._loads if w.role is WorkerRole.PREFILL and (not model or w.snapshot.model == model)
+                w for w in self._serving(model) if w.role is WorkerRole.PREFILL
             ]
         return list(workers)
+
+    def _serving(self, model: str) -> list[WorkerLoad]:
+        """The workers serving `model` (every worker when it is empty)."""
+        return self._loads if not model else [w for w in self._loads if w.snapshot.model == model]
 
     def cost(self, worker_id: str) -> CostModel:
         return self._costs[worker_id]

@@ -24,9 +24,6 @@ class RoleSwitches:
     def __init__(self) -> None:
         self._switches: dict[str, RoleSwitch] = {}
 
-    def __contains__(self, worker_id: object) -> bool:
-        return worker_id in self._switches
-
     def worker_ids(self) -> KeysView[str]:
         """The workers being switched (a live view: membership tests need no call per worker)."""
         return self._switches.keys()
