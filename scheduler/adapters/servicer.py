@@ -226,7 +226,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             # The caller's short liveness deadline covers the time to this message, not the wait.
             await context.write(response_from_decision(queued, self._workers, summary.max_tokens))
-            return await asyncio.wait_for(waiter, limit_s)
+            async with asyncio.timeout(limit_s):
+                return await waiter
         except TimeoutError:
             self._core.on_finished(request_id, self._clock.now())
             decision = reject(summary, Reason.QUEUE_TIMEOUT, self._core.config.overload_retry_after_s)
@@ -265,7 +266,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """Tick until cancelled; a failing tick is logged, not fatal (the next one retries)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.tick_interval_s)
+                async with asyncio.timeout(self.config.tick_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 self.tick()

@@ -67,7 +67,8 @@ class UsageOutbox:
     async def record(self, event: UsageEvent) -> None:
         """Make `event` durable (outbox row, else spool line); never raises."""
         try:
-            await asyncio.wait_for(self._insert(event), self._record_timeout_s)
+            async with asyncio.timeout(self._record_timeout_s):
+                await self._insert(event)
         except (BatonError, psycopg.Error, TimeoutError) as e:
             await self._spool_instead(event, e)
         self._relay.wake()

@@ -158,7 +158,8 @@ class OutboxRelay:
                 continue
             if published < self.config.batch_size:  # a full batch: more may be waiting, go on at once
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+                    async with asyncio.timeout(self.config.poll_interval_s):
+                        await self._wake.wait()
 
     async def _publish(self) -> int:
         async with self._db.connection() as conn:

@@ -197,7 +197,8 @@ class ResponsesService:
         here = self._running.get(response_id)
         if here is not None and here.owner == owner:
             with contextlib.suppress(TimeoutError):  # a client not reading its stream holds the last events
-                await asyncio.wait_for(here.settled.wait(), SETTLE_TIMEOUT_S)
+                async with asyncio.timeout(SETTLE_TIMEOUT_S):
+                    await here.settled.wait()
             if here.settled.is_set() and here.draft.status != "cancelled":
                 raise ResponseFinishedError(response_id)
             return here.draft.body() | {"status": "cancelled"}

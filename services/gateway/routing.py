@@ -202,7 +202,8 @@ class RouterClient:
         if self._channel is None:
             return
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), self.config.connect_timeout_s)
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                await self._channel.channel_ready()
         except TimeoutError:
             log.warning("scheduler not reachable within %.1f s of start; requests will try it again",
                         self.config.connect_timeout_s)
@@ -243,7 +244,8 @@ class RouterClient:
         )
         try:
             # The answer, or QUEUE while it waits, must come quickly; the wait itself may be long.
-            response = await asyncio.wait_for(call.read(), self.config.call_timeout_s)
+            async with asyncio.timeout(self.config.call_timeout_s):
+                response = await call.read()
             if response is not grpc.aio.EOF and response.kind == pb.RouteResponse.KIND_QUEUE:
                 response = await call.read()
         except BaseException:

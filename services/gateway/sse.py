@@ -66,10 +66,13 @@ class SSEResponse(Response):
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             log.info("stream %s: response ends (%s)", self.event_log.stream_id,
                      "completed" if completed else "client gone")
+            # Detached before the tasks are awaited: the abort of a gone client's generation must not
+            # wait on the follower's cancellation (one swallowed by Python 3.11's wait_for held it for
+            # the whole generation; streams.py).
             self.event_log.detach(disconnected=not completed)
+            await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -132,8 +132,12 @@ class EventLog:
         pending = self.events_after(seq)
         if pending or self.finished:
             return pending
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that lands just
+        # as the event is set, and the SSE response's follower then streamed on to a gone client until
+        # the generation ended (the disconnect tests caught it about one run in four).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await changed.wait()
         return self.events_after(seq)  # also after a timeout: events may have come before we resumed
 
     async def follow(self, after_seq: int, keepalive_s: float) -> AsyncIterator[StreamEvent | None]:

@@ -97,7 +97,8 @@ class OutputFilter:
             chunk.MergeFrom(self._first)
             self._first = None
         try:
-            verdict = await asyncio.wait_for(self._exchange(chunk), self._config.timeout_s)
+            async with asyncio.timeout(self._config.timeout_s):
+                verdict = await self._exchange(chunk)
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
             self._degrade(mode, _reason(e))
             return self._remember(unavailable_verdict(mode))
@@ -127,7 +128,8 @@ class OutputFilter:
         if self._call.done():
             return
         try:
-            await asyncio.wait_for(self._finish(), self._config.timeout_s)
+            async with asyncio.timeout(self._config.timeout_s):
+                await self._finish()
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
             self._call.cancel()
 

@@ -96,7 +96,8 @@ class GuardModelTier:
                 "temperature": 0}
         try:
             # The budget bounds the whole call (connect, queue, generate), not each socket operation.
-            response = await asyncio.wait_for(self._client.post("/v1/completions", json=body), self.config.budget_s)
+            async with asyncio.timeout(self.config.budget_s):
+                response = await self._client.post("/v1/completions", json=body)
             response.raise_for_status()
             answer = parse_guard_output(response.json()["choices"][0]["text"])
         except (TimeoutError, httpx.TimeoutException):

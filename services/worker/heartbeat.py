@@ -164,4 +164,5 @@ class HeartbeatClient:
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()

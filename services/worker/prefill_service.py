@@ -193,7 +193,8 @@ class PrefillService:
         delay = self._faults.take_prefill_delay()
         if delay:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.aborted.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await job.aborted.wait()
         return not job.aborted.is_set()
 
     async def _first_token(self, job: _RunningOrder) -> RequestOutput | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -24,9 +25,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def _check(name: str, probe: asyncio.Future[object] | object) -> tuple[str, str]:
+async def _check(name: str, probe: Awaitable[object]) -> tuple[str, str]:
     try:
-        await asyncio.wait_for(probe, _PROBE_TIMEOUT_S)  # type: ignore[arg-type]
+        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+            await probe
     except Exception as e:
         return name, f"failed: {type(e).__name__}: {e}"[:300]
     return name, "ok"

@@ -46,6 +46,20 @@ async def test_an_idle_stream_yields_keepalives() -> None:
     assert (await follower).count(None) >= 2
 
 
+async def test_a_follower_cancelled_as_an_event_arrives_stops() -> None:
+    # The SSE response cancels its follower when the client disconnects. With asyncio.wait_for (Python
+    # 3.11) a cancel landing after the event woke the wait but before the follower resumed was swallowed,
+    # and the follower streamed on to a gone client until the generation ended.
+    log = EventLog("s", ORG, 16)
+    follower = asyncio.create_task(_collect(log, -1))
+    await asyncio.sleep(0.01)
+    log.append("a")
+    await asyncio.sleep(0)  # the wait is woken; the follower has not run yet
+    follower.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(follower, 1.0)
+
+
 def test_events_dropped_from_the_bounded_buffer_are_gone() -> None:
     log = EventLog("s", ORG, 3)
     for data in "abcde":
