@@ -41,6 +41,12 @@ class ReplayConfig:
     client_overhead_s: float = 0.0
     # The gateway's event loop as a queue that requests and streamed tokens wait in (scheduler/sim/gateway.py).
     gateway: GatewayCost = NO_GATEWAY
+    # Clients that give up: a request not answered in full this long after it arrived is a client timeout
+    # (not served, as `baton bench --request-timeout` counts it), and the gateway aborts its generation
+    # `detach_grace_s` later (its stream detach grace), which frees the worker's queue place or blocks.
+    # None: clients wait for ever, and an overloaded worker's queue only grows.
+    client_timeout_s: float | None = None
+    detach_grace_s: float = 0.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -51,6 +57,8 @@ class _Event(Enum):
     TRANSFER_DONE = auto()
     HEARTBEAT = auto()
     TICK = auto()
+    CLIENT_GONE = auto()  # the client's timeout passed: the request counts as timed out
+    ABORT = auto()  # the gateway aborts what the gone client left running
 
 
 class _Replay:
@@ -99,6 +107,8 @@ class _Replay:
             _Event.TRANSFER_DONE: self._on_transfer_done,
             _Event.HEARTBEAT: self._on_heartbeat,
             _Event.TICK: self._on_tick,
+            _Event.CLIENT_GONE: self._on_client_gone,
+            _Event.ABORT: self._on_abort,
         }
         while self._heap and len(self.outcomes) < len(self.trace):
             self.now, _, kind, payload = heapq.heappop(self._heap)
@@ -109,6 +119,8 @@ class _Replay:
     # ---- events --------------------------------------------------------------------------------
 
     def _on_arrival(self, arrival: Arrival) -> None:
+        if self.config.client_timeout_s is not None:
+            self.push(arrival.time_s + self.config.client_timeout_s, _Event.CLIENT_GONE, arrival)
         if self.config.gateway.free:
             self._on_route(arrival)
         else:
@@ -164,6 +176,25 @@ class _Replay:
             self._allocate(worker)
         self._kick(worker)
 
+    def _on_client_gone(self, arrival: Arrival) -> None:
+        if arrival.request_id in self.outcomes:  # answered (or refused) in time
+            return
+        self._record(arrival, self.sequences.get(arrival.request_id), rejected=False, timed_out=True)
+        self.push(self.now + self.config.detach_grace_s, _Event.ABORT, arrival.request_id)
+
+    def _on_abort(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.finished_at is not None:  # it finished during the grace
+            return
+        self.scheduler.on_finished(request_id, self.now)  # also takes it out of the admission queue
+        if seq is None:
+            return
+        for worker_id in {seq.decode_worker, seq.prefill_worker or seq.decode_worker}:
+            worker = self.workers[worker_id]
+            worker.abort(seq)
+            self._allocate(worker)
+            self._kick(worker)
+
     # ---- helpers -------------------------------------------------------------------------------
 
     def _apply(self, decision: RouteDecision) -> None:
@@ -212,11 +243,12 @@ class _Replay:
     def _finish(self, finished: list[SimSequence]) -> None:
         for seq in finished:
             self.scheduler.on_finished(seq.arrival.request_id, self.now)
-            self._record(seq.arrival, seq, rejected=False)
+            if seq.arrival.request_id not in self.outcomes:  # else its client had given up
+                self._record(seq.arrival, seq, rejected=False)
 
-    def _record(self, arrival: Arrival, seq: SimSequence | None, rejected: bool) -> None:
+    def _record(self, arrival: Arrival, seq: SimSequence | None, rejected: bool, timed_out: bool = False) -> None:
         ttft = tpot = e2e = None
-        if seq is not None and seq.first_token_at is not None and seq.finished_at is not None:
+        if not timed_out and seq is not None and seq.first_token_at is not None and seq.finished_at is not None:
             first = seq.first_token_out_at if seq.first_token_out_at is not None else seq.first_token_at
             last = seq.finished_out_at if seq.finished_out_at is not None else seq.finished_at
             ttft = first - arrival.time_s + self.config.client_overhead_s
@@ -237,6 +269,7 @@ class _Replay:
             rejected=rejected,
             degraded=seq is not None and seq.output_tokens < arrival.output_tokens,
             queued=arrival.request_id in self.queued,
+            timed_out=timed_out,
             decode_worker_id=None if seq is None else seq.decode_worker,
             prefill_worker_id=None if seq is None else seq.prefill_worker,
             prefill_compute_s=_prefill_compute_s(seq),

@@ -17,6 +17,7 @@ from typing import Any
 
 from loadtest.experiments.mixed_steps import ServedRequest, pair_requests
 from loadtest.experiments.simulate import (
+    Clients,
     ExperimentFit,
     SimRun,
     fit_experiment,
@@ -139,27 +140,29 @@ def _sim_row(sims: Sequence[SimRun]) -> dict[str, Any]:
             "by_tier": by_tier, "placements": {k: v / len(sims) for k, v in sorted(placements.items())}}
 
 
-def _simulate_run(run: RealRun, fit: ExperimentFit, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
+def _simulate_run(run: RealRun, fit: ExperimentFit, max_num_seqs: Mapping[str, int],
+                  clients: Clients | None) -> dict[str, Any]:
     trace = trace_from_tap(run.tap)
     slos = tier_slos(run.tap, SLO(1e9, 1e9))
     specs = worker_specs(run.tap, fit.workers, max_num_seqs)
     noise = {wid: f.noise for wid, f in fit.workers.items()}
     sims = [simulate(trace, specs, run.policy, slos, noise, seed=s, seed_profile=run.seed_profile,
-                     client_overhead_s=fit.client_overhead_s) for s in SIM_SEEDS]
+                     client_overhead_s=fit.client_overhead_s, clients=clients) for s in SIM_SEEDS]
     return {**_sim_row(sims), "requests": len(trace)}
 
 
-def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
+def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, int],
+                       clients: Clients | None = None) -> dict[str, Any]:
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
     fit = fit_experiment([r.tap for r in runs], [s for r in runs for s in r.served])
     rows = {}
     for run in runs:
-        real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs)
+        real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs, clients)
         # The same replay with profiles fitted to this run's samples alone: it carries the background
         # load of that run, so the gap between the two errors is how much the load drifted.
         own = fit_experiment([run.tap], run.served)
-        own_sim = _simulate_run(run, own, max_num_seqs)
+        own_sim = _simulate_run(run, own, max_num_seqs, clients)
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
                            "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
                            "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - real["goodput_fraction"]),
@@ -172,8 +175,9 @@ def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, in
             "real_scheduler_fits": real_scheduler_fits}
 
 
-def analyse(out: Path, plan: Sequence[Any], max_num_seqs: Mapping[str, int]) -> dict[str, Any]:
-    summary = {e.name: analyse_experiment(out, e, max_num_seqs) for e in plan
+def analyse(out: Path, plan: Sequence[Any], max_num_seqs: Mapping[str, int],
+            clients: Clients | None = None) -> dict[str, Any]:
+    summary = {e.name: analyse_experiment(out, e, max_num_seqs, clients) for e in plan
                if any(e.run_dir(out, r).exists() for r in e.runs)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     print_tables(summary)

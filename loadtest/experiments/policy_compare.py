@@ -52,7 +52,11 @@ samples alone; it carries that run's background load, so the gap between the two
 much the shared machine's load drifted between runs. Simulated TTFT starts at the scheduler, the
 client's at the send: the simulator adds the client's first-token overhead (gateway, the token's way
 out), the median excess over the prefill of requests that found their worker idle (~40-60 ms here).
-TTFT and TPOT p90, real and simulated, are over every bench's requests together.
+TTFT and TPOT p90, real and simulated, are over every bench's requests together, completed ones only.
+The simulated clients give up as the benches' do (`CLIENTS`: after 120 s a request is a timeout, not
+served), and the simulated gateway then aborts the generation after its detach grace, as the real one
+does; without that, an overloaded worker's queue only grew in the replays (round-robin's exp3 TTFT
+p90 came out at ~3x the real one).
 
 Output: `<out>/<run>/bench*.json` (baton bench results), `<out>/<run>/scheduler_tap.json`,
 `<out>/<run>/logs/`, and `<out>/summary.json` + the tables on stdout. Took 13 minutes with
@@ -72,6 +76,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.experiments.cluster import ExperimentInfra, PolicyStack, StackConfig, WorkerFlags
+from loadtest.experiments.simulate import Clients
+from services.gateway.config import StreamConfig
 
 log = logging.getLogger("loadtest.experiments.policy_compare")
 
@@ -169,6 +175,11 @@ class LoadSampler:
                 out.flush()
 
 
+# The benches' clients give up after 120 s; the stack's gateway keeps a gone client's stream generating for
+# its default detach grace, then aborts it. The replays model both (loadtest/experiments/simulate.py).
+CLIENTS = Clients(timeout_s=120.0, detach_grace_s=StreamConfig().detach_grace_s)
+
+
 def _baton() -> list[str]:
     script = Path(sys.executable).with_name("baton")
     return [str(script)] if script.exists() else [sys.executable, "-m", "loadtest"]
@@ -180,7 +191,8 @@ def run_benches(url: str, keys: dict[str, str], run_dir: Path, benches: tuple[Be
     for spec in benches:
         out = run_dir / f"{spec.label}.json"
         argv = [*_baton(), "bench", "--base-url", url, "--api-key", keys[spec.tier], "--ignore-eos",
-                "--tokenizer", "default", "--request-timeout", "120", "--no-progress", "--label", spec.label,
+                "--tokenizer", "default", "--request-timeout", str(CLIENTS.timeout_s), "--no-progress",
+                "--label", spec.label,
                 "--result-json", str(out), *spec.args]
         log_file = open(run_dir / f"{spec.label}.out", "w")  # noqa: SIM115 - closed below
         procs.append((spec, subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT), log_file))
@@ -239,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         run_real(args.out, plan)
         print(f"real runs took {time.monotonic() - started:.0f} s", flush=True)
-    analyse(args.analyze or args.out, plan, MAX_NUM_SEQS)
+    analyse(args.analyze or args.out, plan, MAX_NUM_SEQS, CLIENTS)
     return 0
 
 

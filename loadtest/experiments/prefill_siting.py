@@ -19,7 +19,14 @@ from collections.abc import Sequence
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.core.placement import DisaggregationRule, cached_tokens, evaluate
+from scheduler.core.placement import (
+    DecodeSide,
+    DisaggregationRule,
+    PrefillSide,
+    cached_tokens,
+    evaluate,
+    prefill_side,
+)
 from scheduler.core.policies import GoodputPolicy
 from scheduler.core.prefill_site import PrefillSiting, SiteChoice, SiteReason
 from scheduler.replay import ReplayConfig, replay
@@ -41,14 +48,15 @@ class ThresholdSiting(PrefillSiting):
         self._rule = rule or DisaggregationRule()
 
     def choose(self, request: RequestSummary, view: ClusterView, decode: WorkerLoad,
-               pool: Sequence[WorkerLoad] | None = None) -> SiteChoice:
+               pool: Sequence[PrefillSide] | None = None, side: DecodeSide | None = None) -> SiteChoice:
         cached = cached_tokens(request.num_prompt_tokens, view.cached_blocks(decode.worker_id, request.prefix_hashes),
                                decode.block_size)
         workers = view.prefill_workers(request.model)
         if decode.role is not WorkerRole.DECODE or not workers or self._rule.prefill_locally(
                 request.num_prompt_tokens, cached):
-            return SiteChoice(evaluate(request, view, decode, None), SiteReason.SHORT_PROMPT, 0.0)
-        options = [evaluate(request, view, decode, p) for p in workers]
+            return SiteChoice(evaluate(request, view, decode, None, side), SiteReason.SHORT_PROMPT, 0.0)
+        sides = [prefill_side(request, view, w) for w in workers]  # every prefill worker, not the ranked pool
+        options = [evaluate(request, view, decode, p.worker, side, p) for p in sides]
         return SiteChoice(max(options, key=lambda p: p.slack(request)), SiteReason.REMOTE_CHEAPER, 0.0)
 
 

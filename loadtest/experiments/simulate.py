@@ -207,6 +207,17 @@ class _ExperimentReplay(_Replay):
 
 
 @dataclass(frozen=True)
+class Clients:
+    """How a real run's clients gave up: `baton bench --request-timeout`, after which the gateway kept the
+    generation for its stream detach grace, then aborted it. Under overload the aborts are what keep a
+    worker's queue from growing without bound (round-robin's exp3 replays put its TTFT p90 at ~3x the
+    real one while clients waited for ever in the simulator)."""
+
+    timeout_s: float
+    detach_grace_s: float
+
+
+@dataclass(frozen=True)
 class SimRun:
     policy: str
     requests: int
@@ -224,12 +235,15 @@ class SimRun:
 def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_name: str,
              slos: Mapping[Tier, SLO], noise: Mapping[str, float], *, seed: int = 0,
              heartbeat_interval_s: float = 0.2, seed_profile: WorkerProfile | None = None,
-             client_overhead_s: float = 0.0) -> SimRun:
+             client_overhead_s: float = 0.0, clients: Clients | None = None) -> SimRun:
     """One replay; the scheduler's cost models start from `seed_profile` (as `--profile` gave the real
-    one) or from the core's default profile, never from the simulated truth."""
+    one) or from the core's default profile, never from the simulated truth. `clients`: when the
+    run's clients gave up (None: never)."""
     core = SchedulerConfig(default_profile=seed_profile or WorkerProfile())
     config = ReplayConfig(heartbeat_interval_s=heartbeat_interval_s, tick_interval_s=0.05, seed=seed,
-                          seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s)
+                          seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s,
+                          client_timeout_s=None if clients is None else clients.timeout_s,
+                          detach_grace_s=0.0 if clients is None else clients.detach_grace_s)
     run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise)
     run.run()
     result = run.result(policy_name)

@@ -13,7 +13,7 @@ class RequestOutcome:
     request_id: str
     tier: Tier
     arrival_s: float
-    ttft_s: float | None  # None: never got a first token (rejected, or unfinished at the horizon)
+    ttft_s: float | None  # None: not served (rejected, timed out, or unfinished at the horizon)
     tpot_s: float | None  # mean over tokens after the first; 0.0 for one-token answers
     e2e_s: float | None
     met_slo: bool  # finished with TTFT and TPOT within the request's targets
@@ -26,6 +26,7 @@ class RequestOutcome:
     # prefill_compute phase); None for local prefills and unserved requests.
     prefill_compute_s: float | None = None
     handoff_overhead_s: float | None = None  # a remote prefill's decode-side `overhead` phase (replay.py)
+    timed_out: bool = False  # its client gave up before the answer was complete (ReplayConfig.client_timeout_s)
 
 
 @dataclass(frozen=True)

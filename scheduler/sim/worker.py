@@ -10,7 +10,8 @@ a pure prefill or a pure decode step, a step sample that the next heartbeat carr
 (a real worker reports no mixed step: services/worker/heartbeat.py says why). Step times are the
 profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
 factor; a measured decode step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode
-price. Not modelled: preemption, transfer contention on the link.
+price. An abort (a client that gave up) frees the sequence's blocks and queue places at once; a step already
+computing it finishes without it. Not modelled: preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class SimSequence:
     # When the client sees the first and the last token: through the gateway (scheduler/sim/gateway.py).
     first_token_out_at: float | None = None
     finished_out_at: float | None = None
+    aborted: bool = False  # its client left and the gateway aborted it (SimWorker.abort)
 
     @property
     def context(self) -> int:
@@ -192,6 +194,8 @@ class SimWorker:
         """A remote prefill's KV is here. The engine commits it between steps (the decode worker's
         notice_to_commit phase), so mid-step it waits for the step to end; the client sees the first
         token at the commit. Returns seq if it is done at once."""
+        if seq.aborted:
+            return None
         if self._step is None:
             return self.join(seq, now)
         self._landed.append(seq)
@@ -199,8 +203,27 @@ class SimWorker:
 
     def _release(self, seq: SimSequence, now: float) -> None:
         seq.finished_at = now
+        self._free(seq)
+
+    def _free(self, seq: SimSequence) -> None:
         self._free_blocks += seq.reserved_blocks
         self._holding -= 1
+
+    def abort(self, seq: SimSequence) -> None:
+        """The gateway aborted `seq` (its client left). Call it on the sequence's decode worker and on its
+        prefill worker, in either order, at the same time: each drops it from its queues, and the decode
+        worker frees its blocks and marks it aborted, which the steps and transfers in flight then skip."""
+        in_step = self._step is not None and any(job.seq is seq for job, _ in self._step[0])
+        self._prefill_queue = deque(j for j in self._prefill_queue if j.seq is not seq or in_step)
+        if seq.decode_worker != self.worker_id or seq.aborted:
+            return
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        elif seq.finished_at is None:  # it holds blocks here: prefilling, in transfer or decoding
+            if seq in self._running:
+                self._running.remove(seq)
+            self._free(seq)
+        seq.aborted = True
 
     # ---- prefill side --------------------------------------------------------------------------
 
@@ -258,6 +281,8 @@ class SimWorker:
         self._step = None
         outcome = StepOutcome(tokens=len(decoding))
         for seq in decoding:
+            if seq.aborted:  # already out of the batch and freed
+                continue
             seq.generated += 1
             if seq.generated >= seq.output_tokens:
                 self._running.remove(seq)
@@ -265,6 +290,10 @@ class SimWorker:
                 outcome.finished.append(seq)
         for job, tokens in jobs:
             job.done_tokens += tokens
+            if job.seq.aborted:
+                if job in self._prefill_queue:  # a chunked prompt's place
+                    self._prefill_queue.remove(job)
+                continue
             if job.remaining > 0:
                 continue
             job.seq.prefilled_at = now
@@ -278,7 +307,7 @@ class SimWorker:
             done = self.join(job.seq, now)
             if done is not None:
                 outcome.finished.append(done)
-        landed, self._landed = self._landed, []
+        landed, self._landed = [s for s in self._landed if not s.aborted], []
         outcome.first_tokens.extend(landed)
         outcome.finished.extend(seq for seq in landed if self.join(seq, now) is not None)
         outcome.tokens += len(outcome.first_tokens)
