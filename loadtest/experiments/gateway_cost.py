@@ -16,9 +16,14 @@ costs make that queue far too slow. On two 4xH100 hosts (docs/benchmarks.md, 202
 40 ShareGPT requests/s (~11k tokens/s at the peak) its event-loop lag p99 stayed at 25-44 ms, where a
 queue at those costs needs ~1.4 s of work per second and grows without bound; given them, the planner
 predicted 7.6 requests/s per GPU for a layout measured at 10.7 and picked one that was not measured best.
-Why the queue overstates the loop is not established (the run averages mix ramp-up and drain with the
-peak; a loop may coalesce work per wake-up). What the fit does say reliably: how one gateway process's
-cost moves with a change (GC settings, a new stream path) on one host, run against run.
+Why the queue overstates the loop is not established. The likeliest cause: a worker coalesces the
+tokens its caller has not read yet into one stream message (services/worker/decode_jobs.py), so a
+gateway that falls behind handles several tokens per message, and its cost per token falls as its load
+rises, where the queue charges every token the same. The run averages also mix ramp-up and drain with
+the peak. The gateway now counts the worker messages it receives (`baton_gateway_worker_messages`,
+reported per run below as tokens per message when the runs have it), so a run at several rates can
+tell how much. What the fit does say reliably: how one gateway process's cost moves with a change (GC
+settings, a new stream path) on one host, run against run.
 Runs of a single workload all stream about the same tokens per request, which leaves the two costs
 inseparable: then the per-request cost stays at `--request-ms` (default: the planner's) and only the
 per-token cost is fitted.
@@ -40,6 +45,7 @@ from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
 LOOP_CPU = "baton_gateway_event_loop_cpu_seconds_total"
 TOKENS = "baton_gateway_tokens_total"
 FINISHED = "baton_gateway_generations_finished_total"
+MESSAGES = "baton_gateway_worker_messages_total"
 # Tokens per request must spread by this much (max/min over the runs) to fit both costs.
 SEPARABLE_SPREAD = 1.3
 
@@ -50,6 +56,7 @@ class GatewayRun:
     loop_cpu_s: float
     generations: int
     completion_tokens: int
+    worker_messages: int | None = None  # None: the gateway did not count them yet
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,9 @@ def gateway_runs(summary: dict[str, Any]) -> list[GatewayRun]:
             cpu = gateway.get(LOOP_CPU)
             if cpu is None:
                 continue
+            messages = int(_sum_of(gateway, MESSAGES)) if MESSAGES in gateway else None
             runs.append(GatewayRun(entry["run"], float(cpu), int(_sum_of(gateway, FINISHED)),
-                                   int(_sum_of(gateway, TOKENS, "kind=completion"))))
+                                   int(_sum_of(gateway, TOKENS, "kind=completion")), messages))
     return [r for r in runs if r.generations > 0]
 
 
@@ -143,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"gateway_cost: {e}", file=sys.stderr)
         return 2
-    print(f"{'run':28} {'loop CPU s':>10} {'requests':>9} {'tokens':>8} {'us/token':>9}")
+    print(f"{'run':28} {'loop CPU s':>10} {'requests':>9} {'tokens':>8} {'us/token':>9} {'tokens/message':>14}")
     for r in result.runs:
+        per_message = "-" if not r.worker_messages else f"{r.completion_tokens / r.worker_messages:.2f}"
         print(f"{r.run:28} {r.loop_cpu_s:10.2f} {r.generations:9d} {r.completion_tokens:8d} "
-              f"{r.loop_cpu_s / max(r.completion_tokens, 1) * 1e6:9.1f}")
+              f"{r.loop_cpu_s / max(r.completion_tokens, 1) * 1e6:9.1f} {per_message:>14}")
     held = "" if result.both_fitted else " (per-request cost held: one tokens-per-request ratio in the runs)"
     print(f"fit{held}: {result.cost.per_request_s * 1e3:.3g} ms per request + {result.cost.per_token_s * 1e6:.3g} "
           f"us per streamed token; mean |error| per run {result.mean_abs_error:.1%}")

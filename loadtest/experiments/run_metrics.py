@@ -32,7 +32,7 @@ SERVICE_PREFIXES = (
     "baton_scheduler_event_loop_lag_seconds", "baton_scheduler_event_loop_cpu_seconds",
     "baton_scheduler_gc_pause_seconds", "baton_gateway_ttft_seconds", "baton_gateway_event_loop_lag_seconds",
     "baton_gateway_event_loop_cpu_seconds", "baton_gateway_tokens", "baton_gateway_generations_finished",
-    "baton_gateway_gc_pause_seconds",
+    "baton_gateway_gc_pause_seconds", "baton_gateway_worker_messages",
 )
 WORKER_PREFIXES = ("baton_engine_step_seconds", "baton_pd_prefill_path")
 _KEY = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})?$")

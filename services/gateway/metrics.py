@@ -41,6 +41,11 @@ class GatewayMetrics:
                                   buckets=LAG_BUCKETS_S, registry=r)
         self.gc_pause = Histogram("baton_gateway_gc_pause_seconds", "Garbage collection pauses",
                                   buckets=LAG_BUCKETS_S, registry=r)
+        # Against the completion tokens: how many tokens a worker message carried. A worker coalesces the
+        # tokens a lagging caller has not read yet (services/worker/decode_jobs.py), so under load the
+        # gateway handles fewer messages per token (loadtest/experiments/gateway_cost.py).
+        self.worker_messages = Counter("baton_gateway_worker_messages", "Generate stream messages received "
+                                       "from workers", registry=r)
         self.loop_cpu = Counter("baton_gateway_event_loop_cpu_seconds", "CPU time of the event loop's thread, "
                                 "which every request and streamed token queues on", registry=r)
 

@@ -208,6 +208,7 @@ class Generation:
                                                              attempt.sampling, plan.principal.tier)
             try:
                 async for delta in stream:
+                    self.runner.metrics.worker_messages.inc()
                     if attempt.continuation is not None:
                         delta = attempt.continuation.translate(delta)
                     if not out.screened:  # the first response: prefill is done; nothing goes out unchecked

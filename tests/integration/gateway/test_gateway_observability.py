@@ -31,6 +31,7 @@ def test_metrics_count_requests_tokens_and_latency(client: OpenAI, stack: Gatewa
     assert re.search(r'baton_gateway_requests_total\{method="POST",route="/v1/chat/completions",status="200"\} '
                      r'[1-9]', text)
     assert re.search(r'baton_gateway_tokens_total\{kind="completion",model="SmolLM2-135M-Instruct"\} [1-9]', text)
+    assert re.search(r"baton_gateway_worker_messages_total [1-9]", text)
     assert re.search(r"baton_gateway_ttft_seconds_count\{model=\"SmolLM2-135M-Instruct\"\} [1-9]", text)
     assert "baton_gateway_e2e_seconds_bucket" in text
     for billing in ("baton_billing_outbox_unsent ", "baton_billing_outbox_unbilled ",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.experiments.gateway_cost import FINISHED, LOOP_CPU, TOKENS, fit, gateway_runs
+from loadtest.experiments.gateway_cost import FINISHED, LOOP_CPU, MESSAGES, TOKENS, fit, gateway_runs
 from scheduler.sim.gateway import MEASURED_GATEWAY
 
 MODEL = "model=Llama-3.1-8B-dummy"
@@ -58,3 +58,10 @@ def test_runs_without_the_loop_cpu_cannot_be_fitted() -> None:
     assert runs == []
     with pytest.raises(ValueError, match="loop CPU"):
         fit(runs, MEASURED_GATEWAY.per_request_s)
+
+
+def test_the_worker_messages_are_read_when_the_gateway_counted_them() -> None:
+    data = summary(("new", 450, 450 * 128, 5.0), ("old", 450, 450 * 128, 5.0))
+    data["configurations"]["c4"]["runs"][0]["service_metrics"]["gateway"][MESSAGES] = 450 * 32.0  # 4 tokens each
+    new, old = gateway_runs(data)
+    assert new.worker_messages == 450 * 32 and old.worker_messages is None
