@@ -17,7 +17,6 @@ from typing import Any
 
 from loadtest.experiments.mixed_steps import ServedRequest, pair_requests
 from loadtest.experiments.simulate import (
-    Clients,
     ExperimentFit,
     SimRun,
     fit_experiment,
@@ -29,6 +28,7 @@ from loadtest.experiments.simulate import (
 from loadtest.metrics import distribution_ms, latency_samples
 from loadtest.report import load_result
 from scheduler.core.cost_model import WorkerProfile
+from scheduler.replay import Clients
 from scheduler.types import SLO
 
 SIM_SEEDS = (0, 1, 2, 3, 4)

@@ -76,7 +76,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.experiments.cluster import ExperimentInfra, PolicyStack, StackConfig, WorkerFlags
-from loadtest.experiments.simulate import Clients
+from scheduler.replay import Clients
 from services.gateway.config import StreamConfig
 
 log = logging.getLogger("loadtest.experiments.policy_compare")

@@ -45,7 +45,7 @@ from loadtest.experiments.mixed_steps import ServedRequest, decode_share, first_
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
-from scheduler.replay import ReplayConfig, _Replay
+from scheduler.replay import Clients, ReplayConfig, _Replay
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimWorker, SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -207,17 +207,6 @@ class _ExperimentReplay(_Replay):
 
 
 @dataclass(frozen=True)
-class Clients:
-    """How a real run's clients gave up: `baton bench --request-timeout`, after which the gateway kept the
-    generation for its stream detach grace, then aborted it. Under overload the aborts are what keep a
-    worker's queue from growing without bound (round-robin's exp3 replays put its TTFT p90 at ~3x the
-    real one while clients waited for ever in the simulator)."""
-
-    timeout_s: float
-    detach_grace_s: float
-
-
-@dataclass(frozen=True)
 class SimRun:
     policy: str
     requests: int
@@ -242,8 +231,7 @@ def simulate(trace: Sequence[Arrival], workers: Sequence[SimWorkerSpec], policy_
     core = SchedulerConfig(default_profile=seed_profile or WorkerProfile())
     config = ReplayConfig(heartbeat_interval_s=heartbeat_interval_s, tick_interval_s=0.05, seed=seed,
                           seed_profiles=False, scheduler=core, client_overhead_s=client_overhead_s,
-                          client_timeout_s=None if clients is None else clients.timeout_s,
-                          detach_grace_s=0.0 if clients is None else clients.detach_grace_s)
+                          clients=clients)
     run = _ExperimentReplay(trace, workers, policy_name, slos, config, noise)
     run.run()
     result = run.result(policy_name)

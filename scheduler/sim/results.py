@@ -26,7 +26,7 @@ class RequestOutcome:
     # prefill_compute phase); None for local prefills and unserved requests.
     prefill_compute_s: float | None = None
     handoff_overhead_s: float | None = None  # a remote prefill's decode-side `overhead` phase (replay.py)
-    timed_out: bool = False  # its client gave up before the answer was complete (ReplayConfig.client_timeout_s)
+    timed_out: bool = False  # its client gave up before the answer was complete (ReplayConfig.clients)
 
 
 @dataclass(frozen=True)

@@ -206,9 +206,10 @@ class Generation:
             grouped = self._grouped.pop(attempt.request_id, None) if attempt.number == 0 else None
             stream = grouped or self.runner.workers.generate(target, attempt.request_id, attempt.prompt_token_ids,
                                                              attempt.sampling, plan.principal.tier)
+            messages = 0  # counted here, added to the metric once: the loop runs per streamed message
             try:
                 async for delta in stream:
-                    self.runner.metrics.worker_messages.inc()
+                    messages += 1
                     if attempt.continuation is not None:
                         delta = attempt.continuation.translate(delta)
                     if not out.screened:  # the first response: prefill is done; nothing goes out unchecked
@@ -222,6 +223,7 @@ class Generation:
                         return
             finally:
                 stream.abort()  # no-op after a finish; else cancels the call and frees the KV
+                self.runner.metrics.worker_messages.inc(messages)
 
     async def _take_over(self, slot: int, state: ChoiceState, lost_attempt: Attempt, base: SamplingSpec,
                          lost: frozenset[str], error: WorkerLostError) -> Attempt:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.replay import ReplayConfig, replay
+from scheduler.replay import Clients, ReplayConfig, replay
 from scheduler.sim.results import RequestOutcome
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
@@ -42,7 +42,7 @@ def test_patient_clients_wait_behind_the_long_request() -> None:
 
 
 def test_a_client_that_gives_up_is_a_timeout_and_its_abort_frees_the_slot() -> None:
-    config = ReplayConfig(step_noise=0.0, client_timeout_s=1.5, detach_grace_s=0.5)
+    config = ReplayConfig(step_noise=0.0, clients=Clients(timeout_s=1.5, detach_grace_s=0.5))
     result = replay(TRACE, ONE_SLOT, "round_robin", SLOS, config)
     r0, r1, r2 = result.outcomes
     assert r0.ttft_s is not None and not r0.timed_out
@@ -54,7 +54,7 @@ def test_a_client_that_gives_up_is_a_timeout_and_its_abort_frees_the_slot() -> N
 
 
 def test_an_answer_completed_after_the_client_left_stays_a_timeout() -> None:
-    config = ReplayConfig(step_noise=0.0, client_timeout_s=0.8, detach_grace_s=5.0)
+    config = ReplayConfig(step_noise=0.0, clients=Clients(timeout_s=0.8, detach_grace_s=5.0))
     [r0] = replay(TRACE[:1], ONE_SLOT, "round_robin", SLOS, config).outcomes  # it ends at ~1.04 s, in the grace
     assert r0.timed_out and r0.ttft_s is None and not r0.met_slo
 
