@@ -82,8 +82,8 @@ class PlanConfig:
     # Per-step and per-sequence cost of a served step beyond the profile's runner time
     # (scheduler/sim/serving.py); without it decode-bound layouts looked ~2x roomier than served.
     serving: ServingCost = MEASURED_H100
-    # The gateway's CPU per request, prompt token and streamed token (scheduler/sim/gateway.py): one gateway
-    # process fronts every layout, and its queue grows with the token rate whatever the layout.
+    # The gateway's loop (scheduler/sim/gateway.py): one gateway process fronts every layout, and past the
+    # token rate its loop can take, its turn over the open streams, not the engines, sets TPOT.
     gateway: GatewayCost = MEASURED_GATEWAY
     # How often workers report to the scheduler: the interval `baton scheduler` tells them by default
     # (scheduler/adapters/servicer.py), so the simulated scheduler decides on equally stale views.

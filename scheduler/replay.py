@@ -159,11 +159,7 @@ class _Replay:
     def _on_step_done(self, worker_id: str) -> None:
         worker = self.workers[worker_id]
         outcome: StepOutcome = worker.finish_step(self.now)
-        out = self.gateway.stream(self.now, outcome.tokens)
-        for seq in outcome.first_tokens:
-            seq.first_token_out_at = out
-        for seq in outcome.finished:
-            seq.finished_out_at = out
+        self._stream(outcome)
         for job in outcome.prefilled:
             # The KV the decode worker lacks crosses the link; the first token is out when it lands.
             tokens = job.seq.arrival.prompt_tokens - job.seq.decode_cached_tokens
@@ -176,9 +172,8 @@ class _Replay:
         worker = self.workers[seq.decode_worker]
         done = worker.land(seq, self.now)
         if seq.first_token_at is not None:  # committed at once (no step in flight): its first token is out
-            seq.first_token_out_at = self.gateway.stream(self.now, 1)
+            self._stream(StepOutcome(first_tokens=[seq], finished=[] if done is None else [done]))
         if done is not None:
-            done.finished_out_at = seq.first_token_out_at
             self._finish([done])
             self._allocate(worker)
         self._kick(worker)
@@ -197,6 +192,8 @@ class _Replay:
         self.scheduler.on_finished(request_id, self.now)  # also takes it out of the admission queue
         if seq is None:
             return
+        if seq.last_token_out_at is not None and seq.finished_out_at is None:  # its stream leaves the gateway
+            self.gateway.close(max(seq.last_token_out_at, self.now))
         for worker_id in {seq.decode_worker, seq.prefill_worker or seq.decode_worker}:
             worker = self.workers[worker_id]
             worker.abort(seq)
@@ -204,6 +201,25 @@ class _Replay:
             self._kick(worker)
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _stream(self, outcome: StepOutcome) -> None:
+        """A step's tokens through the gateway: when each stream's token is out to its client."""
+        if self.config.gateway.free:
+            for seq in outcome.first_tokens:
+                seq.first_token_out_at = self.now
+            for seq in outcome.finished:
+                seq.finished_out_at = self.now
+            return
+        gateway = self.gateway
+        for seq in outcome.streamed:
+            if seq.last_token_out_at is not None:  # None: its first token never reached the gateway
+                seq.last_token_out_at = gateway.next_token(seq.last_token_out_at, self.now)
+        for seq in outcome.first_tokens:
+            seq.first_token_out_at = seq.last_token_out_at = gateway.first_token(self.now)
+        for seq in outcome.finished:
+            seq.finished_out_at = seq.last_token_out_at
+            if seq.finished_out_at is not None:
+                gateway.close(seq.finished_out_at)
 
     def _apply(self, decision: RouteDecision) -> None:
         arrival = self.trace[decision.request_id]

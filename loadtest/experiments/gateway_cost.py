@@ -9,21 +9,17 @@ streamed. The fit is least squares over the runs, both costs non-negative:
 
     loop CPU = per_request * generations + per_token * completion tokens
 
-Not yet a `baton plan` input: the planner simulates the gateway as one FIFO queue (scheduler/sim/gateway.py)
-at 2.66 ms per request + 100 us per streamed token, fitted by replaying one host's runs, and these measured
-costs make that queue far too slow. On two 4xH100 hosts (docs/benchmarks.md, 2026-11-27) the loop measured
-116-169 us per streamed token (10.2 ms per request + 93 us per token fitted over both workloads), yet at
-40 ShareGPT requests/s (~11k tokens/s at the peak) its event-loop lag p99 stayed at 25-44 ms, where a
-queue at those costs needs ~1.4 s of work per second and grows without bound; given them, the planner
-predicted 7.6 requests/s per GPU for a layout measured at 10.7 and picked one that was not measured best.
-Why the queue overstates the loop is not established. The likeliest cause: a worker coalesces the
-tokens its caller has not read yet into one stream message (services/worker/decode_jobs.py), so a
-gateway that falls behind handles several tokens per message, and its cost per token falls as its load
-rises, where the queue charges every token the same. The run averages also mix ramp-up and drain with
-the peak. The gateway now counts the worker messages it receives (`baton_gateway_worker_messages`,
-reported per run below as tokens per message when the runs have it), so a run at several rates can
-tell how much. What the fit does say reliably: how one gateway process's cost moves with a change (GC
-settings, a new stream path) on one host, run against run.
+A `baton plan` input (`--gateway-token-us`, `--gateway-request-ms`): the planner simulates the gateway's
+loop as a round robin over its open streams (scheduler/sim/gateway.py), and on the 4xH100 hosts of
+docs/benchmarks.md the per-token cost that replays those hosts' runs best (140 us, with 2.66 ms per
+request held) is what this fit measures from their loop CPU (138 us on machine L; 121 on J; 86 on M, a
+faster host). The earlier model, one FIFO queue of tokens, needed a per-token cost well under the measured
+one to keep its TTFT from exploding: a FIFO makes a new request's first token wait behind every token
+queued, where the real loop reads one message per stream at a time. Counted on machine L at 34-46
+ShareGPT requests/s: one worker stream message per token (`baton_gateway_worker_messages`; the tokens
+per message column below), so a worker's coalescing of unread tokens (services/worker/decode_jobs.py)
+does not lower the cost per token on those runs. The run averages mix ramp-up and drain with the peak;
+the fit is a host's average, which is what the planner takes.
 Runs of a single workload all stream about the same tokens per request, which leaves the two costs
 inseparable: then the per-request cost stays at `--request-ms` (default: the planner's) and only the
 per-token cost is fitted.
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     held = "" if result.both_fitted else " (per-request cost held: one tokens-per-request ratio in the runs)"
     print(f"fit{held}: {result.cost.per_request_s * 1e3:.3g} ms per request + {result.cost.per_token_s * 1e6:.3g} "
           f"us per streamed token; mean |error| per run {result.mean_abs_error:.1%}")
-    print(f"as baton plan flags (module docstring: pessimistic there): {result.flags()}")
+    print(f"as baton plan flags: {result.flags()}")
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
     return 0

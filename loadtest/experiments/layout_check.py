@@ -156,6 +156,8 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
                    help="the simulated gateway's loop CPU per request (as baton plan)")
     p.add_argument("--gateway-token-us", type=float, default=MEASURED_GATEWAY.per_token_s * 1e6,
                    help="the simulated gateway's loop CPU per streamed token (as baton plan)")
+    p.add_argument("--gateway-admission-rounds", type=float, default=MEASURED_GATEWAY.admission_rounds,
+                   help="the loop rounds a request waits on its way in (as baton plan)")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -167,7 +169,8 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
 
 def gateway_cost(args: argparse.Namespace) -> GatewayCost:
     """The simulated gateway of the --gateway-* flags."""
-    return GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6)
+    return GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
+                       admission_rounds=args.gateway_admission_rounds)
 
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:

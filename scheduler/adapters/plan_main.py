@@ -77,6 +77,9 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                         "0 with the token cost below models a gateway that never queues")
     p.add_argument("--gateway-token-us", type=float, default=gateway.per_token_s * 1e6,
                    help="the gateway's CPU per streamed token (one gateway process fronts every layout)")
+    p.add_argument("--gateway-admission-rounds", type=float, default=gateway.admission_rounds,
+                   help="turns of the gateway's event loop over its open streams that a request waits on its "
+                        "way in (scheduler/sim/gateway.py)")
     p.add_argument("--kv-blocks-per-gpu", type=int, default=PlanConfig.kv_blocks_per_gpu)
     p.add_argument("--block-size", type=int, default=PlanConfig.block_size)
     p.add_argument("--max-batch", type=int, default=PlanConfig.max_batch, help="max_num_seqs per worker")
@@ -97,7 +100,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3,
                                 per_context_token_s=args.serving_context_ns / 1e9),
-            gateway=GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6),
+            gateway=GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
+                                admission_rounds=args.gateway_admission_rounds),
             search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,
             tie_margin=args.tie_margin,
         )

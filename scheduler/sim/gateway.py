@@ -1,21 +1,32 @@
 """The gateway's event loop as a simulated resource: one process carries every request and every token.
 
-A served request crosses the gateway twice on its way to the first token: the request itself (HTTP
-parse, tokenising the prompt, the route call) before the scheduler sees it, and the first token on the
-way out (the worker's stream message in, the SSE event out). Every later token crosses it too. All of
-it runs on one event loop, so under load the work queues: on the 4xH100 ShareGPT runs of
-docs/benchmarks.md the gateway's own TTFT p50 went 39 -> 59 -> 118 ms at 12 -> 24 -> 36 req/s while the
-engines' prefill stayed within one or two steps, and its event-loop lag p90 rose from 2 to 20 ms. A
-simulator without this cost saw co-located TTFT flat with load (60 ms simulated vs 146 ms measured at
-36 req/s) and so ranked layouts on the engines alone.
+A served request crosses the gateway on its way to the first token (the HTTP request, tokenising, the
+route call; then the worker's first stream message in and the SSE event out), and every later token
+crosses it too. All of it runs on one event loop, so under load its work waits.
 
-The model is a single FIFO server: each piece of work starts when the loop is free and takes its cost;
-a request is routed when its admission work is done, and a step's tokens reach the clients when theirs
-is. `GatewayCost` holds the per-request and per-streamed-token CPU seconds of the loop.
+How it waits decides who pays. The loop does not serve tokens first come first served: each stream has at
+most one message in the loop's ready queue at a time (the gateway reads a stream's next gRPC message only
+after handling the last one; the rest wait in gRPC's buffers, which cost the loop nothing), so the loop
+takes the open streams in turn. A measured 4xH100 ShareGPT run at 40 req/s showed it (docs/benchmarks.md,
+machine L): the loop ~90% busy, one stream message per token (nothing coalesced), loop lag p99 ~50 ms, TTFT
+p90 flat at ~445 ms from 34 to 46 req/s while TPOT p50 grew 24 -> 48 ms over ~13-ms decode steps. A single
+FIFO queue of tokens (this model before) made the first token of a new request wait behind every token
+queued, and at that load put TTFT p90 at 1.8-3.2 s with TPOT at half the measured one.
+
+So the model is round robin over the open streams (first token out, last token not yet out):
+- one round costs `per_token_s` per open stream: a stream gets at most one token out per round, so a
+  stream's tokens leave no faster than the round allows, and when the engines produce tokens faster than
+  the loop can take them (the round longer than a step) TPOT becomes the round;
+- a token otherwise waits for the loop's backlog, at most one round (it queues behind one message per
+  stream, not behind every token);
+- a request's way in waits `admission_rounds` rounds (each await on its path, from the HTTP read to the
+  route call's answer, puts it at the back of the ready queue) plus its own `per_request_s`.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -23,9 +34,10 @@ from dataclasses import dataclass
 class GatewayCost:
     per_request_s: float = 0.0  # accept, parse and route a request (tokenising runs off the loop)
     per_token_s: float = 0.0  # one streamed token: the worker's message in, the SSE event out
+    admission_rounds: float = 0.0  # loop rounds a request waits on its way in (its awaits on the loop)
 
     def __post_init__(self) -> None:
-        if min(self.per_request_s, self.per_token_s) < 0:
+        if min(self.per_request_s, self.per_token_s, self.admission_rounds) < 0:
             raise ValueError(f"gateway costs must be non-negative, got {self}")
 
     @property
@@ -34,29 +46,62 @@ class GatewayCost:
 
 
 NO_GATEWAY = GatewayCost()
+_SHARE_WINDOW_S = 1.0  # the admission share of the loop is the last second's arrivals' work
+_MAX_ADMISSION_SHARE = 0.9  # past this the loop is all admissions: rounds stretch 10x, not without bound
 
 
 class SimGateway:
-    """Work queued on one event loop, first come first served."""
+    """One event loop taking its open streams in turn; `now` never goes backwards between calls."""
 
     def __init__(self, cost: GatewayCost) -> None:
         self.cost = cost
-        self._free_at = float("-inf")
+        self._free_at = float("-inf")  # when the loop's queued work is done, were it served in order
+        self._closing: list[float] = []  # when each open stream's last token is out
+        self._open = 0
+        self._admitted: deque[float] = deque()  # arrivals in the last _SHARE_WINDOW_S
 
-    def _queue(self, now: float, seconds: float) -> float:
+    def round_s(self, now: float) -> float:
+        """One turn of the loop over the streams open at `now`, stretched by the share of the loop the
+        requests arriving take (their admission work is in the same ready queue)."""
+        while self._closing and self._closing[0] <= now:
+            heapq.heappop(self._closing)
+            self._open -= 1
+        while self._admitted and self._admitted[0] <= now - _SHARE_WINDOW_S:
+            self._admitted.popleft()
+        admission_share = min(len(self._admitted) * self.cost.per_request_s / _SHARE_WINDOW_S, _MAX_ADMISSION_SHARE)
+        return self._open * self.cost.per_token_s / (1.0 - admission_share)
+
+    def _wait(self, now: float, seconds: float) -> float:
+        """Queue `seconds` of work; how long work arriving `now` waits (the backlog, at most a round)."""
+        backlog = max(self._free_at - now, 0.0)
         self._free_at = max(now, self._free_at) + seconds
-        return self._free_at
+        return min(backlog, self.round_s(now))
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the scheduler."""
-        return self._queue(now, self.cost.per_request_s)
+        cost = self.cost
+        self._admitted.append(now)
+        return now + self._wait(now, cost.per_request_s) + cost.admission_rounds * self.round_s(now) \
+            + cost.per_request_s
 
-    def stream(self, now: float, tokens: int) -> float:
-        """When `tokens` produced `now` (one step's) are out to their clients."""
-        return self._queue(now, self.cost.per_token_s * tokens) if tokens else now
+    def first_token(self, now: float) -> float:
+        """When a first token produced `now` is out; the stream is open from then until `close`."""
+        out = now + self._wait(now, self.cost.per_token_s) + self.cost.per_token_s
+        self._open += 1
+        return out
 
-# One gateway process on the 4xH100 host of docs/benchmarks.md, after its stream-log and tokenizer fixes:
-# replaying that host's runs fitted 100 us per streamed token (py-spy put its CPU at 110-140 us per streamed
-# token, per-request work included) and, refitted with the serving terms on 2026-11-27
-# (scheduler/sim/serving.py), 2.66 ms per request.
-MEASURED_GATEWAY = GatewayCost(per_request_s=2.66e-3, per_token_s=100e-6)
+    def next_token(self, last_out: float, now: float) -> float:
+        """When a stream's token produced `now` is out, its previous one having gone out at `last_out`."""
+        soonest = now + self._wait(now, self.cost.per_token_s) + self.cost.per_token_s
+        return max(soonest, last_out + self.round_s(now))
+
+    def close(self, last_out: float) -> None:
+        """A stream's last token goes out at `last_out` (or its client left then): it leaves the rounds."""
+        heapq.heappush(self._closing, last_out)
+
+
+# One gateway process on the 4xH100 hosts of docs/benchmarks.md: 34 ShareGPT and random 2k/128 runs of five
+# machines replayed through this model (2026-11-28), grid-searched on their TTFT and TPOT p50/p90: 140 us
+# per token and 4 rounds fit best (2.66 ms per request held). 140 us is also what those hosts' loop CPU
+# measures per streamed token (loadtest/experiments/gateway_cost.py); a faster host measured 86.
+MEASURED_GATEWAY = GatewayCost(per_request_s=2.66e-3, per_token_s=140e-6, admission_rounds=4.0)

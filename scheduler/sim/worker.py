@@ -102,6 +102,7 @@ class SimSequence:
     prefilled_at: float | None = None  # its last prefill chunk's step ended
     # When the client sees the first and the last token: through the gateway (scheduler/sim/gateway.py).
     first_token_out_at: float | None = None
+    last_token_out_at: float | None = None  # its latest token's, while it streams
     finished_out_at: float | None = None
     aborted: bool = False  # its client left and the gateway aborted it (SimWorker.abort)
 
@@ -127,7 +128,7 @@ class StepOutcome:
     prefilled: list[PrefillJob] = field(default_factory=list)  # remote jobs: the driver starts the transfer
     finished: list[SimSequence] = field(default_factory=list)
     first_tokens: list[SimSequence] = field(default_factory=list)  # sequences whose first token is out now
-    tokens: int = 0  # tokens the step produced here (decodes and first tokens), each streamed to a client
+    streamed: list[SimSequence] = field(default_factory=list)  # sequences that decoded a later token
 
 
 class SimWorker:
@@ -279,11 +280,12 @@ class SimWorker:
         assert self._step is not None, "finish_step without start_step"
         jobs, decoding = self._step
         self._step = None
-        outcome = StepOutcome(tokens=len(decoding))
+        outcome = StepOutcome()
         for seq in decoding:
             if seq.aborted:  # already out of the batch and freed
                 continue
             seq.generated += 1
+            outcome.streamed.append(seq)
             if seq.generated >= seq.output_tokens:
                 self._running.remove(seq)
                 self._release(seq, now)
@@ -310,7 +312,6 @@ class SimWorker:
         landed, self._landed = [s for s in self._landed if not s.aborted], []
         outcome.first_tokens.extend(landed)
         outcome.finished.extend(seq for seq in landed if self.join(seq, now) is not None)
-        outcome.tokens += len(outcome.first_tokens)
         return outcome
 
     def transfer_s(self, tokens: int) -> float:

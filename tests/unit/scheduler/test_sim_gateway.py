@@ -1,4 +1,5 @@
-"""The gateway's event loop as a simulated queue (scheduler/sim/gateway.py) and what it adds to a replay."""
+"""The gateway's event loop as a simulated round robin over its streams (scheduler/sim/gateway.py) and what it
+adds to a replay."""
 
 from __future__ import annotations
 
@@ -12,12 +13,45 @@ from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
 
 
-def test_work_queues_first_come_first_served() -> None:
-    gateway = SimGateway(GatewayCost(per_request_s=0.002, per_token_s=1e-4))
-    assert gateway.admit(0.0) == pytest.approx(0.002)
-    assert gateway.stream(0.0, 10) == pytest.approx(0.003)  # behind the request's admission
-    assert gateway.stream(1.0, 0) == 1.0  # nothing to stream: no wait
-    assert gateway.stream(1.0, 1) == pytest.approx(1.0001)  # an idle loop starts at once
+def test_a_stream_gets_one_token_per_round_of_the_open_streams() -> None:
+    gateway = SimGateway(GatewayCost(per_token_s=1e-3))
+    outs = [gateway.first_token(0.0) for _ in range(10)]  # ten streams open at once
+    assert outs[0] == pytest.approx(0.001)  # an idle loop: the first waits for nothing
+    assert outs[-1] == pytest.approx(0.010)  # a burst queues behind itself
+    assert gateway.round_s(0.0) == pytest.approx(0.010)
+    # Tokens produced every 1 ms go out one per 10-ms round: the loop, not the engine, sets the pace.
+    last = outs[0]
+    for step in range(1, 4):
+        last = gateway.next_token(last, step * 1e-3)
+    assert last == pytest.approx(0.031)
+
+
+def test_a_new_stream_waits_one_round_not_the_whole_backlog() -> None:
+    gateway = SimGateway(GatewayCost(per_token_s=1e-3))
+    for _ in range(10):
+        gateway.first_token(0.0)
+    for _ in range(500):  # 0.5 s of tokens queued behind the ten streams
+        gateway.next_token(0.0, 0.0)
+    assert gateway.first_token(0.0) == pytest.approx(0.0 + 0.010 + 0.001)
+
+
+def test_closed_streams_leave_the_round_when_their_last_token_is_out() -> None:
+    gateway = SimGateway(GatewayCost(per_token_s=1e-3))
+    for _ in range(4):
+        gateway.first_token(0.0)
+    gateway.close(0.5)
+    assert gateway.round_s(0.4) == pytest.approx(0.004)
+    assert gateway.round_s(0.5) == pytest.approx(0.003)
+
+
+def test_arrivals_stretch_the_round_and_wait_rounds_on_their_way_in() -> None:
+    gateway = SimGateway(GatewayCost(per_request_s=0.01, per_token_s=1e-3, admission_rounds=2.0))
+    for _ in range(10):
+        gateway.first_token(0.0)
+    assert gateway.admit(1.0) == pytest.approx(1.0 + 2 * 0.010 / 0.99 + 0.01)  # its own 1% of the loop
+    for t in range(49):
+        gateway.admit(1.0 + t * 1e-3)
+    assert gateway.round_s(1.05) == pytest.approx(0.010 / 0.5)  # 50 arrivals a second x 10 ms: half the loop
 
 
 def test_negative_costs_are_refused() -> None:
