@@ -67,9 +67,19 @@ def unavailable_verdict(mode: FailMode) -> SafetyVerdict:
     return SafetyVerdict(allowed=mode is FailMode.OPEN, category=None, score=0.0, tier=Tier.UNAVAILABLE)
 
 
+class StreamEndedError(ConnectionError):
+    """The output-filter call ended while a chunk was being written to it."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(f"the safety stream ended ({code.name})")
+        self.code = code
+
+
 def _reason(error: BaseException) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return error.code().name.lower()
+    if isinstance(error, StreamEndedError):
+        return error.code.name.lower()
     return "timeout" if isinstance(error, TimeoutError) else type(error).__name__
 
 
@@ -105,7 +115,12 @@ class OutputFilter:
         return self._remember(verdict)
 
     async def _exchange(self, chunk: safety_pb2.OutputChunk) -> SafetyVerdict:
-        await self._call.write(chunk)
+        try:
+            await self._call.write(chunk)
+        except asyncio.InvalidStateError:
+            # grpc.aio's answer when the call ends while the write is queued (a service that is down fails
+            # the call at once): not an AioRpcError, so the call's own status says why.
+            raise StreamEndedError(await self._call.code()) from None
         response = await self._call.read()
         if response is grpc.aio.EOF:
             raise ConnectionError("the safety service ended the stream early")
@@ -130,8 +145,8 @@ class OutputFilter:
         try:
             async with asyncio.timeout(self._config.timeout_s):
                 await self._finish()
-        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-            self._call.cancel()
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            self._call.cancel()  # InvalidStateError: the call ended meanwhile (see `_exchange`)
 
     async def _finish(self) -> None:
         if self._halt is None:  # after a halt the server has already ended the stream
