@@ -157,6 +157,9 @@ class RouteDecision:
     prefill_worker_id: str | None = None
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    # The part of predicted_tpot_ms that the decode worker's prefill share adds (its stretch): kept so
+    # that a run can tell an over-predicted step from an over-predicted share (docs/benchmarks.md, pass M).
+    predicted_stretch_ms: float | None = None
     reason: str = ""  # a `Reason` value
     retry_after_s: float | None = None  # REJECT only: when a retry may succeed; None = don't retry
     max_tokens: int | None = None  # DEGRADE only: the cap the gateway must apply instead of the asked one

@@ -115,7 +115,8 @@ def _summary_json(r: RequestSummary) -> dict[str, Any]:
 def _decision_json(d: RouteDecision) -> dict[str, Any]:
     return {"request_id": d.request_id, "kind": d.kind.value, "decode": d.decode_worker_id,
             "prefill": d.prefill_worker_id, "reason": d.reason, "predicted_ttft_ms": d.predicted_ttft_ms,
-            "predicted_tpot_ms": d.predicted_tpot_ms, "max_tokens": d.max_tokens}
+            "predicted_tpot_ms": d.predicted_tpot_ms, "predicted_stretch_ms": d.predicted_stretch_ms,
+            "max_tokens": d.max_tokens}
 
 
 async def _serve(service: SchedulerService) -> None:

@@ -139,6 +139,7 @@ class Placement:
             prefill_worker_id=None if self.prefill is None else self.prefill.worker_id,
             predicted_ttft_ms=self.ttft_s * 1e3,
             predicted_tpot_ms=self.tpot_s * 1e3,
+            predicted_stretch_ms=self.stretch_tpot_s * 1e3,
             reason=reason,
             max_tokens=max_tokens,
             cached_blocks=self.cached_blocks,

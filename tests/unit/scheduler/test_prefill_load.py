@@ -74,6 +74,18 @@ def test_local_prefills_placed_on_a_worker_stretch_its_predicted_tpot_until_they
     assert _probe_tpot_ms(busy, now=60.0) == pytest.approx(base, rel=0.02)
 
 
+def test_a_decision_says_how_much_of_its_tpot_is_the_prefill_share() -> None:
+    scheduler = Scheduler(LeastLoadedPolicy(), SchedulerConfig(prefill_window_s=5.0))
+    scheduler.register(snapshot("w", WorkerRole.BOTH), now=0.0)
+    first = scheduler.route(request("r0", prompt=512), now=0.0)
+    assert first.predicted_stretch_ms == pytest.approx(0.0)  # nothing prefilled there yet
+    for i in range(1, 10):
+        scheduler.route(request(f"r{i}", prompt=512), now=0.1 * i)
+    later = scheduler.route(request("r10", prompt=32), now=1.0)
+    assert later.predicted_tpot_ms is not None and later.predicted_stretch_ms is not None
+    assert 0.0 < later.predicted_stretch_ms < later.predicted_tpot_ms
+
+
 def test_a_local_prompt_adds_only_the_interference_the_prefill_share_does_not_already_forecast() -> None:
     def placed(share: float):
         snap = snapshot("w", WorkerRole.BOTH, max_num_seqs=8)
