@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.experiments import layout_check
-from loadtest.experiments.layout_replay import Row, compare_run
-from scheduler.planner import PlanConfig
+from loadtest.experiments.layout_replay import Row, compare_runs, replay_config
 from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
-from scheduler.types import SLO
 
 PERCENTILES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 MIN_ATTAINMENT = 0.5  # runs below it are left out of the score
@@ -60,22 +58,21 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def replay_all(outs: Sequence[Path], profile_path: Path, cost: GatewayCost, slo: SLO | None) -> list[Row]:
-    """Every run of every OUT replayed with `cost` (each OUT with its own block count and SLO)."""
+def replay_all(outs: Sequence[Path], profile_path: Path, cost: GatewayCost, slo: Sequence[float] | None) -> list[Row]:
+    """Every run of every OUT replayed with `cost` (each OUT with its own block count, and its own SLO
+    unless `slo` (TTFT ms, TPOT ms) is given)."""
     rows: list[Row] = []
     profile = layout_check.load_profile(profile_path)
     for out in outs:
         with tempfile.TemporaryDirectory(prefix="gateway-fit-") as tmp:
             meta = layout_check.merge_runs([out], Path(tmp))
-            stored = meta.get("slo") or {}
-            run_slo = slo or SLO(float(stored.get("ttft_ms", 500)), float(stored.get("tpot_ms", 50)))
-            config = PlanConfig(gpus=1, slo=run_slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480),
-                                max_batch=128, handoff_s=layout_check.HANDOFF_S, gateway=cost)
-            rows += [compare_run(path, profile, config, meta) for path in sorted((Path(tmp) / "runs").glob("*.json"))]
+            config = replay_config(meta, layout_check.slo_or_stored(slo, meta), cost)
+            rows += compare_runs(Path(tmp) / "runs", profile, config, meta)
     return rows
 
 
-def search(outs: Sequence[Path], profile: Path, grid: Sequence[GatewayCost], slo: SLO | None) -> list[Score]:
+def search(outs: Sequence[Path], profile: Path, grid: Sequence[GatewayCost],
+           slo: Sequence[float] | None) -> list[Score]:
     return sorted((score(cost, replay_all(outs, profile, cost, slo)) for cost in grid), key=lambda s: s.total)
 
 
@@ -92,10 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     grid = [GatewayCost(per_request_s=r / 1e3, per_token_s=t / 1e6, admission_rounds=n)
             for r, t, n in itertools.product(args.request_ms, args.token_us, args.rounds)]
-    slo = SLO(*args.slo) if args.slo else None
     print(f"{'request ms':>10} {'token us':>8} {'rounds':>6}  " + " ".join(f"{n:>11}" for n in PERCENTILES)
           + f" {'total':>6} {'attain.':>7} runs")
-    for s in search(args.outs, args.profile, grid, slo):
+    for s in search(args.outs, args.profile, grid, args.slo):
         print(f"{s.cost.per_request_s * 1e3:10.3g} {s.cost.per_token_s * 1e6:8.3g} {s.cost.admission_rounds:6.3g}  "
               + " ".join(f"{s.log_errors[n]:11.3f}" for n in PERCENTILES)
               + f" {s.total:6.3f} {s.attainment_error:7.3f} {s.runs}")

@@ -20,6 +20,7 @@ import json
 import sys
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +176,13 @@ def gateway_cost(args: argparse.Namespace) -> GatewayCost:
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:
     """--slo, else the runs' own."""
+    return slo_or_stored(args.slo, meta)
+
+
+def slo_or_stored(slo: Sequence[float] | None, meta: dict[str, Any]) -> SLO:
+    """(TTFT ms, TPOT ms) when given, else the SLO the runs were judged at (their summary.json)."""
     stored = meta.get("slo") or {}
-    return SLO(*args.slo) if args.slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
+    return SLO(*slo) if slo else SLO(stored["ttft_ms"], stored["tpot_ms"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from loadtest.records import RequestRecord
 from loadtest.report import load_result
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, replay_layout, trace_from_rows
+from scheduler.sim.gateway import GatewayCost
 from scheduler.sim.results import ReplayResult
 from scheduler.types import SLO
 
@@ -154,16 +155,26 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def replay_config(meta: dict[str, Any], slo: SLO, gateway: GatewayCost,
+                  scheduler_seed: WorkerProfile | None = None) -> PlanConfig:
+    """The planner's simulator set up as the runs of `meta` were served (KV pool, batch limit, hand-off)."""
+    return PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
+                      handoff_s=layout_check.HANDOFF_S, gateway=gateway, scheduler_seed=scheduler_seed)
+
+
+def compare_runs(runs_dir: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> list[Row]:
+    """Every run in `runs_dir` (a `layout_check.merge_runs` output) against its replay."""
+    return [compare_run(path, profile, config, meta) for path in sorted(runs_dir.glob("*.json"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     args, profile_path = layout_check.parse_args("loadtest.experiments.layout_replay", __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="layout-replay-") as tmp:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
-        config = PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
-                            handoff_s=layout_check.HANDOFF_S, gateway=layout_check.gateway_cost(args),
-                            scheduler_seed=layout_check.run_seed(meta) if args.run_seed else None)
-        rows = [compare_run(path, layout_check.load_profile(profile_path), config, meta)
-                for path in sorted((Path(tmp) / "runs").glob("*.json"))]
+        config = replay_config(meta, slo, layout_check.gateway_cost(args),
+                               layout_check.run_seed(meta) if args.run_seed else None)
+        rows = compare_runs(Path(tmp) / "runs", layout_check.load_profile(profile_path), config, meta)
     (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     print_rows(rows, slo)
     return 0

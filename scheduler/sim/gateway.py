@@ -71,29 +71,30 @@ class SimGateway:
         admission_share = min(len(self._admitted) * self.cost.per_request_s / _SHARE_WINDOW_S, _MAX_ADMISSION_SHARE)
         return self._open * self.cost.per_token_s / (1.0 - admission_share)
 
-    def _wait(self, now: float, seconds: float) -> float:
+    def _wait(self, now: float, seconds: float, round_s: float) -> float:
         """Queue `seconds` of work; how long work arriving `now` waits (the backlog, at most a round)."""
         backlog = max(self._free_at - now, 0.0)
         self._free_at = max(now, self._free_at) + seconds
-        return min(backlog, self.round_s(now))
+        return min(backlog, round_s)
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the scheduler."""
         cost = self.cost
         self._admitted.append(now)
-        return now + self._wait(now, cost.per_request_s) + cost.admission_rounds * self.round_s(now) \
-            + cost.per_request_s
+        round_s = self.round_s(now)
+        return now + self._wait(now, cost.per_request_s, round_s) + cost.admission_rounds * round_s + cost.per_request_s
 
     def first_token(self, now: float) -> float:
         """When a first token produced `now` is out; the stream is open from then until `close`."""
-        out = now + self._wait(now, self.cost.per_token_s) + self.cost.per_token_s
+        out = now + self._wait(now, self.cost.per_token_s, self.round_s(now)) + self.cost.per_token_s
         self._open += 1
         return out
 
     def next_token(self, last_out: float, now: float) -> float:
         """When a stream's token produced `now` is out, its previous one having gone out at `last_out`."""
-        soonest = now + self._wait(now, self.cost.per_token_s) + self.cost.per_token_s
-        return max(soonest, last_out + self.round_s(now))
+        round_s = self.round_s(now)
+        soonest = now + self._wait(now, self.cost.per_token_s, round_s) + self.cost.per_token_s
+        return max(soonest, last_out + round_s)
 
     def close(self, last_out: float) -> None:
         """A stream's last token goes out at `last_out` (or its client left then): it leaves the rounds."""
