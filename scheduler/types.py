@@ -213,7 +213,19 @@ class DecodeSample:
     seconds: float
 
 
-StepSample = PrefillSample | DecodeSample
+@dataclass(frozen=True)
+class MixedSample:
+    """One step that carried prefill chunks and the running decodes in one forward pass: what it
+    says is how much of a decode step's price such a step pays on top of its prefill part."""
+
+    prefill_tokens: int
+    attention_tokens_sq: int  # as PrefillSample's, over the step's prefill chunks
+    batch_size: int  # sequences that decoded
+    context_tokens: int  # their total context
+    seconds: float
+
+
+StepSample = PrefillSample | DecodeSample | MixedSample
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Mixed steps: what a step carrying a prompt's prefill and the running decodes (one forward pass) costs.
 
-A real worker does not report mixed steps (services/worker/heartbeat.py), so the step samples say
-nothing about them. The client sees them: when a request's first token comes out of a batching
+Workers report their mixed steps now (services/worker/heartbeat.py), but the policy runs recorded
+before that did not; and the client sees them too: when a request's first token comes out of a batching
 worker, every request decoding there got its next token from the same step, so the gap that ends
 then is that mixed step's duration (plus the way out, a few ms). With the prefill part priced by the
 fitted profile and the decode part by the decode table, the gaps give the share of the decode part a

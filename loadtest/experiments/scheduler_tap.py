@@ -35,6 +35,7 @@ from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import (
     DecodeSample,
     KVEvent,
+    MixedSample,
     PrefillSample,
     RequestSummary,
     RouteDecision,
@@ -67,6 +68,9 @@ class TappedScheduler(Scheduler):
                 rows.append(["prefill", now, s.tokens, s.attention_tokens_sq, s.seconds])
             elif isinstance(s, DecodeSample):
                 rows.append(["decode", now, s.batch_size, s.context_tokens, s.seconds])
+            elif isinstance(s, MixedSample):
+                rows.append(["mixed", now, s.prefill_tokens, s.attention_tokens_sq, s.batch_size, s.context_tokens,
+                             s.seconds])
         self.snapshots.setdefault(snapshot.worker_id, {"registered_at": now, **_snapshot_json(snapshot)})
         super().on_heartbeat(snapshot, samples, kv_events, now)
 

@@ -102,10 +102,10 @@ def with_mixed_shares(fitted: Mapping[str, FittedWorker], requests: Sequence[Ser
 
 
 def rebuild_steps(rows: Sequence[Sequence[Any]]) -> list[tuple[np.ndarray, float]]:
-    """(features, seconds) per engine step, from one worker's tapped sample rows in order (each row
-    is one pure step: a real worker does not report mixed ones)."""
+    """(features, seconds) per pure engine step, from one worker's tapped sample rows in order (mixed
+    steps are left out: `with_mixed_shares` prices them)."""
     steps: list[tuple[np.ndarray, float]] = []
-    for kind, _, x, y, seconds in rows:
+    for kind, _, x, y, seconds in (row for row in rows if row[0] != "mixed"):
         f = np.zeros(6)
         if kind == "prefill":
             f[0:3] = (1.0, x, y if y else x * x)
@@ -278,7 +278,7 @@ def worker_specs(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker], max
 def fit_workers(steps: Mapping[str, Sequence[tuple[np.ndarray, float]]]) -> dict[str, FittedWorker]:
     """One fit per worker, from its own steps plus every other worker's pure prefill steps: the
     workers run the same engine with the same flags, and a busy batching worker runs almost every
-    prompt inside a mixed step (not reported), so alone it leaves its prefill cost unobserved."""
+    prompt inside a mixed step (not in this fit), so alone it leaves its prefill cost unobserved."""
     prefills = {wid: [s for s in rows if s[0][0] == 1.0] for wid, rows in steps.items()}
     return {wid: fit_worker([*rows, *(s for other, p in prefills.items() if other != wid for s in p)])
             for wid, rows in steps.items()}

@@ -20,6 +20,7 @@ from scheduler.types import (
     DecodeSample,
     KVEvent,
     KVEventKind,
+    MixedSample,
     PrefillSample,
     RequestSummary,
     RoleSwitch,
@@ -117,7 +118,13 @@ def sample_from_proto(sample: pb.StepSample) -> StepSample:
         return PrefillSample(tokens=sample.tokens, seconds=sample.seconds, attention_tokens_sq=attention)
     if sample.kind == pb.StepSample.KIND_DECODE:
         return DecodeSample(batch_size=sample.tokens, context_tokens=sample.context_tokens, seconds=sample.seconds)
-    raise InvalidMessageError(f"step sample kind {sample.kind} is not KIND_PREFILL or KIND_DECODE")
+    if sample.kind == pb.StepSample.KIND_MIXED:
+        if not sample.tokens or not sample.decode_seqs:
+            raise InvalidMessageError("a mixed step sample needs prefill tokens and decode_seqs > 0")
+        attention = sample.attention_tokens_sq if sample.HasField("attention_tokens_sq") else sample.tokens**2
+        return MixedSample(prefill_tokens=sample.tokens, attention_tokens_sq=attention, batch_size=sample.decode_seqs,
+                           context_tokens=sample.context_tokens, seconds=sample.seconds)
+    raise InvalidMessageError(f"step sample kind {sample.kind} is not KIND_PREFILL, KIND_DECODE or KIND_MIXED")
 
 
 def kv_event_from_proto(event: pb.KVEvent) -> KVEvent:

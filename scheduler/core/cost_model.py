@@ -3,6 +3,7 @@
 prefill step  = max(floor, a + b*tokens + c*attention)   (attention = tokens**2 for one uncached prompt)
 decode step   = d + e*batch  + f*context_tokens (memory-bound: weights once, KV per context token)
 KV transfer   = g + h*tokens                    (not fitted yet: workers report no transfer samples)
+mixed step    = prefill step + share * decode step (share learnt from mixed samples: mixed_share.py)
 
 The fit is windowed least squares pulled towards the profile (ridge to the prior): with no samples
 the profile is the answer; samples replace it along the directions they measure (one step size
@@ -54,8 +55,9 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from scheduler.core.mixed_share import MixedDecodeShare
 from scheduler.core.windowed_fit import WindowedLeastSquares
-from scheduler.types import DecodeSample, PrefillSample, StepSample
+from scheduler.types import DecodeSample, MixedSample, PrefillSample, StepSample
 
 _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would attract every request
 MIN_OWN_SAMPLES = 8  # a worker's own steps of a kind before its own fit replaces the pooled one
@@ -143,8 +145,10 @@ class CostModel:
         self._decode = WindowedLeastSquares(
             (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight, tracked=1
         )
+        self._mixed = MixedDecodeShare(window)
         self._prefill_choice = _FitChoice(self._prefill, None if pool is None else pool._prefill)
         self._decode_choice = _FitChoice(self._decode, None if pool is None else pool._decode)
+        self._pooled_mixed = None if pool is None else pool._mixed
 
     def observe(self, sample: StepSample) -> None:
         if sample.seconds <= 0:
@@ -157,6 +161,9 @@ class CostModel:
             self._prefill.add((1.0, float(sample.tokens), float(sq)), sample.seconds)
         elif isinstance(sample, DecodeSample):
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
+        elif isinstance(sample, MixedSample):
+            prefill_s = self._prefill_step_s(sample.prefill_tokens, sample.attention_tokens_sq)
+            self._mixed.add(sample.seconds - prefill_s, self.decode_step_s(sample.batch_size, sample.context_tokens))
 
     def refit(self) -> None:
         """Solve now the fits that took samples since the last solve. Reads refit lazily too, but a
@@ -202,9 +209,29 @@ class CostModel:
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self._prefill_step_s(new_tokens, new_tokens * (new_tokens + 2 * cached_tokens))
+
+    def _prefill_step_s(self, tokens: int, attention: int) -> float:
         a, b, c = self._prefill_coefficients()
-        line = a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
-        return max(_MIN_STEP_S, self._profile.prefill_floor_s, line)
+        return max(_MIN_STEP_S, self._profile.prefill_floor_s, a + b * tokens + c * attention)
+
+    @property
+    def mixed_decode_share(self) -> float:
+        """The share of a decode step's price that a step also carrying prefill pays (mixed_share.py):
+        this worker's once it has `MIN_OWN_SAMPLES` mixed steps, before that the pool's if it has more."""
+        own, pooled = self._mixed, self._pooled_mixed
+        if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
+            return own.value
+        return pooled.value
+
+    def mixed_step_s(self, new_tokens: int, cached_tokens: int, running_step_s: float) -> float:
+        """A step carrying this prefill and a running decode batch whose own step takes `running_step_s`."""
+        return self.prefill_s(new_tokens, cached_tokens) + self.mixed_decode_share * running_step_s
+
+    def prefill_added_s(self, new_tokens: int, cached_tokens: int, running_step_s: float) -> float:
+        """What folding this prefill into the running batch's step adds to it: the mixed step less
+        the decode step the batch would have run anyway (the whole prefill when nothing runs)."""
+        return max(self.mixed_step_s(new_tokens, cached_tokens, running_step_s) - running_step_s, 0.0)
 
     def prefill_marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """A prefill's cost inside a step that runs anyway (chunked into a decode step): no fixed part."""
@@ -248,8 +275,8 @@ class CostModel:
     ) -> float:
         """TTFT with this worker prefilling: the queue ahead, the request's own prefill, then the
         KV the decode worker lacks crossing the link (0 tokens when prefilled locally). A local
-        prefill also shares its step with the running decode batch: pass that step as
-        `shared_step_s`."""
+        prefill also shares its step with the running decode batch: pass the decode part of that
+        mixed step (`mixed_decode_share` of the batch's step) as `shared_step_s`."""
         return (
             self.prefill_backlog_s(queued_tokens, queued_requests)
             + self.prefill_s(new_tokens, cached_tokens)

@@ -243,10 +243,11 @@ def evaluate(
             queued_requests=decode.queued_prefill_requests,
             new_tokens=compute_tokens,
             cached_tokens=side.cached_tokens,
-            shared_step_s=side.running_step_s,
+            shared_step_s=decode_cost.mixed_decode_share * side.running_step_s,
         )
         if side.running:
-            added_tpot = local_interference_s(decode_cost, compute_tokens, side.cached_tokens, request.max_tokens)
+            added_tpot = local_interference_s(
+                decode_cost, compute_tokens, side.cached_tokens, request.max_tokens, side.running_step_s)
         wait = side.slot_wait_s + decode_cost.prefill_backlog_s(
             decode.queued_prefill_tokens, decode.queued_prefill_requests)
     else:
@@ -272,17 +273,18 @@ def evaluate(
     )
 
 
-def local_interference_s(cost: CostModel, new_tokens: int, cached: int, max_tokens: int) -> float:
+def local_interference_s(
+    cost: CostModel, new_tokens: int, cached: int, max_tokens: int, running_step_s: float
+) -> float:
     """TPOT added to each running sequence when `new_tokens` are prefilled on their decode worker.
 
-    Chunked prefill folds the prompt into the batch's steps, so the running sequences wait for its
-    compute once; spread over the tokens they still have to generate (taken as half of `max_tokens`,
-    the only length known) that is their TPOT rise. The whole prefill cost counts, its fixed part
-    too: a step carrying a prompt costs about a pure prefill plus the decode part (what the replay
-    simulator prices, validated on the CPU policy runs), and on a CPU the fitted prefill cost is
-    nearly all fixed part.
+    Chunked prefill folds the prompt into the batch's steps, so the running sequences wait once for
+    what it adds to their step (`CostModel.prefill_added_s`: the prefill, less the part of the decode
+    step that a mixed step does not pay); spread over the tokens they still have to generate (taken
+    as half of `max_tokens`, the only length known) that is their TPOT rise. The prefill's fixed part
+    counts too: on a CPU the fitted prefill cost is nearly all fixed part.
     """
-    return cost.prefill_s(new_tokens, cached) / max(max_tokens // 2, 1)
+    return cost.prefill_added_s(new_tokens, cached, running_step_s) / max(max_tokens // 2, 1)
 
 
 def running_batch(decode: WorkerLoad) -> int:

@@ -7,14 +7,19 @@ TPOT on the batching worker rose by 26-62 ms per placement per second made there
 the predicted TPOT, priced from plain decode steps, was 30-70 ms short on average.
 
 The scheduler cannot know future arrivals, so it takes the recent past as the forecast: an
-exponentially weighted rate of the prefill compute (predicted seconds) placed on each worker. If a
-fraction `share` of the engine's time goes to prefills, the decode steps get the rest, and a token
-takes `step / (1 - share)`; so does every step of a wait for a decode slot.
+exponentially weighted rate of the engine time that the prefills placed on each worker add to its
+steps (predicted seconds). If a fraction `share` of the engine's time goes to that, the decode steps
+get the rest, and a token takes `step / (1 - share)`; so does every step of a wait for a decode slot.
 
-Each prefill counts whole, its fixed part included: on the CPU policy runs a step carrying a prompt
-cost about that prompt's whole prefill more than a decode step. Counting only the per-token part
-read a share of 0.00-0.15 on the batching worker when ~35% of its time went to prefills, because
-the online fit put nearly all of a short CPU prompt's cost in the fixed term.
+What a prefill adds is `CostModel.prefill_added_s`: folded into a step of the running batch, the step
+costs the prefill plus the share of a decode step that a mixed step pays (mixed_share.py), so the
+prefill adds itself less the rest of that decode step. Counting the whole prefill on top of a whole
+decode step over-predicted the batching worker's TPOT by ~20% on the CPU policy runs (docs/benchmarks.md,
+pass N), where a mixed step pays ~0.3 of the decode part. Each prefill's fixed part counts: counting
+only the per-token part read a share of 0.00-0.15 on the batching worker when ~35% of its time went
+to prefills, because the online fit put nearly all of a short CPU prompt's cost in the fixed term.
+One step is counted per prompt: a long prompt chunked over k steps saves the decode part k times, so
+its share is over-counted (the scheduler does not know the workers' chunk size).
 """
 
 from __future__ import annotations

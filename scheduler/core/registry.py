@@ -10,8 +10,9 @@ registered but is unroutable until a heartbeat received after the report clears 
 report (a gateway's own network trouble) costs a healthy worker one heartbeat interval, never more,
 while a dead worker leaves every gateway's routing at once instead of after the timeout.
 
-Prefill share: each placement's predicted prefill compute feeds a decaying rate on the worker that
-computes it (prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays.
+Prefill share: the engine time each placement's prefill adds to the worker that computes it (its
+predicted prefill, less the decode step a step shared with decodes saves) feeds a decaying rate there
+(prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays.
 
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
 `now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
@@ -153,7 +154,8 @@ class WorkerRegistry:
         record.changed()
 
     def record_prefill(self, worker_id: str, seconds: float, now: float) -> None:
-        """A placement will make this worker prefill for about `seconds` (its cost model's estimate)."""
+        """A placement will add about `seconds` to this worker's steps (its cost model's estimate of the
+        prefill, less what a step it shares with decodes saves: `CostModel.prefill_added_s`)."""
         record = self._workers[worker_id]
         record.prefill_work.add(seconds, now)
         record.changed()
@@ -186,6 +188,9 @@ class WorkerRegistry:
 
     def loads(self, now: float) -> list[WorkerLoad]:
         return [record.load(now) for record in self._workers.values()]
+
+    def load(self, worker_id: str, now: float) -> WorkerLoad:
+        return self._workers[worker_id].load(now)
 
     def routable_loads(self, now: float, draining: Container[str]) -> list[WorkerLoad]:
         """Loads of the workers not reported failed, less those in `draining` (one pass: this runs

@@ -6,8 +6,8 @@ prefill), prefill runs whole prompts in batches up to a token budget (or, with `
 engine's chunked prefill: each step takes at most that many tokens of a prompt, prompts in arrival
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports KV events and, when it is
-a pure prefill or a pure decode step, a step sample that the next heartbeat carries to the scheduler
-(a real worker reports no mixed step: services/worker/heartbeat.py says why). Step times are the
+a step sample of its kind (prefill, decode or mixed) that the next heartbeat carries to the scheduler,
+as a real worker's does (services/worker/heartbeat.py). Step times are the
 profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
 factor; a measured decode step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode
 price. An abort (a client that gave up) frees the sequence's blocks and queue places at once; a step already
@@ -31,6 +31,7 @@ from scheduler.types import (
     SLO,
     DecodeSample,
     KVEvent,
+    MixedSample,
     PrefillSample,
     StepSample,
     WorkerRole,
@@ -265,6 +266,7 @@ class SimWorker:
             decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
             if jobs:
                 decode_s *= self.spec.mixed_decode_share
+                self._samples.append(MixedSample(tokens, attention, len(decoding), context, prefill_s + decode_s))
             else:
                 self._samples.append(DecodeSample(len(decoding), context, decode_s))
             seconds += decode_s

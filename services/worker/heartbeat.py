@@ -45,12 +45,14 @@ class TelemetryBuffer:
         self._lock = threading.Lock()
 
     def add_step(self, stats: StepStats) -> None:
-        """Record a step-time sample. Only pure steps are reported: a step that mixes prefill chunks with
-        decodes would otherwise count its whole time once as prefill and again as decode, and the
-        scheduler's cost models (one for each) would both learn an inflated time."""
+        """Record a step-time sample of its kind. A step that mixes prefill chunks with decodes is its
+        own kind: counted as a prefill and again as a decode, its whole time would inflate both of the
+        scheduler's fits; as a mixed sample it tells what the decodes add to a step carrying a prompt."""
         if stats.prefill_tokens and stats.decode_seqs:
-            return
-        if stats.prefill_tokens:
+            sample = spb.StepSample(kind=spb.StepSample.KIND_MIXED, tokens=stats.prefill_tokens,
+                                    attention_tokens_sq=stats.attention_tokens_sq, decode_seqs=stats.decode_seqs,
+                                    context_tokens=stats.decode_context_tokens, seconds=stats.seconds)
+        elif stats.prefill_tokens:
             sample = spb.StepSample(kind=spb.StepSample.KIND_PREFILL, tokens=stats.prefill_tokens,
                                     seconds=stats.seconds, attention_tokens_sq=stats.attention_tokens_sq)
         elif stats.decode_seqs:

@@ -9,26 +9,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepSample(_message.Message):
-    __slots__ = ("kind", "tokens", "context_tokens", "seconds", "attention_tokens_sq")
+    __slots__ = ("kind", "tokens", "context_tokens", "seconds", "attention_tokens_sq", "decode_seqs")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[StepSample.Kind]
         KIND_PREFILL: _ClassVar[StepSample.Kind]
         KIND_DECODE: _ClassVar[StepSample.Kind]
+        KIND_MIXED: _ClassVar[StepSample.Kind]
     KIND_UNSPECIFIED: StepSample.Kind
     KIND_PREFILL: StepSample.Kind
     KIND_DECODE: StepSample.Kind
+    KIND_MIXED: StepSample.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_TOKENS_SQ_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQS_FIELD_NUMBER: _ClassVar[int]
     kind: StepSample.Kind
     tokens: int
     context_tokens: int
     seconds: float
     attention_tokens_sq: int
-    def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., attention_tokens_sq: _Optional[int] = ...) -> None: ...
+    decode_seqs: int
+    def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., attention_tokens_sq: _Optional[int] = ..., decode_seqs: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hash")

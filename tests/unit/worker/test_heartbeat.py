@@ -46,11 +46,13 @@ def test_buffer_puts_failed_items_back_in_order() -> None:
                                                       (spb.StepSample.KIND_DECODE, 2)]
 
 
-def test_a_mixed_prefill_and_decode_step_is_not_reported_twice() -> None:
+def test_a_mixed_prefill_and_decode_step_is_reported_once_as_its_own_kind() -> None:
     buf = TelemetryBuffer()
     buf.add_step(StepStats(prefill_tokens=10, attention_tokens_sq=100, decode_seqs=2, decode_context_tokens=50,
                            seconds=0.1))
-    assert buf.take()[0] == []
+    (sample,) = buf.take()[0]
+    assert (sample.kind, sample.tokens, sample.attention_tokens_sq, sample.decode_seqs, sample.context_tokens,
+            sample.seconds) == (spb.StepSample.KIND_MIXED, 10, 100, 2, 50, 0.1)
 
 
 def test_negative_hashes_travel_as_uint64() -> None:

@@ -20,7 +20,7 @@ from scheduler.adapters.convert import (
 )
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.types import SLO, DecisionKind, PrefillSample, RequestSummary, RouteDecision, Tier
+from scheduler.types import SLO, DecisionKind, MixedSample, PrefillSample, RequestSummary, RouteDecision, Tier
 
 
 def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:
@@ -29,6 +29,15 @@ def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:
     unset = sample_from_proto(pb.StepSample(kind=pb.StepSample.KIND_PREFILL, tokens=100, seconds=0.1))
     assert sent == PrefillSample(tokens=100, seconds=0.1, attention_tokens_sq=30_000)
     assert unset.attention_tokens_sq is None  # type: ignore[union-attr]
+
+
+def test_a_mixed_sample_keeps_both_parts_and_one_without_decodes_is_refused() -> None:
+    mixed = sample_from_proto(pb.StepSample(kind=pb.StepSample.KIND_MIXED, tokens=100, attention_tokens_sq=30_000,
+                                            decode_seqs=3, context_tokens=900, seconds=0.2))
+    assert mixed == MixedSample(prefill_tokens=100, attention_tokens_sq=30_000, batch_size=3, context_tokens=900,
+                                seconds=0.2)
+    with pytest.raises(InvalidMessageError, match="decode_seqs"):
+        sample_from_proto(pb.StepSample(kind=pb.StepSample.KIND_MIXED, tokens=100, seconds=0.2))
 
 
 def test_a_request_summary_survives_the_wire_with_signed_hashes_as_uint64() -> None:
