@@ -3,7 +3,7 @@
 prefill step  = max(floor, a + b*tokens + c*attention)   (attention = tokens**2 for one uncached prompt)
 decode step   = d + e*batch  + f*context_tokens (memory-bound: weights once, KV per context token)
 KV transfer   = g + h*tokens                    (not fitted yet: workers report no transfer samples)
-mixed step    = prefill step + share * decode step (share learnt from mixed samples: mixed_share.py)
+mixed step    = prefill step + s * decode step   (fitted with the prefill line: see below)
 
 The fit is windowed least squares pulled towards the profile (ridge to the prior): with no samples
 the profile is the answer; samples replace it along the directions they measure (one step size
@@ -24,6 +24,18 @@ dear for small steps and too cheap for large ones. `baton profile` fits the floo
 (services/profiler/fit.py); the floor is not refitted online, and samples at or under it carry
 nothing about the line above it, so they are not fitted (`CostModel.observe`). A profile without a
 floor (older files) has floor 0: the plain line, as before.
+Mixed steps: a worker with chunked prefill computes a prompt's chunk and its running decodes in one
+forward pass, and every decoding sequence gets its token from it. Priced as prefill + a whole decode
+step (s = 1), the weights' pass and, on a CPU, most of the per-sequence work count twice: on the CPU
+policy runs such a step took ~335 ms at the median where prefill + decode said ~430 (s near 0.3 from
+the client's token gaps, loadtest/experiments/mixed_steps.py), and the goodput policy over-predicted
+the batching worker's TPOT by ~20% (docs/benchmarks.md, pass N). Workers report mixed steps, and s is
+fitted with the prefill line, one least squares over pure prefills (decode feature 0) and mixed steps
+(the batch's decode step, priced by the decode fit, as a fourth feature), with the prior s = 1.
+Taking each mixed step's excess over the fitted prefill alone did not work: a batching worker runs
+nearly every prompt inside a mixed step, its prefill line rests on a few pure prefills, and the
+shares read 0.0-0.9 over the runs of one pass where the joint fit read 0.1-0.5. A mixed step whose
+prefill the profile puts on its floor is not fitted (floor + s * decode has no term in the line).
 Cold start: until a worker has `MIN_OWN_SAMPLES` steps of a kind, that kind is predicted from its
 model's pooled fit (every worker of the model feeding one more model, `pool`), when the pool has
 more samples. The default profile describes a small model on a GPU; on a CPU its 15-ms decode step is
@@ -55,10 +67,11 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from scheduler.core.mixed_share import MixedDecodeShare
 from scheduler.core.windowed_fit import WindowedLeastSquares
 from scheduler.types import DecodeSample, MixedSample, PrefillSample, StepSample
 
+# A mixed step priced as prefill + a whole decode step until the worker's mixed steps say otherwise.
+PRIOR_MIXED_DECODE_SHARE = 1.0
 _MIN_STEP_S = 1e-4  # predictions never go below this: a zero-cost step would attract every request
 MIN_OWN_SAMPLES = 8  # a worker's own steps of a kind before its own fit replaces the pooled one
 
@@ -139,16 +152,15 @@ class CostModel:
         worker has too few samples of (see the module docstring); the owner feeds it."""
         self._profile = profile or WorkerProfile()
         p = self._profile
-        self._prefill = WindowedLeastSquares(
-            (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s), window, prior_weight
+        self._prefill = WindowedLeastSquares(  # the prefill line and the mixed steps' decode share
+            (p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_token_sq_s, PRIOR_MIXED_DECODE_SHARE),
+            window, prior_weight,
         )
         self._decode = WindowedLeastSquares(
             (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight, tracked=1
         )
-        self._mixed = MixedDecodeShare(window)
         self._prefill_choice = _FitChoice(self._prefill, None if pool is None else pool._prefill)
         self._decode_choice = _FitChoice(self._decode, None if pool is None else pool._decode)
-        self._pooled_mixed = None if pool is None else pool._mixed
 
     def observe(self, sample: StepSample) -> None:
         if sample.seconds <= 0:
@@ -158,12 +170,15 @@ class CostModel:
             sq = sample.tokens**2 if attention is None else attention
             if self._at_floor(sample.tokens, sq):
                 return  # the floor's time says nothing about the line above it
-            self._prefill.add((1.0, float(sample.tokens), float(sq)), sample.seconds)
+            self._prefill.add((1.0, float(sample.tokens), float(sq), 0.0), sample.seconds)
         elif isinstance(sample, DecodeSample):
             self._decode.add((1.0, float(sample.batch_size), float(sample.context_tokens)), sample.seconds)
         elif isinstance(sample, MixedSample):
-            prefill_s = self._prefill_step_s(sample.prefill_tokens, sample.attention_tokens_sq)
-            self._mixed.add(sample.seconds - prefill_s, self.decode_step_s(sample.batch_size, sample.context_tokens))
+            if self._at_floor(sample.prefill_tokens, sample.attention_tokens_sq):
+                return  # floor + s * decode: says nothing about the line, and the fit has no floor term
+            decode_s = self.decode_step_s(sample.batch_size, sample.context_tokens)
+            features = (1.0, float(sample.prefill_tokens), float(sample.attention_tokens_sq), decode_s)
+            self._prefill.add(features, sample.seconds)
 
     def refit(self) -> None:
         """Solve now the fits that took samples since the last solve. Reads refit lazily too, but a
@@ -194,7 +209,7 @@ class CostModel:
 
     def fitted_profile(self) -> WorkerProfile:
         """The current coefficients as a profile (for metrics, and to seed the next start)."""
-        a, b, c = self._prefill_coefficients()
+        a, b, c, _ = self._prefill_coefficients()
         d, e, f = self._decode_coefficients()
         return WorkerProfile(
             prefill_fixed_s=a,
@@ -212,17 +227,14 @@ class CostModel:
         return self._prefill_step_s(new_tokens, new_tokens * (new_tokens + 2 * cached_tokens))
 
     def _prefill_step_s(self, tokens: int, attention: int) -> float:
-        a, b, c = self._prefill_coefficients()
+        a, b, c, _ = self._prefill_coefficients()
         return max(_MIN_STEP_S, self._profile.prefill_floor_s, a + b * tokens + c * attention)
 
     @property
     def mixed_decode_share(self) -> float:
-        """The share of a decode step's price that a step also carrying prefill pays (mixed_share.py):
-        this worker's once it has `MIN_OWN_SAMPLES` mixed steps, before that the pool's if it has more."""
-        own, pooled = self._mixed, self._pooled_mixed
-        if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
-            return own.value
-        return pooled.value
+        """The share of a decode step's price that a step also carrying prefill pays (the module
+        docstring: mixed steps); 1 until mixed steps say otherwise."""
+        return min(self._prefill_coefficients()[3], 1.0)
 
     def mixed_step_s(self, new_tokens: int, cached_tokens: int, running_step_s: float) -> float:
         """A step carrying this prefill and a running decode batch whose own step takes `running_step_s`."""
@@ -235,7 +247,7 @@ class CostModel:
 
     def prefill_marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """A prefill's cost inside a step that runs anyway (chunked into a decode step): no fixed part."""
-        _, b, c = self._prefill_coefficients()
+        _, b, c, _ = self._prefill_coefficients()
         return b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
 
     def prefill_backlog_s(self, queued_tokens: int, queued_requests: int) -> float:
@@ -243,7 +255,7 @@ class CostModel:
         prompt no cheaper than the floor."""
         if queued_tokens <= 0:
             return 0.0
-        a, b, c = self._prefill_coefficients()
+        a, b, c, _ = self._prefill_coefficients()
         requests = max(queued_requests, 1)
         per_prompt = queued_tokens / requests
         return requests * max(self._profile.prefill_floor_s, a + b * per_prompt + c * per_prompt**2)

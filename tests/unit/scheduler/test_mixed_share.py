@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from scheduler.core.cost_model import MIN_OWN_SAMPLES, CostModel, WorkerProfile
-from scheduler.core.mixed_share import PRIOR_SHARE, MixedDecodeShare
+from scheduler.core.cost_model import MIN_OWN_SAMPLES, PRIOR_MIXED_DECODE_SHARE, CostModel, WorkerProfile
 from scheduler.core.placement import evaluate
 from scheduler.core.policies import LeastLoadedPolicy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -26,51 +25,53 @@ def _mixed(profile: WorkerProfile, share: float, tokens: int, batch: int, noise:
     return MixedSample(tokens, tokens * tokens, batch, 0, seconds)
 
 
-def test_the_share_is_the_prior_until_mixed_steps_arrive_then_their_ratio() -> None:
-    share = MixedDecodeShare(window=100)
-    assert share.value == PRIOR_SHARE == 1.0
-    for _ in range(99):
-        share.add(over_prefill_s=0.03, decode_s=0.1)
-    assert share.value == pytest.approx((99 * 0.03 + 0.1) / (99 * 0.1 + 0.1))  # one step's worth of prior
-
-
-def test_the_share_is_clamped_and_forgets_steps_older_than_its_window() -> None:
-    share = MixedDecodeShare(window=10)
-    for _ in range(10):
-        share.add(over_prefill_s=-0.05, decode_s=0.1)  # a prefill the fit over-prices
-    assert share.value == 0.0
-    for _ in range(10):
-        share.add(over_prefill_s=0.5, decode_s=0.1)
-    assert share.value == 1.0
-    for _ in range(10):
-        share.add(over_prefill_s=0.04, decode_s=0.1)
-    assert share.value == pytest.approx((0.4 + 0.1) / (1.0 + 0.1))  # only the last ten count
-
-
-def test_a_bad_window_or_prior_weight_is_refused() -> None:
-    with pytest.raises(ValueError, match="window"):
-        MixedDecodeShare(window=0)
-    with pytest.raises(ValueError, match="prior_weight"):
-        MixedDecodeShare(prior_weight=0.0)
-
-
-def test_the_cost_model_learns_the_share_from_noisy_mixed_steps() -> None:
+def test_the_share_is_fitted_with_the_prefill_line_from_noisy_mixed_steps() -> None:
     rng = random.Random(3)
-    model = CostModel(PROFILE)
-    for _ in range(300):
-        model.observe(_mixed(PROFILE, 0.3, rng.randint(16, 512), rng.randint(1, 8), noise=0.05, rng=rng))
+    model = CostModel(WorkerProfile())  # seeded with the (wrong) defaults
+    for _ in range(400):
+        tokens = rng.randint(16, 512)
+        batch = rng.randint(1, 8)
+        model.observe(DecodeSample(batch, 0, PROFILE.decode_step_s(batch, 0) * (1 + rng.gauss(0, 0.05))))
+        if rng.random() < 0.1:  # a batching worker runs few prompts alone
+            model.observe(PrefillSample(tokens, PROFILE.prefill_s(tokens) * (1 + rng.gauss(0, 0.05))))
+        else:
+            model.observe(_mixed(PROFILE, 0.3, tokens, rng.randint(1, 8), noise=0.05, rng=rng))
     assert model.mixed_decode_share == pytest.approx(0.3, abs=0.05)
+    assert model.prefill_s(256) == pytest.approx(PROFILE.prefill_s(256), rel=0.05)
 
 
-def test_a_worker_without_mixed_steps_of_its_own_reads_the_pooled_share() -> None:
+def test_the_share_is_the_prior_until_mixed_steps_arrive_and_never_above_it() -> None:
+    model = CostModel(PROFILE)
+    assert model.mixed_decode_share == PRIOR_MIXED_DECODE_SHARE == 1.0
+    for tokens in (64, 128, 256, 512) * 5:
+        model.observe(PrefillSample(tokens, PROFILE.prefill_s(tokens)))
+    assert model.mixed_decode_share == pytest.approx(1.0)  # pure prefills say nothing about it
+    for batch in (1, 2, 4, 8) * 10:
+        model.observe(_mixed(PROFILE, 1.6, 128, batch))  # dearer than prefill + decode: noise, or a slow host
+    assert model.mixed_decode_share == 1.0
+
+
+def test_a_mixed_step_whose_prefill_is_on_the_floor_is_not_fitted() -> None:
+    floored = WorkerProfile(prefill_fixed_s=0.001, prefill_per_token_s=1e-5, prefill_floor_s=0.02,
+                            decode_fixed_s=0.01, decode_per_seq_s=1e-4, decode_per_context_token_s=0.0)
+    model = CostModel(floored)
+    for batch in (1, 2, 4, 8) * 10:
+        model.observe(_mixed(floored, 0.2, 256, batch))  # 256 tokens: 3.6 ms of line, under the floor
+    assert model.mixed_decode_share == 1.0
+    model.observe(_mixed(floored, 0.2, 4096, 8))  # above it
+    assert model.mixed_decode_share < 1.0
+
+
+def test_a_worker_without_steps_of_its_own_reads_the_pooled_share() -> None:
     pool = CostModel(PROFILE)
     model = CostModel(PROFILE, pool=pool)
-    for _ in range(50):
-        pool.observe(_mixed(PROFILE, 0.3, 64, 4))
+    for batch in (1, 2, 4, 8) * 10:
+        pool.observe(_mixed(PROFILE, 0.3, 128, batch))
     assert model.mixed_decode_share == pytest.approx(pool.mixed_decode_share)
-    for _ in range(MIN_OWN_SAMPLES):
-        model.observe(_mixed(PROFILE, 0.8, 64, 4))
-    assert model.mixed_decode_share > 0.75  # its own, once it has enough
+    assert pool.mixed_decode_share == pytest.approx(0.3, abs=0.05)
+    for batch in (1, 2, 4, 8) * (MIN_OWN_SAMPLES // 4 + 1):
+        model.observe(_mixed(PROFILE, 0.8, 128, batch))
+    assert model.mixed_decode_share > 0.7  # its own, once it has enough
 
 
 def test_pure_steps_leave_the_share_alone() -> None:
@@ -82,8 +83,8 @@ def test_pure_steps_leave_the_share_alone() -> None:
 
 def test_a_prompt_adds_its_prefill_less_the_decode_step_a_mixed_step_saves() -> None:
     model = CostModel(PROFILE)
-    for _ in range(50):
-        model.observe(_mixed(PROFILE, 0.25, 512, 4))
+    for batch in (1, 2, 4, 8) * 10:
+        model.observe(_mixed(PROFILE, 0.25, 512, batch))
     share = model.mixed_decode_share
     prefill, running = model.prefill_s(512), PROFILE.decode_step_s(4, 0)
     assert model.mixed_step_s(512, 0, running) == pytest.approx(prefill + share * running)
@@ -96,8 +97,9 @@ def _batching_worker_view(share: float):
     snap = snapshot("w", WorkerRole.BOTH, max_num_seqs=8)
     worker = load("w", WorkerRole.BOTH, batch=4, snapshot=snap)
     cluster = view([worker])
-    for _ in range(50):
-        cluster.cost("w").observe(_mixed(cluster.cost("w").fitted_profile(), share, 256, 4))
+    truth = cluster.cost("w").fitted_profile()
+    for batch in (1, 2, 4, 8) * 10:
+        cluster.cost("w").observe(_mixed(truth, share, 256, batch))
     return cluster, worker
 
 
@@ -109,8 +111,9 @@ def test_a_local_prompt_on_a_worker_whose_mixed_steps_are_cheap_predicts_a_faste
     at_one, at_cheap = evaluate(req, dear_view, dear, None), evaluate(req, cheap_view, cheap, None)
     cost = cheap_view.cost("w")
     running = cost.decode_step_s(4, cheap.context_tokens)
-    saved = (1 - cost.mixed_decode_share) * running
-    assert at_cheap.ttft_s == pytest.approx(at_one.ttft_s - saved)
+    assert cost.mixed_decode_share < 0.3
+    assert at_cheap.ttft_s == pytest.approx(cost.prefill_s(256) + cost.mixed_decode_share * running)  # idle queue
+    assert at_cheap.ttft_s < at_one.ttft_s
     assert at_cheap.added_tpot_s == pytest.approx(cost.prefill_added_s(256, 0, running) / 4)
     assert at_cheap.added_tpot_s < at_one.added_tpot_s
 
@@ -120,7 +123,7 @@ def test_placements_on_a_batching_worker_count_only_what_their_prompts_add_to_it
         scheduler = Scheduler(LeastLoadedPolicy(), SchedulerConfig(prefill_window_s=5.0))
         scheduler.register(snapshot("w", WorkerRole.BOTH, running_seqs=4), now=0.0)
         truth = scheduler.cost_model("w").fitted_profile()
-        samples = [_mixed(truth, share, 256, 4) for _ in range(50)]
+        samples = [_mixed(truth, share, 256, batch) for batch in (1, 2, 4, 8) * 10]
         scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH, running_seqs=4), samples, [], now=0.0)
         for i in range(10):
             assert scheduler.route(request(f"r{i}", prompt=256), now=0.1 * i).decode_worker_id == "w"
