@@ -90,7 +90,8 @@ class TappedScheduler(Scheduler):
         fitted = {}
         for worker_id in self.snapshots:
             try:
-                fitted[worker_id] = asdict(self.cost_model(worker_id).fitted_profile())
+                cost = self.cost_model(worker_id)
+                fitted[worker_id] = {**asdict(cost.fitted_profile()), "mixed_decode_share": cost.mixed_decode_share}
             except KeyError:  # expired before the end
                 continue
         return {"policy": self.policy_name, "time_offset_s": time.time() - time.monotonic(),

@@ -55,19 +55,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine, prompt):
 
 
 def test_block_pool_returns_to_initial_after_finish_abort_and_preemption(default_model_dir):
-    # 40 blocks of 16 tokens cannot hold 8 sequences of ~150 tokens at once: preemption must happen.
-    engine = _engine(default_model_dir, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=256)
+    # 20 blocks of 16 tokens cannot hold 8 sequences of ~90 tokens at once: preemption must happen.
+    engine = _engine(default_model_dir, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=256)
     initial = engine.block_manager.num_free_blocks
     rng = random.Random(0)
     base = engine.tokenizer.encode_chat([{"role": "user", "content": "Count from one to fifty in words."}])
     for i in range(8):
         engine.add_request(f"r{i}", base + [rng.randrange(100, 1000)] * i, SamplingParams(
-            max_tokens=rng.randint(100, 130), temperature=0.0, ignore_eos=True))
+            max_tokens=rng.randint(50, 65), temperature=0.0, ignore_eos=True))
     finished, steps = set(), 0
     while engine.has_unfinished():
         finished |= {o.request_id for o in engine.step() if o.finished}
         steps += 1
-        if steps in (30, 90):  # abort one running and one possibly preempted request
+        if steps in (15, 45):  # abort one running and one possibly preempted request
             assert engine.abort(f"r{steps % 8}")
     assert engine.batcher.num_preemptions > 0
     assert len(finished) == 6

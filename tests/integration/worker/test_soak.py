@@ -1,4 +1,4 @@
-"""Soak: 500 requests, ~20% cancelled at random moments; every block comes back on both workers and
+"""Soak: 250 requests, ~20% cancelled at random moments; every block comes back on both workers and
 every request that was not cancelled streams exactly the reference tokens."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from worker_client import QUESTIONS, Result, collect, generate_many, request, wa
 from rpcgen.baton.v1 import worker_pb2 as pb
 from tokenization.tokenizer import Tokenizer
 
-NUM_REQUESTS = 500
+NUM_REQUESTS = 250
 CANCEL_RATE = 0.2
 MAX_TOKENS = 4
 
