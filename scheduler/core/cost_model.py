@@ -226,11 +226,9 @@ class CostModel:
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self._prefill_step_s(new_tokens, new_tokens * (new_tokens + 2 * cached_tokens))
-
-    def _prefill_step_s(self, tokens: int, attention: int) -> float:
         a, b, c, _ = self._prefill_coefficients()
-        return max(_MIN_STEP_S, self._profile.prefill_floor_s, a + b * tokens + c * attention)
+        line = a + b * new_tokens + c * new_tokens * (new_tokens + 2 * cached_tokens)
+        return max(_MIN_STEP_S, self._profile.prefill_floor_s, line)
 
     @property
     def mixed_decode_share(self) -> float:

@@ -170,7 +170,6 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
     running = running_batch(decode)
-    running_context = batch_context(decode, running)
     stretch = decode_stretch(decode.prefill_share, decode.max_num_seqs)
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
     step = cost.predict_tpot_s(
@@ -184,7 +183,7 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
         cached_blocks=cached_blocks,
         cached_tokens=cached_tokens(request.num_prompt_tokens, cached_blocks, decode.block_size),
         running=running,
-        running_step_s=cost.decode_step_s(running, running_context) if running else 0.0,
+        running_step_s=running_step_s(decode, cost),
         stretch=stretch,
         slot_wait_s=slot_wait_s(decode, cost, request.max_tokens) * stretch,
         step_s=step,
@@ -285,6 +284,12 @@ def local_interference_s(
     counts too: on a CPU the fitted prefill cost is nearly all fixed part.
     """
     return cost.prefill_added_s(new_tokens, cached, running_step_s) / max(max_tokens // 2, 1)
+
+
+def running_step_s(decode: WorkerLoad, cost: CostModel) -> float:
+    """One step of the decode batch running on the worker; 0 when idle."""
+    running = running_batch(decode)
+    return cost.decode_step_s(running, batch_context(decode, running)) if running else 0.0
 
 
 def running_batch(decode: WorkerLoad) -> int:

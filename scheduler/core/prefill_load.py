@@ -12,7 +12,7 @@ steps (predicted seconds). If a fraction `share` of the engine's time goes to th
 get the rest, and a token takes `step / (1 - share)`; so does every step of a wait for a decode slot.
 
 What a prefill adds is `CostModel.prefill_added_s`: folded into a step of the running batch, the step
-costs the prefill plus the share of a decode step that a mixed step pays (mixed_share.py), so the
+costs the prefill plus the share of a decode step that a mixed step pays (cost_model.py: mixed steps), so the
 prefill adds itself less the rest of that decode step. Counting the whole prefill on top of a whole
 decode step over-predicted the batching worker's TPOT by ~20% on the CPU policy runs (docs/benchmarks.md,
 pass N), where a mixed step pays ~0.3 of the decode part. Each prefill's fixed part counts: counting

@@ -20,7 +20,7 @@ from scheduler.core.admission import AdmissionConfig, AdmissionQueue
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel, WorkerProfile
 from scheduler.core.fleet_signals import FleetSignal, fleet_signals
-from scheduler.core.placement import batch_context, cached_tokens, running_batch
+from scheduler.core.placement import cached_tokens, running_step_s
 from scheduler.core.policies.base import Policy, reject
 from scheduler.core.prefix_index import PrefixIndex
 from scheduler.core.registry import Reservation, WorkerRegistry
@@ -263,8 +263,12 @@ class Scheduler:
             prompt, prefill_cached, self._registry.snapshot(prefill_id).block_size
         )
         new_tokens = prompt - prefill_cached_tokens
-        added_s = self._costs[prefill_id].prefill_added_s(  # priced before this request joins the batch
-            new_tokens, prefill_cached_tokens, self._running_step_s(prefill_id, now))
+        # What the prompt adds to the steps of the batch running where it is prefilled (none on a
+        # prefill worker), priced before this request joins that batch.
+        prefill_load = self._registry.load(prefill_id, now)
+        prefill_cost = self._costs[prefill_id]
+        shared_s = running_step_s(prefill_load, prefill_cost) if prefill_load.role.can_decode else 0.0
+        added_s = prefill_cost.prefill_added_s(new_tokens, prefill_cached_tokens, shared_s)
         self._registry.reserve(decode_id, decode_share, now)
         self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
         self._registry.record_prefill(prefill_id, added_s, now)
@@ -274,16 +278,6 @@ class Scheduler:
             self._conversations.move_to_end(request.conversation_id)
             if len(self._conversations) > self.config.max_conversations:
                 self._conversations.popitem(last=False)
-
-
-    def _running_step_s(self, worker_id: str, now: float) -> float:
-        """One step of the decode batch running on the worker (0 for a prefill worker or an idle one),
-        which a prefill there shares its steps with."""
-        load = self._registry.load(worker_id, now)
-        running = running_batch(load) if load.role.can_decode else 0
-        if running == 0:
-            return 0.0
-        return self._costs[worker_id].decode_step_s(running, batch_context(load, running))
 
 
 def _reject_if_too_large(request: RequestSummary, view: ClusterView) -> RouteDecision | None:
