@@ -32,21 +32,43 @@ MAX_PREFILL_SHARE = 0.8
 
 
 class DecayingRate:
-    """Work per second, exponentially weighted over `time_constant_s` (a steady stream of `x`
-    seconds of work every `1/r` seconds reads `x * r` once a few time constants have passed)."""
+    """Work per second, exponentially weighted over `time_constant_s`, over the time observed since
+    `since` (a steady stream of `x` seconds of work every `1/r` seconds reads `x * r`).
 
-    def __init__(self, time_constant_s: float) -> None:
-        if time_constant_s <= 0:
-            raise ValueError("time_constant_s must be > 0")
+    The weights are normalised by the time observed, as a mean over a short history should be: a
+    plain exponential average that starts at zero reads `1 - exp(-t/tau)` of the rate `t` seconds
+    into a stream (0.05-0.15 of it in the first seconds of a burst). A burst is what the forecast
+    is for: on the CPU policy runs the first requests of a load, placed on a worker whose share read
+    ~0.1 while it spent about half its time prefilling, all missed their TPOT target
+    (docs/benchmarks.md, pass P). `restart` starts a new history (the cluster was idle: the past
+    says nothing about the load now arriving); less than `min_window_s` of it counts as that much,
+    so the first placement of a burst does not read as an unbounded rate.
+    """
+
+    def __init__(self, time_constant_s: float, since: float, min_window_s: float) -> None:
+        if time_constant_s <= 0 or min_window_s <= 0:
+            raise ValueError("time_constant_s and min_window_s must be > 0")
         self._tau = time_constant_s
+        self._min_window_s = min_window_s
         self._value = 0.0
         self._at = -math.inf
+        self._since = since
+
+    def restart(self, now: float) -> None:
+        """Forget the history: the rate is observed from `now` on."""
+        self._value = 0.0
+        self._at = -math.inf
+        self._since = now
 
     def add(self, amount: float, now: float) -> None:
-        self._value = self.value(now) + amount / self._tau
+        self._value = self._decayed(now) + amount / self._tau
         self._at = max(now, self._at)
 
     def value(self, now: float) -> float:
+        observed = max(now - self._since, self._min_window_s)
+        return self._decayed(now) / -math.expm1(-observed / self._tau)
+
+    def _decayed(self, now: float) -> float:
         if self._value == 0.0 or now <= self._at:
             return self._value
         return self._value * math.exp((self._at - now) / self._tau)

@@ -12,7 +12,9 @@ while a dead worker leaves every gateway's routing at once instead of after the 
 
 Prefill share: the engine time each placement's prefill adds to the worker that computes it (its
 predicted prefill, less the decode step a step shared with decodes saves) feeds a decaying rate there
-(prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays.
+(prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays. The
+rates are observed from a worker's registration, and from the start of the cluster's current busy
+period (`restart_rates`, when nothing runs or waits anywhere).
 
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
 `now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
@@ -44,16 +46,29 @@ class Reservation:
         return Reservation(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
+@dataclass(frozen=True)
+class RateWindow:
+    """How the prefill share is averaged (prefill_load.DecayingRate)."""
+
+    time_constant_s: float = 10.0
+    min_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.time_constant_s <= 0 or self.min_s <= 0:
+            raise ValueError("a rate window needs time_constant_s > 0 and min_s > 0")
+
+
 # The prefill share changes with time alone; rebuilding a worker's load this often keeps it current
 # without rebuilding every worker for every decision (64 workers at 1,000 decisions/s).
 LOAD_REFRESH_S = 0.25
 
 
 class _WorkerRecord:
-    def __init__(self, snapshot: WorkerSnapshot, now: float, prefill_window_s: float) -> None:
+    def __init__(self, snapshot: WorkerSnapshot, now: float, window: RateWindow) -> None:
         self.snapshot = snapshot
         self.last_seen = now
-        self.prefill_work = DecayingRate(prefill_window_s)  # predicted prefill seconds per second
+        # predicted prefill seconds per second
+        self.prefill_work = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
         self.tpot_targets: Counter[float] = Counter()  # TPOT targets (ms) of unfinished requests here
@@ -87,13 +102,13 @@ class _WorkerRecord:
 
 class WorkerRegistry:
     def __init__(
-        self, heartbeat_timeout_s: float, dispatch_grace_s: float, prefill_window_s: float = 10.0
+        self, heartbeat_timeout_s: float, dispatch_grace_s: float, prefill_window: RateWindow | None = None
     ) -> None:
-        if heartbeat_timeout_s <= 0 or dispatch_grace_s < 0 or prefill_window_s <= 0:
-            raise ValueError("need heartbeat_timeout_s > 0, dispatch_grace_s >= 0 and prefill_window_s > 0")
+        if heartbeat_timeout_s <= 0 or dispatch_grace_s < 0:
+            raise ValueError("need heartbeat_timeout_s > 0 and dispatch_grace_s >= 0")
         self._timeout_s = heartbeat_timeout_s
         self._grace_s = dispatch_grace_s
-        self._prefill_window_s = prefill_window_s
+        self._prefill_window = prefill_window or RateWindow()
         self._workers: dict[str, _WorkerRecord] = {}
         self._oldest_seen = math.inf  # a lower bound of every worker's last_seen (see `expire`)
         self._placed_on: dict[str, tuple[str, float]] = {}  # request id -> (decode worker, TPOT ms)
@@ -111,7 +126,7 @@ class WorkerRegistry:
         """Record a heartbeat; True when the worker was not registered (new or back from the dead)."""
         record = self._workers.get(snapshot.worker_id)
         if record is None:
-            self._workers[snapshot.worker_id] = _WorkerRecord(snapshot, now, self._prefill_window_s)
+            self._workers[snapshot.worker_id] = _WorkerRecord(snapshot, now, self._prefill_window)
             self._oldest_seen = min(self._oldest_seen, now)
             return True
         record.snapshot = snapshot
@@ -159,6 +174,18 @@ class WorkerRegistry:
         record = self._workers[worker_id]
         record.prefill_work.add(seconds, now)
         record.changed()
+
+    def idle(self, now: float) -> bool:
+        """Whether nothing runs or waits on any worker, as reported and reserved since."""
+        return all(
+            load.decode_batch == 0 and load.queued_prefill_requests == 0 for load in self.loads(now)
+        )
+
+    def restart_rates(self, now: float) -> None:
+        """Start every worker's prefill share afresh: a new busy period begins (see module doc)."""
+        for record in self._workers.values():
+            record.prefill_work.restart(now)
+            record.changed()
 
     def track(self, request_id: str, decode_worker_id: str, tpot_ms: float) -> None:
         """Remember a placed request's TPOT target on its decode worker until it finishes."""

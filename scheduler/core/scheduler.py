@@ -23,7 +23,7 @@ from scheduler.core.fleet_signals import FleetSignal, fleet_signals
 from scheduler.core.placement import cached_tokens, running_step_s
 from scheduler.core.policies.base import Policy, reject
 from scheduler.core.prefix_index import PrefixIndex
-from scheduler.core.registry import Reservation, WorkerRegistry
+from scheduler.core.registry import RateWindow, Reservation, WorkerRegistry
 from scheduler.core.role_switch import RoleSwitches
 from scheduler.types import (
     DecisionKind,
@@ -49,17 +49,18 @@ class SchedulerConfig:
     max_conversations: int = 100_000  # conversation -> worker entries kept (LRU)
     overload_retry_after_s: float = 2.0  # retry hint when the queue is full or a wait ran out
     # Placements' prefill compute is averaged over about this long to forecast the prefills a decoding
-    # request will share its worker with (prefill_load.py): a few request lifetimes.
+    # request will share its worker with (prefill_load.py): a few request lifetimes; and over at
+    # least `prefill_min_window_s` at the start of a busy period.
     prefill_window_s: float = 10.0
+    prefill_min_window_s: float = 2.0
 
 
 class Scheduler:
     def __init__(self, policy: Policy, config: SchedulerConfig | None = None) -> None:
         self.policy = policy
         self.config = config or SchedulerConfig()
-        self._registry = WorkerRegistry(
-            self.config.heartbeat_timeout_s, self.config.dispatch_grace_s, self.config.prefill_window_s
-        )
+        window = RateWindow(self.config.prefill_window_s, self.config.prefill_min_window_s)
+        self._registry = WorkerRegistry(self.config.heartbeat_timeout_s, self.config.dispatch_grace_s, window)
         self._queue = AdmissionQueue(self.config.admission)
         self._prefix = PrefixIndex()
         self._costs: dict[str, CostModel] = {}
@@ -169,6 +170,8 @@ class Scheduler:
 
     def route(self, request: RequestSummary, now: float) -> RouteDecision:
         self._expire(now)
+        if not self._queue and self._registry.idle(now):
+            self._registry.restart_rates(now)  # a busy period begins: forecast it from itself
         view = self._view(now)
         too_large = _reject_if_too_large(request, view)
         if too_large is not None:

@@ -135,7 +135,8 @@ def test_placements_on_a_batching_worker_count_only_what_their_prompts_add_to_it
     # Each placement shares its steps with the four running sequences and those placed before it
     # (reserved at their mid-life context: prompt + max_tokens // 2).
     added = [cost.prefill_added_s(256, 0, cost.decode_step_s(4 + i, i * (256 + 32))) for i in range(10)]
-    expected = sum(a / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i, a in enumerate(added))
+    observed = -math.expm1(-2.0 / 5.0)  # one second of history counts as the 2 s minimum window
+    expected = sum(a / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i, a in enumerate(added)) / observed
     at_cheap, at_dear = cheap.worker_loads(1.0)[0].prefill_share, dear.worker_loads(1.0)[0].prefill_share
     assert at_cheap == pytest.approx(expected, rel=0.01)
     assert at_cheap < at_dear
