@@ -30,6 +30,9 @@ class WorkerLoad:
     # Fraction of the engine's time recent placements' prefills take here (prefill_load.py): the
     # decode steps of everyone on the worker get the rest.
     prefill_share: float = 0.0
+    # Requests placed here to decode per second, recently (the same window as `prefill_share`): the
+    # sequences that will join a newcomer's batch during its life (placement.life_batch).
+    arrival_rate: float = 0.0
     # Seconds since the heartbeat behind `snapshot` arrived: the running sequences have made that much
     # progress since they reported how many tokens they may still generate.
     heartbeat_age_s: float = 0.0
@@ -68,6 +71,7 @@ class WorkerLoad:
             free_blocks=self.snapshot.total_blocks,
             tightest_tpot_ms=None,
             prefill_share=0.0,
+            arrival_rate=0.0,
         )
 
 

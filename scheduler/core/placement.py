@@ -4,6 +4,7 @@ TTFT = wait for a decode slot (only when the worker's max_num_seqs slots are all
        + prefill queue ahead + own prefill (+ the decode step it shares when prefilled locally)
        + KV transfer of the blocks the decode worker lacks (remote prefill only)
 TPOT = decode step time with this request added, at its mid-life context length, the batch
+       the mean over its life (`life_batch`: those running now leave, new arrivals join),
        capped at the worker's slots (a full worker runs max_num_seqs sequences, never more),
        stretched by the share of the worker's time its recent placements' prefills take
        (prefill_load.py: the prompts arriving during this request's life share its steps; the
@@ -172,12 +173,8 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     running = running_batch(decode)
     stretch = decode_stretch(decode.prefill_share, decode.max_num_seqs)
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
-    step = cost.predict_tpot_s(
-        batch=others,
-        context_tokens=batch_context(decode, others),
-        prompt_tokens=request.num_prompt_tokens,
-        max_tokens=request.max_tokens,
-    )
+    now_step = _tpot_at(cost, decode, request, others)
+    step = _tpot_at(cost, decode, request, life_batch(decode, others, request.max_tokens, now_step * stretch))
     return DecodeSide(
         cost=cost,
         cached_blocks=cached_blocks,
@@ -286,6 +283,69 @@ def local_interference_s(
     return cost.prefill_added_s(new_tokens, cached, running_step_s) / max(max_tokens // 2, 1)
 
 
+def _tpot_at(cost: CostModel, decode: WorkerLoad, request: RequestSummary, others: float) -> float:
+    """The decode step with the request beside `others` sequences (a mean: interpolated between the
+    whole batches around it), each at the batch's mean context (an empty batch's arrivals: at the
+    request's own mid-life context)."""
+    prompt, max_tokens = request.num_prompt_tokens, request.max_tokens
+    batch = decode.decode_batch
+    per_seq = decode.context_tokens / batch if batch > 0 else prompt + max_tokens // 2
+
+    def at(batch: int) -> float:
+        return cost.predict_tpot_s(batch=batch, context_tokens=round(per_seq * batch),
+                                   prompt_tokens=prompt, max_tokens=max_tokens)
+
+    whole = int(others)
+    part = others - whole
+    low = at(whole)
+    return low if part <= 0.0 else low + part * (at(whole + 1) - low)
+
+
+def life_batch(decode: WorkerLoad, others: int, max_tokens: int, step_s: float) -> float:
+    """The mean number of other sequences decoding beside a newcomer over its life (`max_tokens` steps
+    of `step_s`), not only those there now: its TPOT is the mean of its steps.
+
+    On the CPU policy runs the batch a request was placed into was a poor guess of the batch it
+    decoded in: placed beside ~1 other sequence it decoded beside ~3-4, placed beside ~7 beside ~5-6
+    (arrivals fill a quiet batch, the running sequences leave a full one), and the TPOT predicted from
+    the batch at placement was 1.3-2x short and ~10% over respectively (docs/benchmarks.md, pass P).
+    The sequences running now stay for the part of the newcomer's life their remaining length covers
+    (remaining lengths spread evenly around their reported mean, as for slot waits); those waiting or
+    routed since the heartbeat have not started and stay throughout; requests keep arriving at the
+    worker's recent rate, each staying from its arrival to the newcomer's end (half the life on
+    average). A worker that does not report remaining lengths keeps its running sequences throughout:
+    without the arrivals that replace them (a scheduler just restarted knows none), assuming they
+    leave would forecast a full batch draining. Capped at the slots the others can have.
+    """
+    started = min(decode.snapshot.running_seqs, others)
+    remaining = mean_remaining_tokens(decode, started, step_s)
+    survivors = started if remaining is None else started * _staying_fraction(remaining, max_tokens)
+    arriving = decode.arrival_rate * max_tokens * step_s / 2
+    total = survivors + (others - started) + arriving
+    slots = decode.max_num_seqs
+    return total if slots is None else min(total, slots - 1)
+
+
+def _staying_fraction(mean_remaining: float, life: int) -> float:
+    """The expected fraction of `life` steps a sequence stays, its remaining length uniform on
+    (0, 2 * mean_remaining]: E[min(r, life)] / life."""
+    if life <= 0:
+        return 0.0
+    if 2 * mean_remaining <= life:
+        return mean_remaining / life
+    return 1.0 - life / (4 * mean_remaining)
+
+
+def mean_remaining_tokens(decode: WorkerLoad, running: int, step_s: float) -> float | None:
+    """The mean tokens the `running` sequences still have to generate: what the worker reported (their
+    max_tokens minus tokens out), less the steps of `step_s` (stretched) run since its heartbeat;
+    None when the worker does not report it."""
+    reported = decode.snapshot.running_remaining_tokens
+    if reported <= 0 or running <= 0:
+        return None
+    return max(reported / running - decode.heartbeat_age_s / step_s, 0.0)
+
+
 def running_step_s(decode: WorkerLoad, cost: CostModel) -> float:
     """One step of the decode batch running on the worker; 0 when idle."""
     running = running_batch(decode)
@@ -340,13 +400,9 @@ def slot_free_steps(
     j = nth - (slots - running) + 1  # the j-th running sequence to finish, 1-based; < 1: a free slot
     if j < 1:
         return 0.0
-    reported = decode.snapshot.running_remaining_tokens
-    if reported > 0:
-        steps_since = decode.heartbeat_age_s / (step_s * decode_stretch(decode.prefill_share, decode.max_num_seqs))
-        mean = max(reported / running - steps_since, 0.0)
-    else:
-        mean = max_tokens / 2
-    return 2 * mean * j / (running + 1)
+    stretched = step_s * decode_stretch(decode.prefill_share, decode.max_num_seqs)
+    mean = mean_remaining_tokens(decode, running, stretched)
+    return 2 * (max_tokens / 2 if mean is None else mean) * j / (running + 1)
 
 
 def prefill_options(

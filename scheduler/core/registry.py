@@ -10,11 +10,12 @@ registered but is unroutable until a heartbeat received after the report clears 
 report (a gateway's own network trouble) costs a healthy worker one heartbeat interval, never more,
 while a dead worker leaves every gateway's routing at once instead of after the timeout.
 
-Prefill share: the engine time each placement's prefill adds to the worker that computes it (its
-predicted prefill, less the decode step a step shared with decodes saves) feeds a decaying rate there
-(prefill_load.py); a load older than `LOAD_REFRESH_S` is rebuilt so that the share decays. The
-rates are observed from a worker's registration, and from the start of the cluster's current busy
-period (`restart_rates`, when nothing runs or waits anywhere).
+Prefill share and arrival rate: the engine time each placement's prefill adds to the worker that
+computes it (its predicted prefill, less the decode step a step shared with decodes saves) feeds a
+decaying rate there (prefill_load.py), and each placement counts into its decode worker's rate of
+arrivals; a load older than `LOAD_REFRESH_S` is rebuilt so that the rates decay. The rates are
+observed from a worker's registration, and from the start of the cluster's current busy period
+(`restart_rates`, when nothing runs or waits anywhere).
 
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
 `now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
@@ -67,8 +68,9 @@ class _WorkerRecord:
     def __init__(self, snapshot: WorkerSnapshot, now: float, window: RateWindow) -> None:
         self.snapshot = snapshot
         self.last_seen = now
-        # predicted prefill seconds per second
+        # predicted prefill seconds per second, and decode placements per second
         self.prefill_work = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
+        self.arrivals = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
         self.tpot_targets: Counter[float] = Counter()  # TPOT targets (ms) of unfinished requests here
@@ -96,6 +98,7 @@ class _WorkerRecord:
             free_blocks=max(s.free_blocks - r.blocks, 0),
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
             prefill_share=self.prefill_work.value(now),
+            arrival_rate=self.arrivals.value(now),
             heartbeat_age_s=max(now - self.last_seen, 0.0),
         )
 
@@ -185,11 +188,14 @@ class WorkerRegistry:
         """Start every worker's prefill share afresh: a new busy period begins (see module doc)."""
         for record in self._workers.values():
             record.prefill_work.restart(now)
+            record.arrivals.restart(now)
             record.changed()
 
-    def track(self, request_id: str, decode_worker_id: str, tpot_ms: float) -> None:
-        """Remember a placed request's TPOT target on its decode worker until it finishes."""
+    def track(self, request_id: str, decode_worker_id: str, tpot_ms: float, now: float) -> None:
+        """Remember a placed request's TPOT target on its decode worker until it finishes, and count
+        it into the worker's arrival rate."""
         record = self._workers[decode_worker_id]
+        record.arrivals.add(1.0, now)
         record.tpot_targets[tpot_ms] += 1
         record.changed()
         self._placed_on[request_id] = (decode_worker_id, tpot_ms)

@@ -275,7 +275,7 @@ class Scheduler:
         self._registry.reserve(decode_id, decode_share, now)
         self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
         self._registry.record_prefill(prefill_id, added_s, now)
-        self._registry.track(request.request_id, decode_id, request.slo.tpot_ms)
+        self._registry.track(request.request_id, decode_id, request.slo.tpot_ms, now)
         if request.conversation_id is not None:
             self._conversations[request.conversation_id] = decode_id
             self._conversations.move_to_end(request.conversation_id)

@@ -85,7 +85,10 @@ def test_local_prefills_placed_on_a_worker_stretch_its_predicted_tpot_until_they
     observed = -math.expm1(-2.0 / 5.0)  # one second of history counts as the 2 s minimum window
     share = sum(per_prompt / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i in range(10)) / observed
     base = _probe_tpot_ms(fresh(), now=1.0)
-    assert _probe_tpot_ms(busy, now=1.0) == pytest.approx(base / (1 - share), rel=0.02)
+    probe = busy.route(request("probe", prompt=32), now=1.0)  # its batch also grows: ten arrivals a second
+    assert probe.predicted_tpot_ms is not None and probe.predicted_stretch_ms is not None
+    unstretched = probe.predicted_tpot_ms - probe.predicted_stretch_ms
+    assert probe.predicted_tpot_ms == pytest.approx(unstretched / (1 - share), rel=0.02)
     assert _probe_tpot_ms(busy, now=60.0) == pytest.approx(base, rel=0.02)
 
 
