@@ -31,7 +31,7 @@ class WorkerLoad:
     # decode steps of everyone on the worker get the rest.
     prefill_share: float = 0.0
     # Requests placed here to decode per second, recently (the same window as `prefill_share`): the
-    # sequences that will join a newcomer's batch during its life (placement.life_batch).
+    # sequences that will join a newcomer's batch during its life (batch_forecast.life_batch).
     arrival_rate: float = 0.0
     # Seconds since the heartbeat behind `snapshot` arrived: the running sequences have made that much
     # progress since they reported how many tokens they may still generate.

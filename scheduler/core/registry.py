@@ -49,7 +49,7 @@ class Reservation:
 
 @dataclass(frozen=True)
 class RateWindow:
-    """How the prefill share is averaged (prefill_load.DecayingRate)."""
+    """How a worker's prefill share and arrival rate are averaged (prefill_load.DecayingRate)."""
 
     time_constant_s: float = 10.0
     min_s: float = 2.0
@@ -179,13 +179,17 @@ class WorkerRegistry:
         record.changed()
 
     def idle(self, now: float) -> bool:
-        """Whether nothing runs or waits on any worker, as reported and reserved since."""
-        return all(
-            load.decode_batch == 0 and load.queued_prefill_requests == 0 for load in self.loads(now)
-        )
+        """Whether nothing runs or waits on any worker, as reported and reserved since. Runs per
+        decision: stops at the first busy worker, without listing every load."""
+        for record in self._workers.values():
+            load = record.load(now)
+            if load.decode_batch or load.queued_prefill_requests:
+                return False
+        return True
 
     def restart_rates(self, now: float) -> None:
-        """Start every worker's prefill share afresh: a new busy period begins (see module doc)."""
+        """Start every worker's prefill share and arrival rate afresh: a new busy period begins (see
+        module doc)."""
         for record in self._workers.values():
             record.prefill_work.restart(now)
             record.arrivals.restart(now)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler.core.placement import evaluate, life_batch
+from scheduler.core.batch_forecast import life_batch
+from scheduler.core.placement import evaluate
 from scheduler.core.policies import LeastLoadedPolicy
 from scheduler.core.scheduler import Scheduler
 from scheduler.types import WorkerRole

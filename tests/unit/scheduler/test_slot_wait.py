@@ -2,8 +2,8 @@
 
 import pytest
 
+from scheduler.core.batch_forecast import slot_wait_s
 from scheduler.core.cost_model import CostModel
-from scheduler.core.placement import slot_wait_s
 from scheduler.core.registry import WorkerRegistry
 from scheduler.types import WorkerRole
 from tests.unit.scheduler.conftest import FAST, load, snapshot
