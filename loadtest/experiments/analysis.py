@@ -117,7 +117,16 @@ def _real_row(run: RealRun) -> dict[str, Any]:
             "errors": {k: v for s in run.benches.values() for k, v in s["errors"].items()},
             "placements": real_placements(run.tap), "decisions": scheduler_decisions(run.tap),
             "gateway_fallbacks": run.fallbacks, "routed_by_scheduler": len(run.tap["routes"]),
-            "load_avg": run.load_avg}
+            "load_avg": run.load_avg, "engine_step_ms": engine_step_ms(run.tap)}
+
+
+def engine_step_ms(tap: Mapping[str, Any]) -> float | None:
+    """How fast the machine ran the engines during a run: the median pure decode step of one sequence,
+    every worker's together (None: no such step). The same work whatever the policy (the one-slot
+    worker runs nothing else), so two runs' values compare the host, not the policies: on the shared
+    2-core machine this swung 0.84-1.31x between the runs of one repeat (docs/benchmarks.md, pass P)."""
+    steps = [row[4] for rows in tap["samples"].values() for row in rows if row[0] == "decode" and row[2] == 1]
+    return 1e3 * statistics.median(steps) if steps else None
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--analyze", type=Path, default=None, help="only analyse an earlier run's directory")
     parser.add_argument("--only", nargs="+", default=None, help="experiment names to run (default: all)")
     parser.add_argument("--policies", nargs="+", default=None, help="run only these run labels (default: all)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run each experiment's runs last to first: alternate it between repeats, so that "
+                             "a drift of the shared host's speed does not always land on the same policy")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from loadtest.experiments.analysis import analyse
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                  for e in PLAN if args.only is None or e.name in args.only)
     if args.analyze is None:
         started = time.monotonic()
-        run_real(args.out, plan)
+        run_real(args.out, tuple(replace(e, runs=e.runs[::-1]) for e in plan) if args.reverse else plan)
         print(f"real runs took {time.monotonic() - started:.0f} s", flush=True)
     analyse(args.analyze or args.out, plan, MAX_NUM_SEQS, CLIENTS)
     return 0

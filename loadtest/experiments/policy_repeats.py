@@ -7,6 +7,8 @@ prints the real goodput fraction, the enterprise TTFT p90, the simulator's error
 goodput, percentage points) and its TTFT p90 ratio, each as mean [min-max] over the repeats. Then the
 verdicts the scheduler issue asks for:
 - in every repeat and experiment, `goodput` is at least `least_loaded` and `round_robin` (a tie counts);
+  a loss names how fast the host ran the engines in the goodput run against the baseline's run (the
+  ratio of their `engine_step_ms`): the policies run one after another, and the host's speed drifts;
 - in every overload repeat (`exp3_overload`), enterprise TTFT p90 is within its SLO under `goodput`;
 - over every run of every repeat, the simulator's mean |error| is at most 5 pp, and its TTFT p90 is
   within 20% of the real one in every run.
@@ -39,6 +41,7 @@ class RunResult:
     enterprise_ttft_p90_ms: float | None  # None: the run had no enterprise requests
     sim_error_pp: float
     sim_ttft_ratio: float  # simulated / real TTFT p90
+    engine_step_ms: float | None = None  # the host's speed during the run (`analysis.engine_step_ms`)
 
 
 def load(summary: dict) -> list[RunResult]:
@@ -51,7 +54,8 @@ def load(summary: dict) -> list[RunResult]:
                 experiment, run, real["goodput_fraction"],
                 enterprise["ttft_p90_ms"] if enterprise else None,
                 100.0 * (sim["goodput_fraction"] - real["goodput_fraction"]),
-                sim["ttft_p90_ms"] / real["ttft_p90_ms"] if real["ttft_p90_ms"] else float("inf")))
+                sim["ttft_p90_ms"] / real["ttft_p90_ms"] if real["ttft_p90_ms"] else float("inf"),
+                real.get("engine_step_ms")))
     return results
 
 
@@ -61,14 +65,17 @@ def _spread(values: Sequence[float], fmt: str) -> str:
 
 def table(repeats: Sequence[list[RunResult]]) -> list[str]:
     keys = dict.fromkeys((r.experiment, r.run) for rs in repeats for r in rs)
-    lines = ["| experiment | run | repeats | real good % | enterprise TTFT p90 ms | sim error pp | sim/real TTFT p90 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| experiment | run | repeats | real good % | enterprise TTFT p90 ms | sim error pp | sim/real TTFT p90 "
+             "| engine step ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for experiment, run in keys:
         rows = [r for rs in repeats for r in rs if (r.experiment, r.run) == (experiment, run)]
         ttfts = [r.enterprise_ttft_p90_ms for r in rows if r.enterprise_ttft_p90_ms is not None]
+        engines = [r.engine_step_ms for r in rows if r.engine_step_ms is not None]
         lines.append(f"| {experiment} | {run} | {len(rows)} | {_spread([100 * r.good for r in rows], '.1f')} | "
                      f"{_spread(ttfts, '.0f') if ttfts else '-'} | {_spread([r.sim_error_pp for r in rows], '+.1f')} | "
-                     f"{_spread([r.sim_ttft_ratio for r in rows], '.2f')} |")
+                     f"{_spread([r.sim_ttft_ratio for r in rows], '.2f')} | "
+                     f"{_spread(engines, '.0f') if engines else '-'} |")
     return lines
 
 
@@ -79,6 +86,14 @@ class Verdict:
     detail: str
 
 
+def _engine_ratio(ours: RunResult, baseline: RunResult) -> str:
+    """The host's speed in the goodput run against the baseline's: the policies run one after another on
+    a shared machine, and a loss on an engine ~30% slower says more about the host than the policy."""
+    if ours.engine_step_ms is None or baseline.engine_step_ms is None:
+        return ""
+    return f" (engine step {ours.engine_step_ms / baseline.engine_step_ms:.2f}x the {baseline.run} run's)"
+
+
 def verdicts(repeats: Sequence[list[RunResult]]) -> list[Verdict]:
     losses = []
     for i, results in enumerate(repeats, 1):
@@ -86,7 +101,8 @@ def verdicts(repeats: Sequence[list[RunResult]]) -> list[Verdict]:
         for (experiment, run), r in by_key.items():
             ours = by_key.get((experiment, GOODPUT))
             if run in BASELINES and ours is not None and ours.good < r.good:
-                losses.append(f"repeat {i} {experiment}: goodput {100 * ours.good:.1f}% < {run} {100 * r.good:.1f}%")
+                losses.append(f"repeat {i} {experiment}: goodput {100 * ours.good:.1f}% < {run} {100 * r.good:.1f}%"
+                              + _engine_ratio(ours, r))
     overload = [r for rs in repeats for r in rs if (r.experiment, r.run) == (OVERLOAD, GOODPUT)]
     ttft_slo = SLO_ENTERPRISE[0]
     within = [r for r in overload if r.enterprise_ttft_p90_ms is not None and r.enterprise_ttft_p90_ms <= ttft_slo]

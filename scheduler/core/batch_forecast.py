@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from scheduler.core.cluster_view import WorkerLoad
 from scheduler.core.cost_model import CostModel
-from scheduler.core.prefill_load import decode_stretch
+from scheduler.core.prefill_load import decode_stretch, prefill_share
 
 
 def life_batch(decode: WorkerLoad, others: int, max_tokens: int, step_s: float) -> float:
@@ -86,12 +86,14 @@ def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
         return 0.0
     running = min(decode.snapshot.running_seqs, slots)
     step = cost.decode_step_s(slots, batch_context(decode, slots))
+    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, step)
+    stretched = step * decode_stretch(share, slots)
     waves, position = divmod(decode.decode_batch - running, slots)
-    return step * (slot_free_steps(decode, running, slots, position, max_tokens, step) + waves * max_tokens)
+    return step * (slot_free_steps(decode, running, slots, position, max_tokens, stretched) + waves * max_tokens)
 
 
 def slot_free_steps(
-    decode: WorkerLoad, running: int, slots: int, nth: int, max_tokens: int, step_s: float
+    decode: WorkerLoad, running: int, slots: int, nth: int, max_tokens: int, stretched_step_s: float
 ) -> float:
     """Decode steps until the `nth` (0-based) of the `slots` to free does: 0 for the free ones, which
     come first; then the `running` sequences' slots, spread evenly over (0, 2m], m being their mean
@@ -99,14 +101,14 @@ def slot_free_steps(
     decision, and a GPU worker has hundreds of slots.
 
     m is what the worker reported (their max_tokens minus tokens out, less the steps run since the
-    heartbeat). A worker that does not report it leaves m at L/2: the running sequences are taken
-    to be as long as this request and uniformly far along. That guess sees a sequence that has just
-    started as half done; decisions come right after heartbeats, when a slot has often just been
-    refilled (measured on the CPU policy runs: one-slot TTFTs predicted at 1.4-1.9 s came out 2.6-2.9 s).
+    heartbeat, each stretched by the worker's prefill share). A worker that does not report it leaves m
+    at L/2: the running sequences are taken to be as long as this request and uniformly far along. That
+    guess sees a sequence that has just started as half done; decisions come right after heartbeats, when
+    a slot has often just been refilled (measured on the CPU policy runs: one-slot TTFTs predicted at
+    1.4-1.9 s came out 2.6-2.9 s).
     """
     j = nth - (slots - running) + 1  # the j-th running sequence to finish, 1-based; < 1: a free slot
     if j < 1:
         return 0.0
-    stretched = step_s * decode_stretch(decode.prefill_share, decode.max_num_seqs)
-    mean = mean_remaining_tokens(decode, running, stretched)
+    mean = mean_remaining_tokens(decode, running, stretched_step_s)
     return 2 * (max_tokens / 2 if mean is None else mean) * j / (running + 1)

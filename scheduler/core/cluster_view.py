@@ -27,10 +27,12 @@ class WorkerLoad:
     # Tightest TPOT target (ms) among requests the scheduler placed here that have not finished;
     # a new request must not push the step time past it. None: no tracked request here.
     tightest_tpot_ms: float | None = None
-    # Fraction of the engine's time recent placements' prefills take here (prefill_load.py): the
-    # decode steps of everyone on the worker get the rest.
-    prefill_share: float = 0.0
-    # Requests placed here to decode per second, recently (the same window as `prefill_share`): the
+    # Recent placements' prompts prefilled here: their predicted compute, seconds per second, and
+    # prompts per second. What they take from a decoding batch's time depends on that batch's step
+    # (`prefill_load.prefill_share`); the decode steps of everyone on the worker get the rest.
+    prefill_work_rate: float = 0.0
+    prefill_rate: float = 0.0
+    # Requests placed here to decode per second, recently (the same window as the prefill rates): the
     # sequences that will join a newcomer's batch during its life (batch_forecast.life_batch).
     arrival_rate: float = 0.0
     # Seconds since the heartbeat behind `snapshot` arrived: the running sequences have made that much
@@ -70,7 +72,8 @@ class WorkerLoad:
             context_tokens=0,
             free_blocks=self.snapshot.total_blocks,
             tightest_tpot_ms=None,
-            prefill_share=0.0,
+            prefill_work_rate=0.0,
+            prefill_rate=0.0,
             arrival_rate=0.0,
         )
 

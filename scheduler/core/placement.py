@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from scheduler.core.batch_forecast import batch_context, life_batch, running_batch, slot_wait_s
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel
-from scheduler.core.prefill_load import decode_stretch
+from scheduler.core.prefill_load import decode_stretch, prefill_share
 from scheduler.types import DecisionKind, RequestSummary, RouteDecision
 
 
@@ -163,7 +163,7 @@ class DecodeSide:
     cached_tokens: int
     running: int  # sequences in its decode batch (`running_batch`)
     running_step_s: float  # one step of that batch; 0 when idle
-    stretch: float  # `decode_stretch` of its prefill share
+    stretch: float  # `decode_stretch` of its prefill share at the newcomer's step
     slot_wait_s: float  # stretched
     step_s: float  # the decode step with this request added, unstretched
 
@@ -172,9 +172,11 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
     running = running_batch(decode)
-    stretch = decode_stretch(decode.prefill_share, decode.max_num_seqs)
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
     now_step = _tpot_at(cost, decode, request, others)
+    # The prompts arriving during its life are folded into its batch's steps: priced at its step now.
+    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, now_step)
+    stretch = decode_stretch(share, decode.max_num_seqs)
     step = _tpot_at(cost, decode, request, life_batch(decode, others, request.max_tokens, now_step * stretch))
     return DecodeSide(
         cost=cost,

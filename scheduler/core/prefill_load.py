@@ -6,20 +6,26 @@ prompts that arrive during its life. Measured on the CPU policy runs (docs/bench
 TPOT on the batching worker rose by 26-62 ms per placement per second made there during its life, and
 the predicted TPOT, priced from plain decode steps, was 30-70 ms short on average.
 
-The scheduler cannot know future arrivals, so it takes the recent past as the forecast: an
-exponentially weighted rate of the engine time that the prefills placed on each worker add to its
-steps (predicted seconds). If a fraction `share` of the engine's time goes to that, the decode steps
-get the rest, and a token takes `step / (1 - share)`; so does every step of a wait for a decode slot.
+The scheduler cannot know future arrivals, so it takes the recent past as the forecast: two
+exponentially weighted rates per worker, of the predicted compute of the prompts placed there
+(seconds per second, W) and of the prompts themselves (per second, N). If a fraction `share` of the
+engine's time goes to them, the decode steps get the rest, and a token takes `step / (1 - share)`;
+so does every step of a wait for a decode slot.
 
-What a prefill adds is `CostModel.prefill_added_s`: folded into a step of the running batch, the step
-costs the prefill plus the share of a decode step that a mixed step pays (cost_model.py: mixed steps), so the
-prefill adds itself less the rest of that decode step. Counting the whole prefill on top of a whole
-decode step over-predicted the batching worker's TPOT by ~20% on the CPU policy runs (docs/benchmarks.md,
-pass N), where a mixed step pays ~0.3 of the decode part. Each prefill's fixed part counts: counting
-only the per-token part read a share of 0.00-0.15 on the batching worker when ~35% of its time went
-to prefills, because the online fit put nearly all of a short CPU prompt's cost in the fixed term.
-One step is counted per prompt: a long prompt chunked over k steps saves the decode part k times, so
-its share is over-counted (the scheduler does not know the workers' chunk size).
+What a prompt takes from a decoding batch is what it adds to the step it is folded into: the step
+costs the prefill plus the part `s` of a decode step that a mixed step pays (cost_model.py: mixed
+steps), so a prompt adds its prefill less `(1 - s) * step`, and the share is `W - N * (1 - s) * step`,
+`step` being the decoding batch's own (`prefill_share`). Counting the whole prefill on top of a whole
+decode step over-predicted the batching worker's TPOT by ~20% on the CPU policy runs
+(docs/benchmarks.md, pass N), where a mixed step pays ~0.3 of the decode part. Each prefill's fixed
+part counts: counting only the per-token part read a share of 0.00-0.15 on the batching worker when
+~35% of its time went to prefills, because the online fit put nearly all of a short CPU prompt's
+cost in the fixed term. The step is the batch's that asks, not the one running when the prompt was
+placed: a prompt placed on an idle worker was counted at its whole prefill, though every prompt that
+arrives while a request decodes is folded into that request's steps (pass Q: the share then
+forecast ~1.5-2x the mixed steps' measured excess). One step is counted per prompt: a long prompt
+chunked over k steps saves the decode part k times, so its share is over-counted (the scheduler does
+not know the workers' chunk size).
 """
 
 from __future__ import annotations
@@ -72,6 +78,12 @@ class DecayingRate:
         if self._value == 0.0 or now <= self._at:
             return self._value
         return self._value * math.exp((self._at - now) / self._tau)
+
+
+def prefill_share(work_rate: float, prompt_rate: float, mixed_decode_share: float, step_s: float) -> float:
+    """The fraction of a decoding batch's time (its step `step_s`) that prompts arriving at
+    `prompt_rate` per second, `work_rate` seconds of prefill per second, add to its steps."""
+    return max(work_rate - prompt_rate * (1.0 - mixed_decode_share) * step_s, 0.0)
 
 
 def decode_stretch(prefill_share: float, max_num_seqs: int | None) -> float:

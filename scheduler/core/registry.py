@@ -10,11 +10,11 @@ registered but is unroutable until a heartbeat received after the report clears 
 report (a gateway's own network trouble) costs a healthy worker one heartbeat interval, never more,
 while a dead worker leaves every gateway's routing at once instead of after the timeout.
 
-Prefill share and arrival rate: the engine time each placement's prefill adds to the worker that
-computes it (its predicted prefill, less the decode step a step shared with decodes saves) feeds a
-decaying rate there (prefill_load.py), and each placement counts into its decode worker's rate of
-arrivals; a load older than `LOAD_REFRESH_S` is rebuilt so that the rates decay. The rates are
-observed from a worker's registration, and from the start of the cluster's current busy period
+Prefill rates and arrival rate: each placement's predicted prefill compute, and the prompt itself, feed
+two decaying rates on the worker that computes it (prefill_load.py: what they take from a decoding batch
+depends on that batch's step, so it is priced per decision), and each placement counts into its decode
+worker's rate of arrivals; a load older than `LOAD_REFRESH_S` is rebuilt so that the rates decay. The
+rates are observed from a worker's registration, and from the start of the cluster's current busy period
 (`restart_rates`, when nothing runs or waits anywhere).
 
 Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
@@ -49,7 +49,7 @@ class Reservation:
 
 @dataclass(frozen=True)
 class RateWindow:
-    """How a worker's prefill share and arrival rate are averaged (prefill_load.DecayingRate)."""
+    """How a worker's prefill rates and arrival rate are averaged (prefill_load.DecayingRate)."""
 
     time_constant_s: float = 10.0
     min_s: float = 2.0
@@ -68,8 +68,9 @@ class _WorkerRecord:
     def __init__(self, snapshot: WorkerSnapshot, now: float, window: RateWindow) -> None:
         self.snapshot = snapshot
         self.last_seen = now
-        # predicted prefill seconds per second, and decode placements per second
+        # predicted prefill seconds per second, prompts prefilled per second, decode placements per second
         self.prefill_work = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
+        self.prefills = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.arrivals = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
@@ -97,7 +98,8 @@ class _WorkerRecord:
             context_tokens=s.running_context_tokens + r.context_tokens,
             free_blocks=max(s.free_blocks - r.blocks, 0),
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
-            prefill_share=self.prefill_work.value(now),
+            prefill_work_rate=self.prefill_work.value(now),
+            prefill_rate=self.prefills.value(now),
             arrival_rate=self.arrivals.value(now),
             heartbeat_age_s=max(now - self.last_seen, 0.0),
         )
@@ -171,11 +173,11 @@ class WorkerRegistry:
         record.reserved = record.reserved.plus(reservation)
         record.changed()
 
-    def record_prefill(self, worker_id: str, seconds: float, now: float) -> None:
-        """A placement will add about `seconds` to this worker's steps (its cost model's estimate of the
-        prefill, less what a step it shares with decodes saves: `CostModel.prefill_added_s`)."""
+    def record_prefill(self, worker_id: str, compute_s: float, now: float) -> None:
+        """A placement's prompt will be prefilled here, in about `compute_s` (its cost model's estimate)."""
         record = self._workers[worker_id]
-        record.prefill_work.add(seconds, now)
+        record.prefill_work.add(compute_s, now)
+        record.prefills.add(1.0, now)
         record.changed()
 
     def idle(self, now: float) -> bool:
@@ -188,10 +190,11 @@ class WorkerRegistry:
         return True
 
     def restart_rates(self, now: float) -> None:
-        """Start every worker's prefill share and arrival rate afresh: a new busy period begins (see
+        """Start every worker's prefill and arrival rates afresh: a new busy period begins (see
         module doc)."""
         for record in self._workers.values():
             record.prefill_work.restart(now)
+            record.prefills.restart(now)
             record.arrivals.restart(now)
             record.changed()
 

@@ -20,7 +20,7 @@ from scheduler.core.admission import AdmissionConfig, AdmissionQueue
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel, WorkerProfile
 from scheduler.core.fleet_signals import FleetSignal, fleet_signals
-from scheduler.core.placement import cached_tokens, running_step_s
+from scheduler.core.placement import cached_tokens
 from scheduler.core.policies.base import Policy, reject
 from scheduler.core.prefix_index import PrefixIndex
 from scheduler.core.registry import RateWindow, Reservation, WorkerRegistry
@@ -266,15 +266,10 @@ class Scheduler:
             prompt, prefill_cached, self._registry.snapshot(prefill_id).block_size
         )
         new_tokens = prompt - prefill_cached_tokens
-        # What the prompt adds to the steps of the batch running where it is prefilled (none on a
-        # prefill worker), priced before this request joins that batch.
-        prefill_load = self._registry.load(prefill_id, now)
-        prefill_cost = self._costs[prefill_id]
-        shared_s = running_step_s(prefill_load, prefill_cost) if prefill_load.role.can_decode else 0.0
-        added_s = prefill_cost.prefill_added_s(new_tokens, prefill_cached_tokens, shared_s)
         self._registry.reserve(decode_id, decode_share, now)
         self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
-        self._registry.record_prefill(prefill_id, added_s, now)
+        compute_s = self._costs[prefill_id].prefill_s(new_tokens, prefill_cached_tokens)
+        self._registry.record_prefill(prefill_id, compute_s, now)
         self._registry.track(request.request_id, decode_id, request.slo.tpot_ms, now)
         if request.conversation_id is not None:
             self._conversations[request.conversation_id] = decode_id

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from loadtest.experiments.analysis import engine_step_ms
 from loadtest.experiments.policy_repeats import load, table, verdicts
 
 
-def _run(good: float, sim_good: float, ttft: float, sim_ttft: float, enterprise_ttft: float) -> dict:
-    return {"real": {"goodput_fraction": good, "ttft_p90_ms": ttft,
+def _run(good: float, sim_good: float, ttft: float, sim_ttft: float, enterprise_ttft: float,
+         engine_ms: float | None = None) -> dict:
+    return {"real": {"goodput_fraction": good, "ttft_p90_ms": ttft, "engine_step_ms": engine_ms,
                      "by_tier": {"enterprise": {"ttft_p90_ms": enterprise_ttft}}},
             "sim": {"goodput_fraction": sim_good, "ttft_p90_ms": sim_ttft}}
 
@@ -43,3 +45,25 @@ def test_a_simulator_far_off_fails_the_error_verdicts() -> None:
     checks = {v.name.split()[0]: v for v in verdicts([load(summary)])}
     assert not checks["simulated"].passed and "exp3_overload/goodput x3.00" in checks["simulated"].detail
     assert checks["simulator"].detail.startswith("7.6 pp")  # (2+2+3+1+30)/5
+
+
+def test_a_loss_names_how_fast_the_host_ran_the_engines_against_the_baselines_run() -> None:
+    summary = _summary(0.85, 0.9, 2000)
+    runs = summary["exp1_random"]["runs"]
+    runs["goodput"]["real"]["engine_step_ms"] = 104.0
+    runs["least_loaded"]["real"]["engine_step_ms"] = 80.0
+    loss = next(v for v in verdicts([load(summary)]) if v.name.startswith("goodput"))
+    assert not loss.passed
+    assert loss.detail.endswith("goodput 85.0% < least_loaded 90.0% (engine step 1.30x the least_loaded run's)")
+    row = next(line for line in table([load(summary)]) if line.startswith("| exp1_random | goodput"))
+    assert row.endswith("| 104 [104-104] |")
+
+
+def test_the_engine_step_is_the_median_single_sequence_decode_step_of_every_worker() -> None:
+    tap = {"samples": {
+        "worker-a": [["decode", 1.0, 1, 80, 0.070], ["decode", 1.2, 3, 240, 0.150], ["prefill", 1.3, 64, 4096, 0.4]],
+        "worker-b": [["decode", 1.1, 1, 70, 0.080], ["decode", 1.4, 1, 71, 0.090],
+                     ["mixed", 1.5, 64, 4096, 1, 80, 0.5]],
+    }}
+    assert engine_step_ms(tap) == 80.0
+    assert engine_step_ms({"samples": {"worker-a": [["prefill", 1.0, 64, 4096, 0.4]]}}) is None

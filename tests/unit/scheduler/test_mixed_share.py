@@ -9,6 +9,7 @@ import pytest
 from scheduler.core.cost_model import MIN_OWN_SAMPLES, PRIOR_MIXED_DECODE_SHARE, CostModel, WorkerProfile
 from scheduler.core.placement import evaluate
 from scheduler.core.policies import LeastLoadedPolicy
+from scheduler.core.prefill_load import prefill_share
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import DecodeSample, MixedSample, PrefillSample, WorkerRole
 from tests.unit.scheduler.conftest import load, request, snapshot, view
@@ -118,10 +119,10 @@ def test_a_local_prompt_on_a_worker_whose_mixed_steps_are_cheap_predicts_a_faste
     assert at_cheap.added_tpot_s < at_one.added_tpot_s
 
 
-def test_placements_on_a_batching_worker_count_only_what_their_prompts_add_to_its_prefill_share() -> None:
+def test_the_prefill_share_a_batch_sees_is_what_the_prompts_placed_add_to_its_own_step() -> None:
     def routed(share: float) -> Scheduler:
         scheduler = Scheduler(LeastLoadedPolicy(), SchedulerConfig(prefill_window_s=5.0))
-        scheduler.register(snapshot("w", WorkerRole.BOTH, running_seqs=4), now=0.0)
+        scheduler.register(snapshot("w", WorkerRole.BOTH), now=0.0)
         truth = scheduler.cost_model("w").fitted_profile()
         samples = [_mixed(truth, share, 256, batch) for batch in (1, 2, 4, 8) * 10]
         scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH, running_seqs=4), samples, [], now=0.0)
@@ -132,11 +133,33 @@ def test_placements_on_a_batching_worker_count_only_what_their_prompts_add_to_it
     dear, cheap = routed(1.0), routed(0.2)
     cost = cheap.cost_model("w")
     assert cost.mixed_decode_share < 0.25 and dear.cost_model("w").mixed_decode_share == pytest.approx(1.0)
-    # Each placement shares its steps with the four running sequences and those placed before it
-    # (reserved at their mid-life context: prompt + max_tokens // 2).
-    added = [cost.prefill_added_s(256, 0, cost.decode_step_s(4 + i, i * (256 + 32))) for i in range(10)]
     observed = -math.expm1(-2.0 / 5.0)  # one second of history counts as the 2 s minimum window
-    expected = sum(a / 5.0 * math.exp(-(1.0 - 0.1 * i) / 5.0) for i, a in enumerate(added)) / observed
-    at_cheap, at_dear = cheap.worker_loads(1.0)[0].prefill_share, dear.worker_loads(1.0)[0].prefill_share
-    assert at_cheap == pytest.approx(expected, rel=0.01)
-    assert at_cheap < at_dear
+    decay = sum(math.exp(-(1.0 - 0.1 * i) / 5.0) for i in range(10)) / 5.0 / observed
+    loaded = cheap.worker_loads(1.0)[0]
+    # Every prompt's whole prefill, and the prompts: whatever ran when each was placed.
+    assert loaded.prefill_work_rate == pytest.approx(cost.prefill_s(256) * decay, rel=1e-6)
+    assert loaded.prefill_rate == pytest.approx(decay, rel=1e-6)
+    step = cost.decode_step_s(4, 0)
+    seen = prefill_share(loaded.prefill_work_rate, loaded.prefill_rate, cost.mixed_decode_share, step)
+    assert seen == pytest.approx(decay * cost.prefill_added_s(256, 0, step), rel=1e-6)
+    dear_loaded, dear_cost = dear.worker_loads(1.0)[0], dear.cost_model("w")
+    dear_seen = prefill_share(dear_loaded.prefill_work_rate, dear_loaded.prefill_rate, dear_cost.mixed_decode_share,
+                              step)
+    assert seen < dear_seen == pytest.approx(dear_loaded.prefill_work_rate)  # a step that saves nothing
+
+
+def test_a_prompt_placed_on_an_idle_worker_counts_what_it_adds_to_a_later_batch_not_its_whole_prefill() -> None:
+    scheduler = Scheduler(LeastLoadedPolicy(), SchedulerConfig(prefill_window_s=5.0))
+    scheduler.register(snapshot("w", WorkerRole.BOTH), now=0.0)
+    truth = scheduler.cost_model("w").fitted_profile()
+    samples = [_mixed(truth, 0.2, 256, batch) for batch in (1, 2, 4, 8) * 10]
+    scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH), samples, [], now=0.0)
+    scheduler.route(request("first", prompt=256), now=0.0)  # nothing decodes there: a pure prefill
+    scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH, running_seqs=3), [], [], now=0.5)
+    probe = scheduler.route(request("probe", prompt=32, max_tokens=8), now=0.5)
+    cost = scheduler.cost_model("w")
+    assert probe.predicted_tpot_ms is not None and probe.predicted_stretch_ms is not None
+    step_ms = probe.predicted_tpot_ms - probe.predicted_stretch_ms
+    loaded = scheduler.worker_loads(0.5)[0]
+    share = prefill_share(loaded.prefill_work_rate, loaded.prefill_rate, cost.mixed_decode_share, step_ms / 1e3)
+    assert 0.0 < share < loaded.prefill_work_rate  # less than the whole prefill: the batch's step is saved

@@ -55,7 +55,7 @@ def test_decode_steps_stretch_by_the_prefill_share_except_on_one_slot() -> None:
 def test_a_worker_busy_prefilling_predicts_a_slower_tpot_and_slot_wait() -> None:
     quiet = load("w", WorkerRole.BOTH, batch=4, snapshot=snapshot("w", WorkerRole.BOTH, max_num_seqs=4))
     busy = load("w", WorkerRole.BOTH, batch=4, snapshot=snapshot("w", WorkerRole.BOTH, max_num_seqs=4),
-                prefill_share=0.5)
+                prefill_work_rate=0.5)  # and no prompt count: a share of 0.5 at any step
     req = request(prompt=64)
     before, after = evaluate(req, view([quiet]), quiet, None), evaluate(req, view([busy]), busy, None)
     assert after.tpot_s == pytest.approx(2 * before.tpot_s)
@@ -98,10 +98,10 @@ def test_an_idle_cluster_starts_its_prefill_shares_afresh() -> None:
     for i in range(5):  # a burst, then the worker reports it done
         scheduler.route(request(f"r{i}", prompt=512), now=0.1 * i)
     scheduler.on_heartbeat(snapshot("w", WorkerRole.BOTH), [], [], now=3.0)
-    assert scheduler.worker_loads(3.0)[0].prefill_share > 0.0  # the burst is still in the rate
+    assert scheduler.worker_loads(3.0)[0].prefill_work_rate > 0.0  # the burst is still in the rate
     scheduler.route(request("next", prompt=512), now=3.0)  # the cluster was idle: a new busy period
     per_prompt = scheduler.cost_model("w").prefill_s(512, 0)
-    assert scheduler.worker_loads(3.5)[0].prefill_share == pytest.approx(
+    assert scheduler.worker_loads(3.5)[0].prefill_work_rate == pytest.approx(
         per_prompt / 10.0 * math.exp(-0.05) / -math.expm1(-0.2))  # only `next`, over the 2 s minimum
 
 
@@ -120,7 +120,7 @@ def test_a_decision_says_how_much_of_its_tpot_is_the_prefill_share() -> None:
 def test_a_local_prompt_adds_only_the_interference_the_prefill_share_does_not_already_forecast() -> None:
     def placed(share: float):
         snap = snapshot("w", WorkerRole.BOTH, max_num_seqs=8)
-        worker = load("w", WorkerRole.BOTH, batch=2, snapshot=snap, prefill_share=share)
+        worker = load("w", WorkerRole.BOTH, batch=2, snapshot=snap, prefill_work_rate=share)
         return evaluate(request(prompt=512, max_tokens=8), view([worker]), worker, None)
 
     quiet, busy = placed(0.0), placed(0.5)
