@@ -11,7 +11,7 @@ import json
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
         records = result.runs[0].records
         for kind, values in latency_samples(records).items():
             latencies.setdefault(kind, []).extend(values)
-        served += pair_requests(_placed_routes(tap, spec.tier), records, templated=spec.chat)
+        served += pair_requests(placed_routes(tap, spec.tier), records, templated=spec.chat)
     fallbacks_file = run_dir / "gateway_fallbacks.txt"
     fallbacks = int(fallbacks_file.read_text()) if fallbacks_file.exists() else -1
     seed = run_dir / "seed_profile.json"
@@ -71,7 +71,7 @@ def load_run(run_dir: Path, run: Any, experiment: Any) -> RealRun:
     return RealRun(run.label, run.policy, tap, benches, tiers, fallbacks, profile, load_avg, latencies, served)
 
 
-def _placed_routes(tap: Mapping[str, Any], tier: str) -> list[dict[str, Any]]:
+def placed_routes(tap: Mapping[str, Any], tier: str) -> list[dict[str, Any]]:
     """A tier's routes, a queued request's with the decision that later placed or rejected it."""
     first = {r["request"]["request_id"]: r for r in tap["routes"] if r["request"]["tier"] == tier}
     for d in tap["late_decisions"]:
@@ -165,6 +165,8 @@ def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, in
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
     fit = fit_experiment([r.tap for r in runs], [s for r in runs for s in r.served])
+    speeds = [s for s in (engine_step_ms(r.tap) for r in runs) if s is not None]
+    reference = statistics.median(speeds) if speeds else None
     rows = {}
     for run in runs:
         real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs, clients)
@@ -172,10 +174,20 @@ def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, in
         # load of that run, so the gap between the two errors is how much the load drifted.
         own = fit_experiment([run.tap], run.served)
         own_sim = _simulate_run(run, own, max_num_seqs, clients)
+        good = real["goodput_fraction"]
         rows[run.label] = {"real": real, "sim": sim, "sim_own_fit": own_sim,
-                           "sim_error_pp": 100 * (sim["goodput_fraction"] - real["goodput_fraction"]),
-                           "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - real["goodput_fraction"]),
+                           "sim_error_pp": 100 * (sim["goodput_fraction"] - good),
+                           "sim_own_fit_error_pp": 100 * (own_sim["goodput_fraction"] - good),
                            "own_fit_profiles": {wid: asdict(f.profile) for wid, f in own.workers.items()}}
+        # And the experiment's fit with every step scaled by how fast this run's host ran against the
+        # experiment's median run (one number, from steps no policy changes): the shared host's speed
+        # drifts between runs by more than the policies differ (docs/benchmarks.md, pass Q).
+        speed = engine_step_ms(run.tap)
+        if speed is not None and reference:
+            scaled = replace(fit, workers={w: f.at_speed(speed / reference) for w, f in fit.workers.items()})
+            scaled_sim = _simulate_run(run, scaled, max_num_seqs, clients)
+            rows[run.label] |= {"host_speed": speed / reference, "sim_at_host_speed": scaled_sim,
+                                "sim_at_host_speed_error_pp": 100 * (scaled_sim["goodput_fraction"] - good)}
     profiles = {wid: {**asdict(f.profile), "noise": f.noise, "steps": f.steps, "decode_step_s": f.decode_step_s,
                       "mixed_decode_share": f.mixed_decode_share,
                       "mean_abs_rel_err": f.mean_abs_rel_err} for wid, f in fit.workers.items()}
@@ -201,15 +213,22 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _at_host_speed(row: Mapping[str, Any]) -> str:
+    if "sim_at_host_speed" not in row:
+        return "-"
+    return (f"x{row['host_speed']:.2f}: {_pct(row['sim_at_host_speed']['goodput_fraction'])} "
+            f"({row['sim_at_host_speed_error_pp']:+.1f})")
+
+
 def _split(placements: Mapping[str, float]) -> str:
     return "/".join(_f(placements.get(w, 0), ".0f") for w in ("worker-a", "worker-b"))
 
 
 def print_tables(summary: Mapping[str, Any]) -> None:
     print("\n| experiment | run | real goodput (req/s) | real good % | sim good % [min-max] | sim error (pp) "
-          "| sim own-fit good % (error) | TTFT p90 real/sim (ms) | TPOT p90 real/sim (ms) | placed a/b real/sim "
-          "| gw fallbacks | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| sim own-fit good % (error) | host speed: sim good % (error) | TTFT p90 real/sim (ms) "
+          "| TPOT p90 real/sim (ms) | placed a/b real/sim | gw fallbacks | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, exp in summary.items():
         for policy, row in exp["runs"].items():
             r, s = row["real"], row["sim"]
@@ -218,6 +237,7 @@ def print_tables(summary: Mapping[str, Any]) -> None:
                   f"[{_pct(s['goodput_fraction_min'])}-{_pct(s['goodput_fraction_max'])}] "
                   f"| {row['sim_error_pp']:+.1f} "
                   f"| {_pct(row['sim_own_fit']['goodput_fraction'])} ({row['sim_own_fit_error_pp']:+.1f}) "
+                  f"| {_at_host_speed(row)} "
                   f"| {_f(r['ttft_p90_ms'])}/{_f(s['ttft_p90_ms'])} "
                   f"| {_f(r['tpot_p90_ms'])}/{_f(s['tpot_p90_ms'])} "
                   f"| {_split(r['placements'])} / {_split(s['placements'])} | {r['gateway_fallbacks']} "

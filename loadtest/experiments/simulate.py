@@ -53,6 +53,8 @@ from scheduler.types import SLO, Tier, WorkerRole
 _WARMUP_STEPS = 2  # a worker's first steps include lazy initialisation; not representative
 _MIN_TABLE_SAMPLES = 5  # decode steps of one batch size needed for its own table entry
 _FEATURE_SCALES = np.array([1.0, 1e3, 1e6, 1.0, 1e1, 1e4])
+_STEP_COEFFICIENTS = ("prefill_fixed_s", "prefill_per_token_s", "prefill_per_token_sq_s", "decode_fixed_s",
+                      "decode_per_seq_s", "decode_per_context_token_s")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,13 @@ class FittedWorker:
     def decode_s(self, batch: int) -> float:
         table = self.decode_step_s
         return table[batch - 1] if 0 < batch <= len(table) else self.profile.decode_step_s(batch, 0)
+
+    def at_speed(self, factor: float) -> FittedWorker:
+        """The same worker with every step `factor` times as long: the fit of several runs replayed at the
+        speed one of them ran at (a host slower by that factor, `analysis.engine_step_ms`)."""
+        p = self.profile
+        profile = replace(p, **{name: factor * getattr(p, name) for name in _STEP_COEFFICIENTS})
+        return replace(self, profile=profile, decode_step_s=tuple(factor * s for s in self.decode_step_s))
 
 
 @dataclass(frozen=True)

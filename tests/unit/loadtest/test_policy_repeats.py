@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.experiments.analysis import engine_step_ms
-from loadtest.experiments.policy_repeats import load, table, verdicts
+from loadtest.experiments.policy_repeats import host_speed_context, load, table, verdicts
 
 
 def _run(good: float, sim_good: float, ttft: float, sim_ttft: float, enterprise_ttft: float,
@@ -67,3 +67,14 @@ def test_the_engine_step_is_the_median_single_sequence_decode_step_of_every_work
     }}
     assert engine_step_ms(tap) == 80.0
     assert engine_step_ms({"samples": {"worker-a": [["prefill", 1.0, 64, 4096, 0.4]]}}) is None
+
+
+def test_the_error_at_each_runs_host_speed_is_reported_beside_the_verdicts_when_the_summaries_have_it() -> None:
+    summary = _summary(1.0, 0.9, 2000)
+    assert host_speed_context([load(summary)]) is None  # older summaries
+    for experiment in summary.values():
+        for run in experiment["runs"].values():
+            run["sim_at_host_speed_error_pp"] = -4.0
+    summary["exp1_random"]["runs"]["goodput"]["sim_at_host_speed_error_pp"] = 1.0
+    context = host_speed_context([load(summary)])
+    assert context is not None and context.endswith("mean |error| is 3.4 pp over 5 runs")  # (4*4+1)/5

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.experiments.simulate import decode_table, fit_workers, rebuild_steps
+from loadtest.experiments.simulate import FittedWorker, decode_table, fit_workers, rebuild_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
@@ -89,3 +89,14 @@ def test_a_mixed_step_pays_its_share_of_the_decode_part() -> None:
 def test_a_mixed_decode_share_outside_0_1_is_refused() -> None:
     with pytest.raises(ValueError, match="mixed_decode_share"):
         SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, mixed_decode_share=1.5)
+
+
+def test_a_fit_replayed_at_a_slower_hosts_speed_takes_that_much_longer_for_every_step() -> None:
+    profile = WorkerProfile(prefill_fixed_s=0.1, prefill_per_token_s=2e-3, prefill_per_token_sq_s=1e-6,
+                            decode_fixed_s=0.06, decode_per_seq_s=0.01, decode_per_context_token_s=1e-6)
+    fitted = FittedWorker(profile, (0.07, 0.12), noise=0.1, steps=100, mean_abs_rel_err=0.1, mixed_decode_share=0.3)
+    slow = fitted.at_speed(1.25)
+    assert slow.decode_step_s == pytest.approx((0.0875, 0.15))
+    assert slow.decode_s(5) == pytest.approx(1.25 * fitted.decode_s(5))  # past the table: the profile
+    assert slow.prefill_s([64, 32]) == pytest.approx(1.25 * fitted.prefill_s([64, 32]))
+    assert (slow.noise, slow.mixed_decode_share) == (0.1, 0.3)  # relative: unchanged
