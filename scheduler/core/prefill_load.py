@@ -23,7 +23,7 @@ part counts: counting only the per-token part read a share of 0.00-0.15 on the b
 cost in the fixed term. The step is the batch's that asks, not the one running when the prompt was
 placed: a prompt placed on an idle worker was counted at its whole prefill, though every prompt that
 arrives while a request decodes is folded into that request's steps (pass Q: the share then
-forecast ~1.5-2x the mixed steps' measured excess). One step is counted per prompt: a long prompt
+forecast ~1.2-1.45x the mixed steps' measured excess). One step is counted per prompt: a long prompt
 chunked over k steps saves the decode part k times, so its share is over-counted (the scheduler does
 not know the workers' chunk size).
 """
