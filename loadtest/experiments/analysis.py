@@ -165,8 +165,9 @@ def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, in
     runs = [load_run(experiment.run_dir(out, r), r, experiment) for r in experiment.runs
             if (experiment.run_dir(out, r) / "scheduler_tap.json").exists()]
     fit = fit_experiment([r.tap for r in runs], [s for r in runs for s in r.served])
-    speeds = [s for s in (engine_step_ms(r.tap) for r in runs) if s is not None]
-    reference = statistics.median(speeds) if speeds else None
+    speeds = {r.label: engine_step_ms(r.tap) for r in runs}
+    measured = [s for s in speeds.values() if s is not None]
+    reference = statistics.median(measured) if measured else None
     rows = {}
     for run in runs:
         real, sim = _real_row(run), _simulate_run(run, fit, max_num_seqs, clients)
@@ -182,7 +183,7 @@ def analyse_experiment(out: Path, experiment: Any, max_num_seqs: Mapping[str, in
         # And the experiment's fit with every step scaled by how fast this run's host ran against the
         # experiment's median run (one number, from steps no policy changes): the shared host's speed
         # drifts between runs by more than the policies differ (docs/benchmarks.md, pass Q).
-        speed = engine_step_ms(run.tap)
+        speed = speeds[run.label]
         if speed is not None and reference:
             scaled = replace(fit, workers={w: f.at_speed(speed / reference) for w, f in fit.workers.items()})
             scaled_sim = _simulate_run(run, scaled, max_num_seqs, clients)

@@ -65,7 +65,7 @@ class WorkerAccuracy:
 
 def forecasts(tap: Mapping[str, Any], served: Sequence[ServedRequest], heartbeat_s: float) -> list[Forecast]:
     """`served` paired from the tap's placed routes (`pair_requests`): each with its decision's predictions."""
-    decisions = {r["t"]: r["decision"] for tier in _TIERS.values() for r in placed_routes(tap, tier)}
+    decisions = {r["t"]: r["decision"] for tier in set(_TIERS.values()) for r in placed_routes(tap, tier)}
     placed_at = _placement_times(tap)
     pure = _pure_decode_medians(tap["samples"])
     out = []

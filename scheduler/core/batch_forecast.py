@@ -72,6 +72,13 @@ def batch_context(decode: WorkerLoad, seqs: int) -> int:
     return decode.context_tokens * min(seqs, decode.decode_batch) // decode.decode_batch
 
 
+def step_stretch(decode: WorkerLoad, cost: CostModel, step_s: float) -> float:
+    """How much longer, wall clock, a step of `step_s` takes on the worker with the prompts arriving
+    there folded into its steps (prefill_load.py: the share they take depends on the step)."""
+    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, step_s)
+    return decode_stretch(share, decode.max_num_seqs)
+
+
 def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
     """Predicted wait for a decode slot when all `max_num_seqs` are taken (0 otherwise).
 
@@ -86,8 +93,7 @@ def slot_wait_s(decode: WorkerLoad, cost: CostModel, max_tokens: int) -> float:
         return 0.0
     running = min(decode.snapshot.running_seqs, slots)
     step = cost.decode_step_s(slots, batch_context(decode, slots))
-    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, step)
-    stretched = step * decode_stretch(share, slots)
+    stretched = step * step_stretch(decode, cost, step)
     waves, position = divmod(decode.decode_batch - running, slots)
     return step * (slot_free_steps(decode, running, slots, position, max_tokens, stretched) + waves * max_tokens)
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.core.batch_forecast import batch_context, life_batch, running_batch, slot_wait_s
+from scheduler.core.batch_forecast import batch_context, life_batch, running_batch, slot_wait_s, step_stretch
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel
-from scheduler.core.prefill_load import decode_stretch, prefill_share
 from scheduler.types import DecisionKind, RequestSummary, RouteDecision
 
 
@@ -163,7 +162,7 @@ class DecodeSide:
     cached_tokens: int
     running: int  # sequences in its decode batch (`running_batch`)
     running_step_s: float  # one step of that batch; 0 when idle
-    stretch: float  # `decode_stretch` of its prefill share at the newcomer's step
+    stretch: float  # `step_stretch` at the newcomer's step now
     slot_wait_s: float  # stretched
     step_s: float  # the decode step with this request added, unstretched
 
@@ -174,9 +173,7 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     running = running_batch(decode)
     others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
     now_step = _tpot_at(cost, decode, request, others)
-    # The prompts arriving during its life are folded into its batch's steps: priced at its step now.
-    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, now_step)
-    stretch = decode_stretch(share, decode.max_num_seqs)
+    stretch = step_stretch(decode, cost, now_step)  # the prompts arriving in its life, at its step now
     step = _tpot_at(cost, decode, request, life_batch(decode, others, request.max_tokens, now_step * stretch))
     return DecodeSide(
         cost=cost,
