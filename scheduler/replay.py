@@ -21,7 +21,7 @@ from typing import Any
 
 from scheduler.core.policies import POLICY_NAMES, Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
-from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateway
+from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateways
 from scheduler.sim.results import ReplayResult, RequestOutcome
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec, StepOutcome
@@ -81,7 +81,7 @@ class _Replay:
         self.config = config
         self.scheduler = Scheduler(policy, config.scheduler)
         self.workers = {w.worker_id: SimWorker(w, rng, config.step_noise) for w in workers}
-        self.gateway = SimGateway(config.gateway)
+        self.gateways = SimGateways(config.gateway)
         self.trace = {a.request_id: a for a in trace}
         self.slo_for = slo_for
         self.outcomes: dict[str, RequestOutcome] = {}
@@ -131,7 +131,7 @@ class _Replay:
         if self.config.gateway.free:
             self._on_route(arrival)
         else:
-            self.push(self.gateway.admit(self.now), _Event.ROUTE, arrival)
+            self.push(self.gateways.of(arrival.request_id).admit(self.now), _Event.ROUTE, arrival)
 
     def _on_route(self, arrival: Arrival) -> None:
         request = RequestSummary(
@@ -193,7 +193,7 @@ class _Replay:
         if seq is None:
             return
         if seq.last_token_out_at is not None and seq.finished_out_at is None:  # its stream leaves the gateway
-            self.gateway.close(max(seq.last_token_out_at, self.now))
+            self.gateways.of(request_id).close(max(seq.last_token_out_at, self.now))
         for worker_id in {seq.decode_worker, seq.prefill_worker or seq.decode_worker}:
             worker = self.workers[worker_id]
             worker.abort(seq)
@@ -210,16 +210,16 @@ class _Replay:
             for seq in outcome.finished:
                 seq.finished_out_at = self.now
             return
-        gateway = self.gateway
+        of = self.gateways.of
         for seq in outcome.streamed:
             if seq.last_token_out_at is not None:  # None: its first token never reached the gateway
-                seq.last_token_out_at = gateway.next_token(seq.last_token_out_at, self.now)
+                seq.last_token_out_at = of(seq.arrival.request_id).next_token(seq.last_token_out_at, self.now)
         for seq in outcome.first_tokens:
-            seq.first_token_out_at = seq.last_token_out_at = gateway.first_token(self.now)
+            seq.first_token_out_at = seq.last_token_out_at = of(seq.arrival.request_id).first_token(self.now)
         for seq in outcome.finished:
             seq.finished_out_at = seq.last_token_out_at
             if seq.finished_out_at is not None:
-                gateway.close(seq.finished_out_at)
+                of(seq.arrival.request_id).close(seq.finished_out_at)
 
     def _apply(self, decision: RouteDecision) -> None:
         arrival = self.trace[decision.request_id]

@@ -222,6 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
     p.add_argument("--scheduler-profile", type=Path, default=None, metavar="JSON",
                    help="a `baton profile` of the card: the scheduler's cost-model seed (the goodput policy's)")
+    p.add_argument("--gateway-processes", type=int, default=1,
+                   help="gateway processes sharing its port (one event loop streams ~7-8k tokens/s)")
     args = p.parse_args(argv)
     if args.smoke and (args.tp != 1 or args.model_shape):
         p.error("--smoke runs the default tiny CPU model (9 query / 3 KV heads: no split over ranks); "
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
               "loadtest.experiments.distserve_assets first (and carry .data/)", file=sys.stderr)
         return 2
     record: dict = {"experiment": "distserve", "smoke": args.smoke, "policy": args.policy,
+                    "gateway_processes": args.gateway_processes,
                     "scheduler_profile": None if args.scheduler_profile is None
                     else json.loads(args.scheduler_profile.read_text()),
                     "model_shape": None if args.smoke else args.model_shape, "tp": args.tp,

@@ -42,6 +42,7 @@ class ClusterSpec:
     slo_tpot_ms: float
     policy: str = "least_loaded"
     scheduler_profile: Path | None = None  # a `baton profile` JSON: the scheduler's cost-model seed
+    gateway_processes: int = 1  # gateway processes on its port (services/gateway/replicas.py)
     tp: int = 1  # ranks (and GPUs) per worker
     cpu: bool = False  # no CUDA_VISIBLE_DEVICES
     worker_ready_timeout_s: float = 240.0
@@ -127,7 +128,8 @@ class Cluster:
             "BATON_AUTH_MODE": "none", "BATON_ANONYMOUS_TIER": "enterprise", "BATON_SCHEDULER_ADDRESS": address,
             "BATON_WORKER_ADDRESSES": json.dumps(decode_capable), "BATON_MODEL": str(s.model_dir),
             "BATON_SERVED_MODEL_NAME": s.model_name, "BATON_MAX_MODEL_LEN": _arg(s.engine_args, "--max-model-len"),
-            "BATON_SLOS": json.dumps(slos), "BATON_DRAIN_TIMEOUT_S": "2", "BATON_LOG_LEVEL": "WARNING"})
+            "BATON_SLOS": json.dumps(slos), "BATON_DRAIN_TIMEOUT_S": "2", "BATON_LOG_LEVEL": "WARNING",
+            "BATON_GATEWAY_PROCESSES": str(s.gateway_processes)})
         gateway.wait_ready(_http_ok(f"{self.url}/readyz"), s.service_ready_timeout_s)
         self.service_metrics_urls["gateway"] = f"{self.url}/metrics"
 

@@ -159,6 +159,8 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
                    help="the simulated gateway's loop CPU per streamed token (as baton plan)")
     p.add_argument("--gateway-admission-rounds", type=float, default=MEASURED_GATEWAY.admission_rounds,
                    help="the loop rounds a request waits on its way in (as baton plan)")
+    p.add_argument("--gateway-processes", type=int, default=None,
+                   help="gateway processes (as baton plan; default: the runs' own, summary.json)")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -168,10 +170,12 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
     return args, profile_path
 
 
-def gateway_cost(args: argparse.Namespace) -> GatewayCost:
-    """The simulated gateway of the --gateway-* flags."""
+def gateway_cost(args: argparse.Namespace, meta: dict[str, Any] | None = None) -> GatewayCost:
+    """The simulated gateway of the --gateway-* flags; its process count, unless given, the runs' (`meta`:
+    their summary.json; runs from before the count was recorded had one process)."""
+    processes = args.gateway_processes or int((meta or {}).get("gateway_processes") or 1)
     return GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
-                       admission_rounds=args.gateway_admission_rounds)
+                       admission_rounds=args.gateway_admission_rounds, processes=processes)
 
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         report.print_tables(summary)
         seed = run_seed(meta) if args.run_seed else None
-        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed, gateway_cost(args))
+        verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed,
+                         gateway_cost(args, meta))
         (args.out / "check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
         print_check(verdicts, slo)
         report.plot(Path(tmp) / "runs", args.out, summary)

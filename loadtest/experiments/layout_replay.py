@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="layout-replay-") as tmp:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
-        config = replay_config(meta, slo, layout_check.gateway_cost(args),
+        config = replay_config(meta, slo, layout_check.gateway_cost(args, meta),
                                layout_check.run_seed(meta) if args.run_seed else None)
         rows = compare_runs(Path(tmp) / "runs", layout_check.load_profile(profile_path), config, meta)
     (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")

@@ -4,7 +4,7 @@ Every call a process serves waits while its one event loop is busy elsewhere. On
 runs gateways gave up on scheduler answers after 0.2 s several times a run, with the client's own
 loop never more than 18 ms late (docs/benchmarks.md); whether the gateway or the scheduler was stuck
 could not be told from their logs. `watch_loop` sleeps `interval_s` again and again and records how
-much later than asked it woke (a lower bound on what any call waited); `time_gc_pauses` records each
+much later than asked it woke (a lower bound on what any call waited); `GcPauses` times each
 collection. Both log what crosses `warn_s`. The gateway and the scheduler both run them.
 
 `watch_loop` also counts the CPU time of the loop's thread: the work every request and streamed token
@@ -20,7 +20,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
@@ -41,10 +41,11 @@ class LoopWatch:
 
 
 async def watch_loop(
-    process: str, lag: Histogram, config: LoopWatch = LoopWatch(), cpu: Counter | None = None
+    process: str, lag: Histogram, config: LoopWatch = LoopWatch(), cpu: Counter | None = None,
+    gc_pauses: GcPauses | None = None,
 ) -> None:
-    """Observe the running loop's wake-up lag into `lag`, and its thread's CPU seconds into `cpu`,
-    until cancelled."""
+    """Observe the running loop's wake-up lag into `lag`, its thread's CPU seconds into `cpu`, and the
+    garbage collections `gc_pauses` timed since the last tick, until cancelled."""
     loop = asyncio.get_running_loop()
     cpu_seen = time.thread_time()  # this task runs on the loop's thread: its CPU time is the loop's
     while True:
@@ -56,6 +57,8 @@ async def watch_loop(
             cpu_now = time.thread_time()
             cpu.inc(cpu_now - cpu_seen)
             cpu_seen = cpu_now
+        if gc_pauses is not None:
+            gc_pauses.flush()
         if late >= config.warn_s:
             log.warning("%s event loop woke %.0f ms late: every call it serves waited as long", process, late * 1e3)
 
@@ -87,21 +90,44 @@ def settle_gc() -> None:
     quiet_gc()
 
 
-def time_gc_pauses(process: str, pauses: Histogram, warn_s: float = LoopWatch.warn_s) -> Callable[[], None]:
-    """Observe every garbage collection's duration into `pauses`; returns the function that stops it."""
-    started: list[float] = []
+class GcPauses:
+    """Times every garbage collection of the process into `pauses` (and logs those over `warn_s`).
 
-    def callback(phase: str, info: dict[str, int]) -> None:
+    The collector's callback only notes the duration: a collection runs inside whatever allocation set it
+    off, which can be inside a metric's own update, under prometheus_client's lock. With several gateway
+    processes (services/gateway/replicas.py) that is one process-wide, non-reentrant lock, and a callback
+    observing the histogram itself deadlocked the process's thread on it: a 4xH200 run lost a gateway
+    replica that way (docs/benchmarks.md). The durations wait in a deque (appends take no lock) until
+    `flush()`, which `watch_loop` calls on every tick, outside any metric update.
+    """
+
+    def __init__(self, process: str, pauses: Histogram, warn_s: float = LoopWatch.warn_s) -> None:
+        self.process = process
+        self.pauses = pauses
+        self.warn_s = warn_s
+        self._started: float | None = None
+        self._pending: deque[tuple[float, int, int]] = deque()  # seconds, generation, objects freed
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            started[:] = [time.perf_counter()]
-            return
-        if not started:
-            return
-        seconds = time.perf_counter() - started.pop()
-        pauses.observe(seconds)
-        if seconds >= warn_s:
-            log.warning("%s garbage collection of generation %d took %.0f ms (%d objects freed)",
-                        process, info.get("generation", -1), seconds * 1e3, info.get("collected", 0))
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._pending.append((time.perf_counter() - self._started, info.get("generation", -1),
+                                  info.get("collected", 0)))
+            self._started = None
 
-    gc.callbacks.append(callback)
-    return lambda: gc.callbacks.remove(callback)
+    def flush(self) -> None:
+        """Put the collections timed so far into the histogram (call outside any metric update)."""
+        while self._pending:
+            seconds, generation, collected = self._pending.popleft()
+            self.pauses.observe(seconds)
+            if seconds >= self.warn_s:
+                log.warning("%s garbage collection of generation %d took %.0f ms (%d objects freed)",
+                            self.process, generation, seconds * 1e3, collected)
+
+    def stop(self) -> None:
+        """No more timing; what was timed is flushed."""
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        self.flush()

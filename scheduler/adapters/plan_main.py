@@ -76,7 +76,9 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="the gateway's CPU per request (default: measured on 4xH100, docs/benchmarks.md); "
                         "0 with the token cost below models a gateway that never queues")
     p.add_argument("--gateway-token-us", type=float, default=gateway.per_token_s * 1e6,
-                   help="the gateway's CPU per streamed token (one gateway process fronts every layout)")
+                   help="the gateway's CPU per streamed token, per process (its processes front every layout)")
+    p.add_argument("--gateway-processes", type=int, default=gateway.processes,
+                   help="gateway processes sharing its port (BATON_GATEWAY_PROCESSES), each its own event loop")
     p.add_argument("--gateway-admission-rounds", type=float, default=gateway.admission_rounds,
                    help="turns of the gateway's event loop over its open streams that a request waits on its "
                         "way in (scheduler/sim/gateway.py)")
@@ -101,7 +103,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3,
                                 per_context_token_s=args.serving_context_ns / 1e9),
             gateway=GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
-                                admission_rounds=args.gateway_admission_rounds),
+                                admission_rounds=args.gateway_admission_rounds, processes=args.gateway_processes),
             search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,
             tie_margin=args.tie_margin,
         )

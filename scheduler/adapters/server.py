@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -21,7 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.clock import Clock, MonotonicClock
-from scheduler.adapters.loop_watch import time_gc_pauses, watch_loop
+from scheduler.adapters.loop_watch import GcPauses, watch_loop
 from scheduler.adapters.metrics import SchedulerMetrics
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.adapters.servicer import SchedulerServicer, ServicerConfig
@@ -101,7 +101,7 @@ class SchedulerService:
         self._server: grpc.aio.Server | None = None
         self._ticks: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._stop_gc_timer: Callable[[], None] | None = None
+        self._gc_pauses: GcPauses | None = None
         self._metrics_server: WSGIServer | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -117,10 +117,11 @@ class SchedulerService:
         await server.start()
         self._server = server
         self._ticks = asyncio.create_task(self.servicer.run_ticks(), name="scheduler-ticks")
+        self._gc_pauses = GcPauses("scheduler", self.metrics.gc_pause)
         self._watch = asyncio.create_task(
-            watch_loop("scheduler", self.metrics.loop_lag, cpu=self.metrics.loop_cpu), name="scheduler-loop-watch"
+            watch_loop("scheduler", self.metrics.loop_lag, cpu=self.metrics.loop_cpu, gc_pauses=self._gc_pauses),
+            name="scheduler-loop-watch",
         )
-        self._stop_gc_timer = time_gc_pauses("scheduler", self.metrics.gc_pause)
         if self.config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(self.config.metrics_port, self.config.host)
             self.metrics_port = self._metrics_server.server_port
@@ -143,9 +144,9 @@ class SchedulerService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._stop_gc_timer is not None:
-            self._stop_gc_timer()
-            self._stop_gc_timer = None
+        if self._gc_pauses is not None:
+            self._gc_pauses.stop()
+            self._gc_pauses = None
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -1,4 +1,4 @@
-"""The gateway's event loop as a simulated resource: one process carries every request and every token.
+"""The gateway's event loops as a simulated resource: each process carries its requests and their tokens.
 
 A served request crosses the gateway on its way to the first token (the HTTP request, tokenising, the
 route call; then the worker's first stream message in and the SSE event out), and every later token
@@ -21,11 +21,16 @@ So the model is round robin over the open streams (first token out, last token n
   stream, not behind every token);
 - a request's way in waits `admission_rounds` rounds (each await on its path, from the HTTP read to the
   route call's answer, puts it at the back of the ready queue) plus its own `per_request_s`.
+
+Several gateway processes on one port (`processes`, services/gateway/replicas.py) are as many such loops;
+the kernel hands each connection to one of them by a hash, so a request stays on one loop, taken here by a
+hash of its id (`SimGateways.of`).
 """
 
 from __future__ import annotations
 
 import heapq
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,10 +40,13 @@ class GatewayCost:
     per_request_s: float = 0.0  # accept, parse and route a request (tokenising runs off the loop)
     per_token_s: float = 0.0  # one streamed token: the worker's message in, the SSE event out
     admission_rounds: float = 0.0  # loop rounds a request waits on its way in (its awaits on the loop)
+    processes: int = 1  # gateway processes sharing the port: event loops, each with these costs
 
     def __post_init__(self) -> None:
         if min(self.per_request_s, self.per_token_s, self.admission_rounds) < 0:
             raise ValueError(f"gateway costs must be non-negative, got {self}")
+        if self.processes < 1:
+            raise ValueError(f"a gateway runs at least one process, got {self.processes}")
 
     @property
     def free(self) -> bool:
@@ -99,6 +107,18 @@ class SimGateway:
     def close(self, last_out: float) -> None:
         """A stream's last token goes out at `last_out` (or its client left then): it leaves the rounds."""
         heapq.heappush(self._closing, last_out)
+
+
+class SimGateways:
+    """The gateway's processes: request `request_id` is served by loop `of(request_id)` all its life."""
+
+    def __init__(self, cost: GatewayCost) -> None:
+        self.loops = [SimGateway(cost) for _ in range(cost.processes)]
+
+    def of(self, request_id: str) -> SimGateway:
+        if len(self.loops) == 1:
+            return self.loops[0]
+        return self.loops[zlib.crc32(request_id.encode()) % len(self.loops)]
 
 
 # One gateway process on the 4xH100 hosts of docs/benchmarks.md: 34 ShareGPT and random 2k/128 runs of five

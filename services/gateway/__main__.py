@@ -8,6 +8,8 @@ built inside the server's event loop (gRPC aio channels belong to the loop that 
 handed to `create_app`, with the internal gRPC API when `--grpc-port` / `BATON_GRPC_PORT` is set (same
 clients, same event loop; grpc_api/). SIGTERM/SIGINT drain: the listener closes, running streams get
 `BATON_DRAIN_TIMEOUT_S` to finish, then what is left is aborted (KV freed, usage billed).
+`--processes N` / `BATON_GATEWAY_PROCESSES`: N replicas of this on the one port (replicas.py); this
+process then only supervises them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
 from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
 from services.gateway.last_view import StaticWorkers
+from services.gateway.replicas import reuse_port_socket, run_replicas
 from services.gateway.routing import RouterClient
 from services.gateway.safety_gate import SafetyGate
 from services.gateway.settings import GatewaySettings
@@ -72,16 +75,28 @@ def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettin
 
 
 async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings, settings: BatonSettings,
-                grpc_api: GrpcApiConfig | None = None) -> None:
+                grpc_api: GrpcApiConfig | None = None, replica: int | None = None) -> None:
+    """`replica`: this process is replica `replica` of several on the port (replicas.py)."""
     deps = build_deps(config, gw, settings)
-    app = create_app(deps, None if grpc_api is None else GrpcApiServer(deps, grpc_api))
+    app = create_app(deps, None if grpc_api is None else GrpcApiServer(deps, grpc_api), replica)
     settle_gc()  # fewer, cheaper collections on the loop every token crosses (scheduler/adapters/loop_watch.py)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level=gw.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=int(max(1, config.drain_timeout_s)), timeout_keep_alive=30))
-    await server.serve()
+    await server.serve(sockets=None if replica is None else [reuse_port_socket(host, port)])
     if not server.started:  # e.g. the port was taken, or the lifespan failed (database unreachable)
         raise ConfigError(f"the gateway did not start on {host}:{port}")
+
+
+def supervise(args: argparse.Namespace, processes: int, drain_timeout_s: float) -> int:
+    """This process runs `processes` replicas of the gateway on its port (they read the same settings)."""
+    if args.port == 0:
+        raise ConfigError("--processes > 1 needs a fixed --port (with port 0 each replica would take another)")
+    argv = [sys.executable, "-m", "services.gateway", "--host", args.host, "--port", str(args.port)]
+    if args.grpc_port is not None:
+        argv += ["--grpc-port", str(args.grpc_port)]
+    log.info("gateway: %d processes on %s:%d", processes, args.host, args.port)
+    return run_replicas(processes, argv, drain_timeout_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,11 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=None,
                         help="serve the internal gRPC API on this port too (default: BATON_GRPC_PORT; unset: off)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="gateway processes sharing the port (default: BATON_GATEWAY_PROCESSES, else 1)")
+    parser.add_argument("--replica", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     args = parser.parse_args(argv)
     try:
         settings, gw = BatonSettings(), GatewaySettings()
         logging.basicConfig(level=gw.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = GatewayConfig.from_settings(gw, settings)
+        processes = args.processes if args.processes is not None else gw.gateway_processes
+        if processes > 1 and args.replica is None:
+            return supervise(args, processes, config.drain_timeout_s)
         setup_tracing(gw.otel_exporter)
         # uvicorn drains on SIGTERM, then re-raises it into the handler that was there before: make
         # that one a no-op, so a completed drain exits 0 instead of dying of the signal.
@@ -102,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grpc_port = args.grpc_port if args.grpc_port is not None else gw.grpc_port
         grpc_api = None if grpc_port is None else \
             GrpcApiConfig.from_paths(args.host, grpc_port, gw.grpc_tls_cert, gw.grpc_tls_key)
-        asyncio.run(serve(args.host, args.port, config, gw, settings, grpc_api))
+        asyncio.run(serve(args.host, args.port, config, gw, settings, grpc_api, args.replica))
     except (BatonError, ValidationError, SettingsError) as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.adapters.loop_watch import time_gc_pauses, watch_loop
+from scheduler.adapters.loop_watch import GcPauses, watch_loop
 from services.gateway.deps import GatewayDeps
 from services.gateway.errors import install_error_handlers
 from services.gateway.limits import BodySizeLimit
@@ -67,8 +67,30 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).inc()
 
 
-def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> FastAPI:
-    """`grpc_api`: the internal gRPC API, served from the same clients while the app runs."""
+class ReplicaHeader:
+    """Names the gateway process that answered (`x-baton-gateway-replica`) when several share the port
+    (replicas.py): which one served a stream is what a resume or a log search needs to know."""
+
+    def __init__(self, app: ASGIApp, replica: int) -> None:
+        self.app = app
+        self.header = (b"x-baton-gateway-replica", str(replica).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None, replica: int | None = None) -> FastAPI:
+    """`grpc_api`: the internal gRPC API, served from the same clients while the app runs. `replica`:
+    this process's number among several gateway processes on the port (None: the only one)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,12 +100,13 @@ def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> Fast
         store = deps.tenancy.conversations
         purge = None if store is None else asyncio.create_task(run_purge_loop(
             store, timedelta(days=deps.config.retention_days), deps.config.purge_interval_s))
-        watch = asyncio.create_task(watch_loop("gateway", deps.metrics.loop_lag, cpu=deps.metrics.loop_cpu))
-        stop_gc_timer = time_gc_pauses("gateway", deps.metrics.gc_pause)
+        gc_pauses = GcPauses("gateway", deps.metrics.gc_pause)
+        watch = asyncio.create_task(watch_loop("gateway", deps.metrics.loop_lag, cpu=deps.metrics.loop_cpu,
+                                               gc_pauses=gc_pauses))
         try:
             yield
         finally:
-            stop_gc_timer()
+            gc_pauses.stop()
             if grpc_api is not None:
                 await grpc_api.stop(deps.config.drain_timeout_s)
             for task in (purge, watch):
@@ -102,5 +125,7 @@ def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None) -> Fast
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, max_bytes=deps.config.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=deps.metrics)
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, replica=replica)
     instrument_app(app)
     return app

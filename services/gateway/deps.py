@@ -64,7 +64,7 @@ class GatewayDeps:
         self.completions = CompletionService(self.config, self.models, self.runner, t, self.streams, self.relay)
         self.responses = ResponsesService(self.completions)
         if t.metrics is not None:
-            self.metrics.registry.register(t.metrics)
+            self.metrics.register_extra(t.metrics)
         self.draining = False
 
     def _prompt_builder(self, tokenizer: Tokenizer, model: ServedModel) -> PromptBuilder:

@@ -1,12 +1,19 @@
 """Prometheus metrics of the gateway (`baton_gateway_*`), in a registry of its own per app.
 
 A registry per app (not the process-global one) lets tests build several apps in one process and
-keeps `/metrics` to what this gateway measures.
+keeps `/metrics` to what this gateway measures. With several gateway processes on one port
+(replicas.py) a scrape reaches any one of them, so they keep their values in prometheus_client's
+multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the supervisor before the replica imports
+prometheus_client) and each renders the sum of all of them, plus its own extra collectors.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from scheduler.adapters.loop_watch import LAG_BUCKETS_S
 
@@ -30,7 +37,8 @@ class GatewayMetrics:
                               ["model", "kind"], registry=r)
         self.finished = Counter("baton_gateway_generations_finished", "Generations by finish reason",
                                 ["model", "finish_reason"], registry=r)
-        self.inflight = Gauge("baton_gateway_inflight_generations", "Generations running now", registry=r)
+        self.inflight = Gauge("baton_gateway_inflight_generations", "Generations running now", registry=r,
+                              multiprocess_mode="livesum")
         self.refusals = Counter("baton_gateway_refusals", "Requests refused before generating, by reason",
                                 ["reason"], registry=r)
         self.replays = Counter("baton_gateway_stream_resumes", "Last-Event-ID stream resumes", registry=r)
@@ -48,6 +56,7 @@ class GatewayMetrics:
                                        "from workers", registry=r)
         self.loop_cpu = Counter("baton_gateway_event_loop_cpu_seconds", "CPU time of the event loop's thread, "
                                 "which every request and streamed token queues on", registry=r)
+        self._extra: list[Collector] = []
 
     def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
                            ttft_s: float | None, e2e_s: float) -> None:
@@ -59,5 +68,17 @@ class GatewayMetrics:
             self.ttft.labels(model).observe(ttft_s)
         self.e2e.labels(model).observe(e2e_s)
 
+    def register_extra(self, collector: Collector) -> None:
+        """A collector of this process's own state (e.g. the billing outbox's backlog)."""
+        self.registry.register(collector)
+        self._extra.append(collector)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not shared_dir:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, shared_dir)
+        for collector in self._extra:
+            merged.register(collector)
+        return generate_latest(merged)

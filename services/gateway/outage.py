@@ -13,7 +13,8 @@ import time
 from prometheus_client import Gauge
 
 log = logging.getLogger(__name__)
-UP = Gauge("baton_dependency_up", "1 while the gateway reaches the backing service, 0 during an outage", ["name"])
+UP = Gauge("baton_dependency_up", "1 while the gateway reaches the backing service, 0 during an outage", ["name"],
+           multiprocess_mode="livemin")  # several gateway processes (replicas.py): 0 when any one is cut off
 
 
 class OutageLog:

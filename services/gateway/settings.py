@@ -59,6 +59,9 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(default=1024, ge=1)
     slos: dict[Tier, SLOSettings] = Field(default_factory=default_slos)
 
+    # Gateway processes on this host, sharing its port (services/gateway/replicas.py): one event loop
+    # streams ~7-8k tokens/s on the benchmark hosts, so a host serving more runs several.
+    gateway_processes: int = Field(default=1, ge=1, le=256)  # BATON_GATEWAY_PROCESSES
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_replay_window_s: float = Field(default=60.0, ge=0)
     stream_replay_max_events: int = Field(default=4096, ge=16)

@@ -54,6 +54,7 @@ class ServeOptions:
     safety: bool = True
     scheduler: bool = True
     grpc_port: int | None = 8001  # the gateway's internal gRPC API (services/gateway/grpc_api); None: off
+    gateway_processes: int = 1  # gateway processes on its port (services/gateway/replicas.py)
 
     @property
     def gateway_url(self) -> str:
@@ -165,7 +166,8 @@ class LocalCluster:
         if self.usage_spool_dir is not None:
             env["BATON_USAGE_SPOOL_DIR"] = str(self.usage_spool_dir)
         self.ports["gateway"] = o.port
-        argv = [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port)]
+        argv = [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port),
+                "--processes", str(o.gateway_processes)]
         if o.grpc_port is not None:
             self.ports["gateway-grpc"] = o.grpc_port
             argv += ["--grpc-port", str(o.grpc_port)]

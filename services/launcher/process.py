@@ -1,18 +1,11 @@
 """`SupervisedProcess`: one child process that dies with its parent and keeps a log to show on failure.
 
-Dying with the parent uses Linux's parent-death signal (`PR_SET_PDEATHSIG`, SIGKILL): if the Python
-process that started the child is killed, even by SIGKILL, the kernel kills the child, so no embedded
-Postgres/Redis/broker outlives a crashed test run or `baton serve`. Caveat from the kernel's rules:
-the signal fires when the *thread* that forked the child exits, so start children from a thread that
-lives as long as they should (the main thread, in practice). The setting is applied in the child after
-it has switched user (subprocess switches uid before calling `preexec_fn`), because a uid change
-clears it.
+Dying with the parent: `services.common.lifetime.die_with_parent` (Linux's parent-death signal).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -22,10 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.common.errors import InfraStartError
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded in the parent: the child only makes the call
-
+from services.common.lifetime import die_with_parent
 
 _RESERVED_PORTS: set[int] = set()
 
@@ -45,14 +35,6 @@ def free_port() -> int:
             port = int(s.getsockname()[1])
         if port not in _RESERVED_PORTS:
             return port
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 class SupervisedProcess:
@@ -97,7 +79,7 @@ class SupervisedProcess:
                     env=self.env, cwd=self.cwd, user=self.user, group=_group_of(self.user),
                     extra_groups=[] if self.user else None,
                     start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop children in order
-                    preexec_fn=_die_with_parent(os.getpid()))
+                    preexec_fn=die_with_parent(os.getpid()))
             except OSError as e:
                 raise InfraStartError(f"{self.name}: cannot execute {self.argv[0]}: {e}") from e
 

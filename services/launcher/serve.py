@@ -82,6 +82,8 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-scheduler", action="store_true", help="route statically instead of via the scheduler")
     p.add_argument("--grpc-port", type=int, default=8001, help="the gateway's internal gRPC API port")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the internal gRPC API")
+    p.add_argument("--gateway-processes", type=int, default=1,
+                   help="gateway processes sharing its port (one event loop streams ~7-8k tokens/s)")
     p.set_defaults(func=run_serve_command)
 
 
@@ -93,7 +95,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
                         num_blocks=args.num_blocks, safety=not args.no_safety,
                         scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"),
-                        grpc_port=None if args.no_grpc else args.grpc_port)
+                        grpc_port=None if args.no_grpc else args.grpc_port,
+                        gateway_processes=args.gateway_processes)
 
 
 def _has_module(name: str) -> bool:

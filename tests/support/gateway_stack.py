@@ -149,6 +149,13 @@ def start_gateway(supervisor: Supervisor, name: str, env: dict[str, str]) -> tup
     return process, f"http://127.0.0.1:{port}"
 
 
+def open_gateway_env(worker: str, model_dir: Path, **extra: str) -> dict[str, str]:
+    """A gateway in open mode (no Postgres, Redis or Kafka) in front of one `both` worker."""
+    return {"BATON_AUTH_MODE": "none", "BATON_WORKER_ADDRESSES": json.dumps([worker]),
+            "BATON_MODEL": str(model_dir), "BATON_SERVED_MODEL_NAME": MODEL, "BATON_MAX_MODEL_LEN": str(CONTEXT_WINDOW),
+            "BATON_DRAIN_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1", **extra}
+
+
 def start_worker(supervisor: Supervisor, name: str, role: str, model_dir: Path, *extra: str) -> str:
     port = free_port()
     argv = [sys.executable, "-m", "services.worker", "--role", role, "--model", str(model_dir), "--model-id", MODEL,

@@ -7,7 +7,6 @@ and usage with 501 `feature_disabled`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from services.launcher.supervisor import Supervisor
-from tests.support.gateway_stack import CONTEXT_WINDOW, MODEL, start_gateway, start_worker
+from tests.support.gateway_stack import MODEL, open_gateway_env, start_gateway, start_worker
 
 ROOT = Path(__file__).resolve().parents[3]
 _INFRA_VARS = ("BATON_DATABASE_URL", "BATON_REDIS_URL", "BATON_KAFKA_BOOTSTRAP")
@@ -31,11 +30,8 @@ def open_gateway(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
     supervisor = Supervisor(tmp_path_factory.mktemp("open-gateway-logs"), cwd=ROOT)
     try:
         worker = start_worker(supervisor, "worker-both", "both", default_model_dir)
-        env = {"BATON_AUTH_MODE": "none", "BATON_WORKER_ADDRESSES": json.dumps([worker]),
-               "BATON_MODEL": str(default_model_dir), "BATON_SERVED_MODEL_NAME": MODEL,
-               "BATON_MAX_MODEL_LEN": str(CONTEXT_WINDOW), "BATON_SSE_KEEPALIVE_S": "0.1",
-               "BATON_DRAIN_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1"}
-        _, url = start_gateway(supervisor, "gateway", env)
+        _, url = start_gateway(supervisor, "gateway",
+                               open_gateway_env(worker, default_model_dir, BATON_SSE_KEEPALIVE_S="0.1"))
         yield url
         assert "BATON_AUTH_MODE=none" in supervisor.log_tail("gateway", 200)  # the loud warning
     finally:

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.replay import ReplayConfig, replay
-from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateway
+from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateway, SimGateways
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -57,7 +57,30 @@ def test_arrivals_stretch_the_round_and_wait_rounds_on_their_way_in() -> None:
 def test_negative_costs_are_refused() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         GatewayCost(per_token_s=-1e-6)
+    with pytest.raises(ValueError, match="at least one process"):
+        GatewayCost(per_token_s=1e-6, processes=0)
     assert NO_GATEWAY.free and not GatewayCost(per_token_s=1e-6).free
+
+
+def test_processes_split_the_streams_and_keep_each_request_on_one_loop() -> None:
+    gateways = SimGateways(GatewayCost(per_token_s=1e-3, processes=4))
+    ids = [f"r{i}" for i in range(400)]
+    loops = [gateways.of(rid) for rid in ids]
+    assert all(gateways.of(rid) is loop for rid, loop in zip(ids, loops, strict=True))  # sticky, as a connection
+    for loop in loops:
+        loop.first_token(0.0)
+    # 400 streams over 4 loops: each round covers about a quarter of them (a hash spreads them, not evenly).
+    rounds = [loop.round_s(0.0) for loop in gateways.loops]
+    assert sum(rounds) == pytest.approx(0.400)
+    assert all(0.07 < r < 0.13 for r in rounds), rounds
+    assert SimGateways(GatewayCost(per_token_s=1e-3)).of("any") is not None
+
+
+def test_more_processes_cut_a_saturated_gateways_first_token_delay() -> None:
+    one = GatewayCost(per_request_s=0.001, per_token_s=0.002)
+    four = GatewayCost(per_request_s=0.001, per_token_s=0.002, processes=4)
+    base = _ttft_p50_ms(NO_GATEWAY, 40, 0.01)
+    assert _ttft_p50_ms(four, 40, 0.01) - base < 0.5 * (_ttft_p50_ms(one, 40, 0.01) - base)
 
 
 def _trace(requests: int, gap_s: float) -> list[Arrival]:

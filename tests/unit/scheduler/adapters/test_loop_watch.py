@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -13,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from scheduler.adapters.loop_watch import (
     LAG_BUCKETS_S,
     YOUNG_GC_THRESHOLD,
+    GcPauses,
     LoopWatch,
     quiet_gc,
     settle_gc,
-    time_gc_pauses,
     watch_loop,
 )
 
@@ -67,13 +72,57 @@ async def test_the_loop_threads_cpu_time_is_counted_and_time_blocked_idle_is_not
 
 def test_garbage_collections_are_timed_until_stopped() -> None:
     pauses = histogram("pauses")
-    stop = time_gc_pauses("test", pauses)
+    timer = GcPauses("test", pauses)
     gc.collect()
+    # The collector's callback only notes the pause: the histogram is touched at the next flush, never
+    # from inside a collection (which may run under a metric's own lock).
+    assert observed(pauses)[0] == 0
+    timer.flush()
     count, _ = observed(pauses)
     assert count >= 1
-    stop()
+    timer.stop()
     gc.collect()
+    timer.flush()
     assert observed(pauses)[0] == count
+
+
+async def test_the_loop_watch_flushes_the_timed_collections() -> None:
+    pauses = histogram("pauses")
+    timer = GcPauses("test", pauses)
+    try:
+        gc.collect()
+        watch = asyncio.create_task(watch_loop("test", histogram("lag"), LoopWatch(interval_s=0.01), gc_pauses=timer))
+        await asyncio.sleep(0.05)
+        watch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watch
+        assert observed(pauses)[0] >= 1
+    finally:
+        timer.stop()
+
+
+def test_a_collection_inside_a_multiprocess_metric_update_does_not_deadlock(tmp_path: Path) -> None:
+    """prometheus_client's multiprocess mode (several gateway processes) guards every value with one
+    non-reentrant lock; a collection that starts inside an update must not observe a metric itself."""
+    program = textwrap.dedent("""
+        import gc
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from scheduler.adapters.loop_watch import GcPauses
+        r = CollectorRegistry()
+        pauses = Histogram("pauses", "p", registry=r)
+        counter = Counter("c", "c", ["n"], registry=r)
+        timer = GcPauses("test", pauses)
+        gc.set_threshold(1)  # a collection at nearly every allocation
+        for n in range(2000):  # a new child allocates under the lock (a callback observing there deadlocked)
+            counter.labels(str(n)).inc()
+        gc.set_threshold(700)
+        timer.stop()
+        print("done")
+    """)
+    root = Path(__file__).resolve().parents[4]
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=20)
+    assert done.stdout.strip() == "done", done.stderr
 
 
 def test_a_non_positive_interval_is_refused() -> None:
