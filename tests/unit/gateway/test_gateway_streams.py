@@ -46,6 +46,20 @@ async def test_an_idle_stream_yields_keepalives() -> None:
     assert (await follower).count(None) >= 2
 
 
+async def test_keepalives_come_only_when_nothing_was_sent_for_an_interval() -> None:
+    log = EventLog("s", ORG, 64)
+    follower = asyncio.create_task(_collect(log, -1, keepalive_s=0.2))
+    for i in range(20):  # 100 ms of events, 5 ms apart: no keep-alive between them
+        log.append(str(i))
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.5)  # then idle: about two
+    log.finish()
+    got = await follower
+    assert [x for x in got if x is not None] == [str(i) for i in range(20)]
+    assert 1 <= got.count(None) <= 3
+    assert got.index(None) == 20  # unless the machine stalled for a whole interval mid-flow
+
+
 async def test_a_follower_cancelled_as_an_event_arrives_stops() -> None:
     # The SSE response cancels its follower when the client disconnects. With asyncio.wait_for (Python
     # 3.11) a cancel landing after the event woke the wait but before the follower resumed was swallowed,
