@@ -222,8 +222,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
     p.add_argument("--scheduler-profile", type=Path, default=None, metavar="JSON",
                    help="a `baton profile` of the card: the scheduler's cost-model seed (the goodput policy's)")
-    p.add_argument("--gateway-processes", type=int, default=1,
-                   help="gateway processes sharing its port (one event loop streams ~7-8k tokens/s)")
+    p.add_argument("--gateway-processes", type=int, default=None,
+                   help="gateway processes sharing its port (default: 4 on GPUs, where one event loop's ~7-8k "
+                        "tokens/s would cap the layouts being compared; 1 with --smoke)")
     args = p.parse_args(argv)
     if args.smoke and (args.tp != 1 or args.model_shape):
         p.error("--smoke runs the default tiny CPU model (9 query / 3 KV heads: no split over ranks); "
@@ -246,6 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("no workload left: give rates to --random-rates or --sharegpt-rates")
     args.duration_s = args.duration_s or prof.duration_s
     args.deadline_s = args.deadline_s or (900.0 if args.smoke else 480.0)
+    args.gateway_processes = args.gateway_processes or (1 if args.smoke else 4)
     args.slo_ttft_ms = args.slo_ttft_ms or prof.slo_ms[0]
     args.slo_tpot_ms = args.slo_tpot_ms or prof.slo_ms[1]
     return args
