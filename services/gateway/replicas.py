@@ -141,7 +141,7 @@ class ReplicaSupervisor:
                     f"{len(replica.deaths)} deaths in {self.limits.window_s:.0f} s"
                 log.error("gateway replica %d exited with code %d (%s): stopping the gateway", replica.index,
                           code, why)
-                self.exit_code = code or 1
+                self.exit_code = code if code > 0 else 1  # killed by a signal: a plain failure
                 self.stopping = True
                 return
             delay = min(self.limits.backoff_s * 2 ** (len(replica.deaths) - 1), self.limits.max_backoff_s)

@@ -101,6 +101,13 @@ def test_a_replica_that_keeps_dying_stops_the_gateway() -> None:
     assert started.count(1) == FAST.max_deaths
 
 
+def test_a_replica_killed_again_and_again_stops_the_gateway_with_a_plain_failure() -> None:
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    supervisor = ReplicaSupervisor(2, _spawner({0: [SERVES], 1: [suicide]}, []), drain_timeout_s=5, limits=FAST,
+                                   poll_s=0.01)
+    assert supervisor.run() == 1  # not -9, which a shell would read as 247
+
+
 def test_a_replica_that_does_not_drain_in_time_is_killed(tmp_path: Path) -> None:
     ready = tmp_path / "ignoring-sigterm"
     stubborn = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
