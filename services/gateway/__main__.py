@@ -20,6 +20,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import uvicorn
 from pydantic import ValidationError
@@ -121,8 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # that one a no-op, so a completed drain exits 0 instead of dying of the signal.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
         grpc_port = args.grpc_port if args.grpc_port is not None else gw.grpc_port
-        grpc_api = None if grpc_port is None else \
-            GrpcApiConfig.from_paths(args.host, grpc_port, gw.grpc_tls_cert, gw.grpc_tls_key)
+        grpc_api = None if grpc_port is None else replace(
+            GrpcApiConfig.from_paths(args.host, grpc_port, gw.grpc_tls_cert, gw.grpc_tls_key),
+            shared_port=args.replica is not None)
         asyncio.run(serve(args.host, args.port, config, gw, settings, grpc_api, args.replica))
     except (BatonError, ValidationError, SettingsError) as e:
         print(f"gateway: error: {e}", file=sys.stderr)

@@ -30,6 +30,7 @@ class GrpcApiConfig:
     host: str
     port: int  # 0: any free port (see GrpcApiServer.port once started)
     tls: tuple[bytes, bytes] | None = None  # (PEM private key, PEM certificate chain); None: plaintext
+    shared_port: bool = False  # True: one of several gateway processes binding this port (replicas.py)
 
     @classmethod
     def from_paths(cls, host: str, port: int, cert: str | None, key: str | None) -> GrpcApiConfig:
@@ -55,7 +56,9 @@ class GrpcApiServer:
         credentials = self.config.credentials()
         server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()], options=[
             ("grpc.max_receive_message_length", self.deps.config.max_request_bytes),
-            ("grpc.so_reuseport", 0)])  # a taken port is an error, not a second server sharing it
+            # A taken port is an error, not a second server sharing it, unless the port is meant to be
+            # shared by the gateway's own processes (SO_REUSEPORT, as their HTTP port).
+            ("grpc.so_reuseport", int(self.config.shared_port))])
         pb_grpc.add_BatonApiServicer_to_server(BatonApiServicer(self.deps), server)
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)

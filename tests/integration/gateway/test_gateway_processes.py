@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launcher.process import SupervisedProcess
+from services.launcher.process import SupervisedProcess, free_port
 from services.launcher.supervisor import Supervisor
 from tests.support.gateway_stack import MODEL, open_gateway_env, start_gateway, start_worker
 
@@ -30,8 +30,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -
     saved = {name: os.environ.pop(name) for name in _INFRA_VARS if name in os.environ}
     try:
         worker = start_worker(supervisor, "worker-both", "both", default_model_dir)
-        yield start_gateway(supervisor, "gateway",
-                            open_gateway_env(worker, default_model_dir, BATON_GATEWAY_PROCESSES="2"))
+        env = open_gateway_env(worker, default_model_dir, BATON_GATEWAY_PROCESSES="2", BATON_GRPC_PORT=str(free_port()))
+        yield start_gateway(supervisor, "gateway", env)
     finally:
         supervisor.stop_all()
         os.environ.update(saved)
@@ -63,6 +63,16 @@ def _stream(url: str) -> tuple[str, int]:
 def _finished(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(r'^baton_gateway_generations_finished_total\{[^}]*\} (\S+)$', text, re.M))
+
+
+def test_both_replicas_stay_up_sharing_the_http_and_grpc_ports(gateway: tuple[SupervisedProcess, str]) -> None:
+    """A port one replica could not share (the internal gRPC API's, once) kills the others at start, again
+    and again: after a few seconds the same two processes must still be serving."""
+    process, url = gateway
+    first = set(_replicas(process))
+    time.sleep(3)
+    assert set(_replicas(process)) == first and len(first) == 2
+    assert "exited with code" not in process.log_tail(200)
 
 
 def test_connections_spread_over_both_and_metrics_sum_them(gateway: tuple[SupervisedProcess, str]) -> None:
