@@ -38,11 +38,13 @@ API_VERSION = "0.1.0"
 
 class RequestMetricsMiddleware:
     """Counts requests by route template and status, and times them to the response head (pure ASGI,
-    so streaming responses and disconnect detection are untouched)."""
+    so streaming responses and disconnect detection are untouched); adds `headers` to every response
+    head (the one wrapper every streamed chunk already crosses)."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.app = app
         self.metrics = metrics
+        self.headers = list(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,6 +60,8 @@ class RequestMetricsMiddleware:
                 route = scope.get("route")
                 self.metrics.request_seconds.labels(getattr(route, "path", "unmatched")).observe(
                     time.monotonic() - started)
+                if self.headers:
+                    message = {**message, "headers": [*message.get("headers", ()), *self.headers]}
             await send(message)
 
         try:
@@ -65,27 +69,6 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).inc()
-
-
-class ReplicaHeader:
-    """Names the gateway process that answered (`x-baton-gateway-replica`) when several share the port
-    (replicas.py): which one served a stream is what a resume or a log search needs to know."""
-
-    def __init__(self, app: ASGIApp, replica: int) -> None:
-        self.app = app
-        self.header = (b"x-baton-gateway-replica", str(replica).encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
 
 
 def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None, replica: int | None = None) -> FastAPI:
@@ -124,8 +107,9 @@ def create_app(deps: GatewayDeps, grpc_api: GrpcApiServer | None = None, replica
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, max_bytes=deps.config.max_request_bytes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=deps.metrics)
-    if replica is not None:
-        app.add_middleware(ReplicaHeader, replica=replica)
+    # Several processes on the port (replicas.py): each response names the one that answered, which a
+    # resume or a log search needs to know (added with the response head, no extra wrapper per chunk).
+    replica_header = () if replica is None else ((b"x-baton-gateway-replica", str(replica).encode()),)
+    app.add_middleware(RequestMetricsMiddleware, metrics=deps.metrics, headers=replica_header)
     instrument_app(app)
     return app

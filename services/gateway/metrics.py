@@ -16,6 +16,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from scheduler.adapters.loop_watch import LAG_BUCKETS_S
+from services.gateway.replicas import METRICS_DIR_ENV
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -74,7 +75,7 @@ class GatewayMetrics:
         self._extra.append(collector)
 
     def render(self) -> bytes:
-        shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        shared_dir = os.environ.get(METRICS_DIR_ENV)
         if not shared_dir:
             return generate_latest(self.registry)
         merged = CollectorRegistry()

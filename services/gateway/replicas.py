@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from prometheus_client import multiprocess
+
 from services.common.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,6 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     sock.bind(address)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -173,8 +174,6 @@ class ReplicaSupervisor:
 
     def _forget_metrics(self, pid: int) -> None:
         """A dead replica's live gauges (in-flight generations) leave the sum; its counters stay."""
-        from prometheus_client import multiprocess
-
         multiprocess.mark_process_dead(pid, self.metrics_dir)
 
 
