@@ -10,6 +10,8 @@
 # Every scheduler or gateway process that starts while this runs (one per layout) gets its own
 # `record --nonblocking` (the target is never paused) at SPY_RATE Hz (default 100), written as raw collapsed
 # stacks to SPY_OUT/<scheduler|gateway>-<pid>.txt when the process exits. Stops after SPY_WATCH_S (default 600 s).
+# SPY_KINDS (default "scheduler gateway") may add `worker` (files worker-<role>-<pid>.txt); SPY_FLAGS adds py-spy
+# flags, e.g. "--threads --idle" to see where a worker's engine thread spends its wall time, waits included.
 set -u
 SPY_OUT=${SPY_OUT:-$PWD/spy}
 PY_SPY=${PY_SPY:-/tmp/baton-site/bin/py-spy}
@@ -18,13 +20,15 @@ if [ ! -x "$PY_SPY" ]; then echo "spy_services: no py-spy at $PY_SPY (carry its 
 seen=" "
 end=$((SECONDS + ${SPY_WATCH_S:-600}))
 while [ $SECONDS -lt $end ]; do
-  for kind in scheduler gateway; do
-    module=$([ $kind = scheduler ] && echo scheduler.adapters || echo services.gateway)
+  for kind in ${SPY_KINDS:-scheduler gateway}; do
+    case $kind in scheduler) module=scheduler.adapters ;; gateway) module=services.gateway ;; *) module=services.$kind ;; esac
     for pid in $(pgrep -f "python.* -m $module" || true); do
       case "$seen" in *" $pid "*) continue ;; esac
       seen="$seen$pid "
-      timeout "${SPY_WATCH_S:-600}" "$PY_SPY" record -p "$pid" -r "${SPY_RATE:-100}" --nonblocking -f raw \
-        -o "$SPY_OUT/$kind-$pid.txt" >"$SPY_OUT/$kind-$pid.log" 2>&1 &
+      role=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | sed -n 's/.*--role \([a-z]*\).*/\1-/p')
+      # shellcheck disable=SC2086  # SPY_FLAGS is a list of flags
+      timeout "${SPY_WATCH_S:-600}" "$PY_SPY" record -p "$pid" -r "${SPY_RATE:-100}" --nonblocking -f raw ${SPY_FLAGS:-} \
+        -o "$SPY_OUT/$kind-$role$pid.txt" >"$SPY_OUT/$kind-$role$pid.log" 2>&1 &
     done
   done
   sleep 1
