@@ -222,6 +222,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
     p.add_argument("--scheduler-profile", type=Path, default=None, metavar="JSON",
                    help="a `baton profile` of the card: the scheduler's cost-model seed (the goodput policy's)")
+    p.add_argument("--worker-args", default="", metavar="ARGS",
+                   help="more `baton worker` flags for every worker, one string (an A/B of a worker setting: "
+                        "--worker-args=\"--gil-switch-interval-ms 0.2\")")
     p.add_argument("--gateway-processes", type=int, default=None,
                    help="gateway processes sharing its port (default: 4 on GPUs, where one event loop's ~7-8k "
                         "tokens/s would cap the layouts being compared; 1 with --smoke)")

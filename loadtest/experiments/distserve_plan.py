@@ -4,6 +4,7 @@ arguments, and whether the GPUs can hold it (loadtest/experiments/distserve.py r
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,12 +79,13 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
     prof = PROFILES["smoke" if args.smoke else args.model_shape]
     isl, osl = args.random_len or prof.random_len
     sharegpt = assets.unpack_sharegpt(work / "sharegpt-subset.json")
-    blocks = ("--num-blocks", str(args.num_blocks))
+    # The KV pool, then any worker flags under test (`--worker-args`): last, so they win.
+    worker_tail = ("--num-blocks", str(args.num_blocks), *shlex.split(args.worker_args))
     if args.smoke:
         from engine.loader import default_model_dir
 
         model_dir = default_model_dir(None)
-        spec = ClusterSpec(model_dir, model_dir.name, (*SMOKE_ENGINE, *blocks), args.slo_ttft_ms, args.slo_tpot_ms,
+        spec = ClusterSpec(model_dir, model_dir.name, (*SMOKE_ENGINE, *worker_tail), args.slo_ttft_ms, args.slo_tpot_ms,
                            args.policy, args.scheduler_profile, args.gateway_processes, cpu=True,
                            env={"OMP_NUM_THREADS": "1"})
         warmup: tuple[tuple[str, ...], ...] = (
@@ -94,7 +96,7 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
         # The worker sees its GPUs only; under TP the engine wants "cuda" (rank r takes cuda:r).
         device = ("--device", "cuda:0" if args.tp == 1 else "cuda")
         context = ("--max-model-len", str(max(4096, isl + osl + 64)))
-        spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *context, *blocks), args.slo_ttft_ms,
+        spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *context, *worker_tail), args.slo_ttft_ms,
                            args.slo_tpot_ms, args.policy, args.scheduler_profile, args.gateway_processes, tp=args.tp,
                            env=NO_NVLS)
         # The measured prompt length too: a shape first seen while serving compiles then (~1 s TTFT).

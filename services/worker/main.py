@@ -94,9 +94,10 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
                         "half a core each; see TransferConfig)")
     p.add_argument("--otel-exporter", choices=EXPORTERS, default="none",
                    help="OpenTelemetry spans of every RPC, continuing the caller's trace (otlp: OTEL_EXPORTER_OTLP_*)")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=1.0,
+    p.add_argument("--gil-switch-interval-ms", type=float, default=0.1,
                    help="sys.setswitchinterval: how long a thread may hold the GIL while another waits "
-                        "(Python's default 5 ms delays every hand-off hop behind the engine thread)")
+                        "(Python's default 5 ms delays every hand-off hop and every torch call of the engine "
+                        "thread behind the event loop)")
     p.add_argument("--nixl-threads", type=int, default=t.nixl_threads,
                    help="UCX worker threads per NIXL agent (0: NIXL's default)")
 
@@ -151,9 +152,12 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    # The KV link thread and the event loop hop threads on every hand-off (post, notice, commit); each
-    # hop waits for the GIL while the engine thread runs Python, up to the switch interval (5 ms by
-    # default: a polling thread measured 17.5 ms per 1 ms poll beside a busy engine, 1.9 ms at 0.5 ms).
+    # Three threads share the GIL: the engine thread, the event loop (RPCs, hand-off notices and commits,
+    # token streams) and the KV link. Each hop of a hand-off waits for the GIL up to the switch interval
+    # (a polling thread measured 17.5 ms per 1 ms poll beside a busy engine at 5 ms, 1.9 ms at 0.5 ms),
+    # and so does the engine thread after every torch call, which releases it: on a 4xH200 decode worker
+    # fed by three prefill workers, 0.1 ms instead of 1 ms cut its decode steps from ~17 to ~13 ms mean
+    # (docs/benchmarks.md, "The TPOT <= 50 pairs with four gateway processes").
     sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     if args.otel_exporter != "none":
         setup_tracing(args.otel_exporter, f"baton-worker-{config.role.value}")

@@ -53,3 +53,21 @@ def test_planner_layouts_map_onto_the_experiments_names() -> None:
     assert measured_name(Layout(0, 4)) == "c4"
     assert measured_name(Layout(1, 3)) == "1p3d"
     assert parse_layout(measured_name(Layout(3, 1))).gpus(1) == Layout(3, 1).gpus
+
+
+def test_worker_args_reach_every_worker_as_valid_worker_flags(tmp_path, monkeypatch) -> None:
+    import argparse
+
+    from loadtest.experiments import distserve_assets
+    from loadtest.experiments.distserve import parse_args
+    from loadtest.experiments.distserve_plan import make_plan
+    from services.worker.main import add_worker_args
+
+    monkeypatch.setattr(distserve_assets, "unpack_sharegpt", lambda dest: dest)
+    args = parse_args(["--smoke", "--worker-args=--gil-switch-interval-ms 0.2 --no-kv-checksums"])
+    engine_args = make_plan(tmp_path, args).spec.engine_args
+    assert engine_args[-3:] == ("--gil-switch-interval-ms", "0.2", "--no-kv-checksums")
+    worker = argparse.ArgumentParser()
+    add_worker_args(worker)
+    parsed = worker.parse_args(["--role", "decode", *engine_args])
+    assert parsed.gil_switch_interval_ms == 0.2 and parsed.kv_checksums is False
