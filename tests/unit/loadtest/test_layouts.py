@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
+from loadtest.experiments import distserve_assets
+from loadtest.experiments.distserve import parse_args
+from loadtest.experiments.distserve_plan import make_plan
 from loadtest.experiments.distserve_report import ranking
 from loadtest.experiments.layout_check import measured_name
 from loadtest.experiments.layouts import parse_layout
 from scheduler.planner import Layout
+from services.worker.main import add_worker_args
 
 
 def test_disaggregated_layout_places_prefill_first_on_consecutive_gpus() -> None:
@@ -55,14 +62,7 @@ def test_planner_layouts_map_onto_the_experiments_names() -> None:
     assert parse_layout(measured_name(Layout(3, 1))).gpus(1) == Layout(3, 1).gpus
 
 
-def test_worker_args_reach_every_worker_as_valid_worker_flags(tmp_path, monkeypatch) -> None:
-    import argparse
-
-    from loadtest.experiments import distserve_assets
-    from loadtest.experiments.distserve import parse_args
-    from loadtest.experiments.distserve_plan import make_plan
-    from services.worker.main import add_worker_args
-
+def test_worker_args_reach_every_worker_as_valid_worker_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(distserve_assets, "unpack_sharegpt", lambda dest: dest)
     args = parse_args(["--smoke", "--worker-args=--gil-switch-interval-ms 0.2 --no-kv-checksums"])
     engine_args = make_plan(tmp_path, args).spec.engine_args
