@@ -12,9 +12,10 @@ verdicts the scheduler issue asks for:
 - in every overload repeat (`exp3_overload`), enterprise TTFT p90 is within its SLO under `goodput`;
 - over every run of every repeat, the simulator's mean |error| is at most 5 pp, and its TTFT p90 is
   within 20% of the real one in every run.
-The same mean |error| of the replays run at each run's host speed (`analysis.py`) follows as context,
-not as a verdict: how much of the error is the shared host drifting between runs rather than the
-simulator's model of the policies and workers.
+The same two figures for the replays run at the speed each run's host ran its workers at, window by
+window (`analysis.py`, `simulate.host_speeds`), follow as context, not as verdicts: how much of the
+error is the shared host drifting between runs and within them rather than the simulator's model of
+the policies and workers.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class RunResult:
     sim_error_pp: float
     sim_ttft_ratio: float  # simulated / real TTFT p90
     engine_step_ms: float | None = None  # the host's speed during the run (`analysis.engine_step_ms`)
-    sim_at_host_speed_error_pp: float | None = None  # the replay at the run's host speed (analysis.py)
+    sim_host_replayed_error_pp: float | None = None  # the replay at the run's host speed (analysis.py)
+    sim_host_replayed_ttft_ratio: float | None = None  # its simulated / real TTFT p90
 
 
 def load(summary: dict) -> list[RunResult]:
@@ -54,13 +56,18 @@ def load(summary: dict) -> list[RunResult]:
         for run, result in data["runs"].items():
             real, sim = result["real"], result["sim"]
             enterprise = real.get("by_tier", {}).get("enterprise")
+            replayed = result.get("sim_host_replayed")
             results.append(RunResult(
                 experiment, run, real["goodput_fraction"],
                 enterprise["ttft_p90_ms"] if enterprise else None,
                 100.0 * (sim["goodput_fraction"] - real["goodput_fraction"]),
-                sim["ttft_p90_ms"] / real["ttft_p90_ms"] if real["ttft_p90_ms"] else float("inf"),
-                real.get("engine_step_ms"), result.get("sim_at_host_speed_error_pp")))
+                _ttft_ratio(sim, real), real.get("engine_step_ms"), result.get("sim_host_replayed_error_pp"),
+                None if replayed is None else _ttft_ratio(replayed, real)))
     return results
+
+
+def _ttft_ratio(sim: dict, real: dict) -> float:
+    return sim["ttft_p90_ms"] / real["ttft_p90_ms"] if real["ttft_p90_ms"] else float("inf")
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
@@ -128,13 +135,16 @@ def verdicts(repeats: Sequence[list[RunResult]]) -> list[Verdict]:
 
 
 def host_speed_context(repeats: Sequence[list[RunResult]]) -> str | None:
-    """The simulator's mean |error| when each run is replayed at its host's speed: context for the
-    verdict, not the verdict (None when the summaries predate it)."""
-    errors = [r.sim_at_host_speed_error_pp for rs in repeats for r in rs if r.sim_at_host_speed_error_pp is not None]
-    if not errors:
+    """The simulator's mean |error| and TTFT p90 count when each run is replayed at its host's speed:
+    context for the verdicts, not the verdicts (None when the summaries predate it)."""
+    replayed = [r for rs in repeats for r in rs if r.sim_host_replayed_error_pp is not None]
+    if not replayed:
         return None
-    mean = statistics.fmean(abs(e) for e in errors)
-    return f"replayed at each run's host speed, the simulator's mean |error| is {mean:.1f} pp over {len(errors)} runs"
+    mean = statistics.fmean(abs(r.sim_host_replayed_error_pp or 0.0) for r in replayed)
+    ratios = [r.sim_host_replayed_ttft_ratio for r in replayed if r.sim_host_replayed_ttft_ratio is not None]
+    within = sum(abs(x - 1.0) <= MAX_TTFT_RATIO_ERROR for x in ratios)
+    return (f"replayed at each run's host speed, the simulator's mean |error| is {mean:.1f} pp over "
+            f"{len(replayed)} runs, its TTFT p90 within {100 * MAX_TTFT_RATIO_ERROR:.0f}% in {within}/{len(ratios)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,11 @@ too few samples are interpolated between their neighbours; beyond the last the p
 The residuals' relative spread (against the table for decodes, the fit for prefills) becomes the
 simulator's step noise.
 
+Host. `host_speeds` measures, per worker and 5-s window of a run, how much slower or faster than the fit
+its decode steps ran; a replay given them (`worker_specs(..., speeds=...)`) prices every step at that
+speed (scheduler/sim/host.py). Replays judged against the runs use the fit alone: the host's drift is
+what a prediction cannot know, and the replay with it says how much of an error is that drift.
+
 Workers. The simulated workers report what the real `both` worker reports: no sample for a mixed
 step, its engine's pending prefill and, since 2026-11-27, its running sequences' summed context (before
 that the real scheduler priced every decode batch at zero context while the simulated one did not, one
@@ -46,6 +51,7 @@ from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.replay import Clients, ReplayConfig, _Replay
+from scheduler.sim.host import STEADY, HostSpeed
 from scheduler.sim.trace import Arrival
 from scheduler.sim.worker import SimWorker, SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -53,8 +59,8 @@ from scheduler.types import SLO, Tier, WorkerRole
 _WARMUP_STEPS = 2  # a worker's first steps include lazy initialisation; not representative
 _MIN_TABLE_SAMPLES = 5  # decode steps of one batch size needed for its own table entry
 _FEATURE_SCALES = np.array([1.0, 1e3, 1e6, 1.0, 1e1, 1e4])
-_STEP_COEFFICIENTS = ("prefill_fixed_s", "prefill_per_token_s", "prefill_per_token_sq_s", "decode_fixed_s",
-                      "decode_per_seq_s", "decode_per_context_token_s")
+HOST_WINDOW_S = 5.0  # see `host_speeds`
+_MIN_WINDOW_STEPS = 3  # decode steps a window needs for its own speed factor
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,6 @@ class FittedWorker:
     def decode_s(self, batch: int) -> float:
         table = self.decode_step_s
         return table[batch - 1] if 0 < batch <= len(table) else self.profile.decode_step_s(batch, 0)
-
-    def at_speed(self, factor: float) -> FittedWorker:
-        """The same worker with every step `factor` times as long: the fit of several runs replayed at the
-        speed one of them ran at (a host slower by that factor, `analysis.engine_step_ms`)."""
-        p = self.profile
-        profile = replace(p, **{name: factor * getattr(p, name) for name in _STEP_COEFFICIENTS})
-        return replace(self, profile=profile, decode_step_s=tuple(factor * s for s in self.decode_step_s))
 
 
 @dataclass(frozen=True)
@@ -270,9 +269,35 @@ def _by_tier(outcomes: Sequence[Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
+def host_speeds(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker],
+                window_s: float = HOST_WINDOW_S) -> dict[str, HostSpeed]:
+    """How fast each worker's host ran during the run, against the fit: per window of `window_s` from the
+    first request (the replay's clock, `trace_from_tap`), the median of the worker's pure decode steps
+    over the fit's step of their batch size. Batch size is divided out, so the factors follow the host,
+    not the policy's loading (though a busier other worker on the same cores is part of the host).
+    Windows with too few steps take the nearest measured one; a worker with none runs steady."""
+    t0 = min((r["t"] for r in tap["routes"]), default=0.0)
+    speeds = {}
+    for worker_id, rows in tap["samples"].items():
+        by_window: dict[int, list[float]] = {}
+        for row in rows:
+            if row[0] == "decode" and worker_id in fitted:
+                ratio = row[4] / fitted[worker_id].decode_s(row[2])
+                by_window.setdefault(int((row[1] - t0) // window_s), []).append(ratio)
+        measured = {w: float(np.median(v)) for w, v in by_window.items() if w >= 0 and len(v) >= _MIN_WINDOW_STEPS}
+        if not measured:
+            speeds[worker_id] = STEADY
+            continue
+        known = sorted(measured)
+        factors = tuple(measured[min(known, key=lambda k: (abs(k - w), k))] for w in range(known[-1] + 1))
+        speeds[worker_id] = HostSpeed(window_s, factors)
+    return speeds
+
+
 def worker_specs(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker], max_num_seqs: Mapping[str, int],
-                 max_prefill_tokens: int = 2048) -> list[SimWorkerSpec]:
-    """One simulated `both` worker per real one: same KV pool, batch limit and fitted step times."""
+                 max_prefill_tokens: int = 2048, speeds: Mapping[str, HostSpeed] | None = None) -> list[SimWorkerSpec]:
+    """One simulated `both` worker per real one: same KV pool, batch limit and fitted step times; `speeds`:
+    the host's speed over the run per worker (`host_speeds`; None: steady)."""
     specs = []
     for worker_id, w in sorted(tap["workers"].items()):
         specs.append(SimWorkerSpec(worker_id, WorkerRole(w["role"]), fitted[worker_id].profile,
@@ -280,7 +305,8 @@ def worker_specs(tap: Mapping[str, Any], fitted: Mapping[str, FittedWorker], max
                                    max_batch=max_num_seqs[worker_id], max_prefill_tokens=max_prefill_tokens,
                                    cache_blocks=w["total_blocks"], model=w["model"],
                                    decode_step_s=fitted[worker_id].decode_step_s,
-                                   mixed_decode_share=fitted[worker_id].mixed_decode_share))
+                                   mixed_decode_share=fitted[worker_id].mixed_decode_share,
+                                   host_speed=(speeds or {}).get(worker_id, STEADY)))
     return specs
 
 

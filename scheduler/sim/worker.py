@@ -9,9 +9,10 @@ worker itself shares the step with the decode batch, and each step reports KV ev
 a step sample of its kind (prefill, decode or mixed) that the next heartbeat carries to the scheduler,
 as a real worker's does (services/worker/heartbeat.py). Step times are the
 profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
-factor; a measured decode step table (`SimWorkerSpec.decode_step_s`) may replace the profile's decode
-price. An abort (a client that gave up) frees the sequence's blocks and queue places at once; a step already
-computing it finishes without it. Not modelled: preemption, transfer contention on the link.
+factor and the host's speed at the time (`SimWorkerSpec.host_speed`); a measured decode step table
+(`SimWorkerSpec.decode_step_s`) may replace the profile's decode price. An abort (a client that gave
+up) frees the sequence's blocks and queue places at once; a step already computing it finishes
+without it. Not modelled: preemption, transfer contention on the link.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.host import STEADY, HostSpeed
 from scheduler.sim.prefix_cache import SimPrefixCache
 from scheduler.sim.serving import NONE, ServingCost, StepShape
 from scheduler.sim.trace import Arrival
@@ -70,6 +72,9 @@ class SimWorkerSpec:
     # step as prefill + decode. On a CPU worker one forward pass carries both, and the decodes add
     # much less than a decode step of their own (policy_compare measures ~0.3 from token gaps).
     mixed_decode_share: float = 1.0
+    # The host's speed over the replay: a factor on every step's time (scheduler/sim/host.py). Part of
+    # the simulated truth only, and the samples the scheduler learns from carry it, as a real worker's do.
+    host_speed: HostSpeed = STEADY
 
     def __post_init__(self) -> None:
         if any(not s > 0 for s in self.decode_step_s):
@@ -253,17 +258,18 @@ class SimWorker:
         for job, _ in jobs:
             if job.seq.prefill_started_at is None:
                 job.seq.prefill_started_at = now
+        speed = self.spec.host_speed.at(now)
         seconds = 0.0
         if jobs:
             tokens = sum(t for _, t in jobs)
             attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
-            prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter()
+            prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter() * speed
             if not decoding:
                 self._samples.append(PrefillSample(tokens, prefill_s, attention))
             seconds += prefill_s
         context = sum(s.context for s in decoding)
         if decoding:
-            decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter()
+            decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter() * speed
             if jobs:
                 decode_s *= self.spec.mixed_decode_share
                 self._samples.append(MixedSample(tokens, attention, len(decoding), context, prefill_s + decode_s))
@@ -274,7 +280,7 @@ class SimWorker:
         handed_off = sum(1 for j in done if j.seq.decode_worker != self.worker_id)
         remote = any(j.seq.decode_worker != self.worker_id for j, _ in jobs)
         shape = StepShape(len(decoding), context, len(done), remote, handed_off)
-        seconds += self.spec.serving.step_s(shape) * self._jitter()
+        seconds += self.spec.serving.step_s(shape) * self._jitter() * speed
         self._step = (jobs, decoding)
         return seconds
 

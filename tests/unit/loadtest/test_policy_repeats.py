@@ -69,12 +69,16 @@ def test_the_engine_step_is_the_median_single_sequence_decode_step_of_every_work
     assert engine_step_ms({"samples": {"worker-a": [["prefill", 1.0, 64, 4096, 0.4]]}}) is None
 
 
-def test_the_error_at_each_runs_host_speed_is_reported_beside_the_verdicts_when_the_summaries_have_it() -> None:
+def test_the_replays_at_each_runs_host_speed_are_reported_beside_the_verdicts_when_the_summaries_have_them() -> None:
     summary = _summary(1.0, 0.9, 2000)
     assert host_speed_context([load(summary)]) is None  # older summaries
     for experiment in summary.values():
         for run in experiment["runs"].values():
-            run["sim_at_host_speed_error_pp"] = -4.0
-    summary["exp1_random"]["runs"]["goodput"]["sim_at_host_speed_error_pp"] = 1.0
+            run["sim_host_replayed_error_pp"] = -4.0
+            run["sim_host_replayed"] = {"goodput_fraction": 0.5, "ttft_p90_ms": run["real"]["ttft_p90_ms"] * 1.1}
+    goodput = summary["exp1_random"]["runs"]["goodput"]
+    goodput["sim_host_replayed_error_pp"] = 1.0
+    goodput["sim_host_replayed"]["ttft_p90_ms"] = 0.5 * goodput["real"]["ttft_p90_ms"]
     context = host_speed_context([load(summary)])
-    assert context is not None and context.endswith("mean |error| is 3.4 pp over 5 runs")  # (4*4+1)/5
+    assert context is not None
+    assert context.endswith("mean |error| is 3.4 pp over 5 runs, its TTFT p90 within 20% in 4/5")  # (4*4+1)/5

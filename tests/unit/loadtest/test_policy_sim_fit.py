@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from loadtest.experiments.simulate import FittedWorker, decode_table, fit_workers, rebuild_steps
+from loadtest.experiments.simulate import FittedWorker, decode_table, fit_workers, host_speeds, rebuild_steps
 from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.host import STEADY, HostSpeed
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
@@ -91,12 +92,35 @@ def test_a_mixed_decode_share_outside_0_1_is_refused() -> None:
         SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, mixed_decode_share=1.5)
 
 
-def test_a_fit_replayed_at_a_slower_hosts_speed_takes_that_much_longer_for_every_step() -> None:
-    profile = WorkerProfile(prefill_fixed_s=0.1, prefill_per_token_s=2e-3, prefill_per_token_sq_s=1e-6,
-                            decode_fixed_s=0.06, decode_per_seq_s=0.01, decode_per_context_token_s=1e-6)
-    fitted = FittedWorker(profile, (0.07, 0.12), noise=0.1, steps=100, mean_abs_rel_err=0.1, mixed_decode_share=0.3)
-    slow = fitted.at_speed(1.25)
-    assert slow.decode_step_s == pytest.approx((0.0875, 0.15))
-    assert slow.decode_s(5) == pytest.approx(1.25 * fitted.decode_s(5))  # past the table: the profile
-    assert slow.prefill_s([64, 32]) == pytest.approx(1.25 * fitted.prefill_s([64, 32]))
-    assert (slow.noise, slow.mixed_decode_share) == (0.1, 0.3)  # relative: unchanged
+def test_host_speed_takes_the_factor_of_the_window_and_the_nearest_one_outside_them() -> None:
+    speed = HostSpeed(window_s=5.0, factors=(1.0, 1.2, 0.9))
+    assert [speed.at(t) for t in (-1.0, 0.0, 4.99, 5.0, 12.0, 99.0)] == [1.0, 1.0, 1.0, 1.2, 0.9, 0.9]
+    assert STEADY.at(42.0) == 1.0
+    with pytest.raises(ValueError, match="positive"):
+        HostSpeed(factors=(1.0, 0.0))
+
+
+def test_a_step_in_a_slower_window_takes_that_much_longer_and_its_sample_says_so() -> None:
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, PROFILE, max_batch=8, decode_step_s=(0.08, 0.14),
+                         host_speed=HostSpeed(window_s=5.0, factors=(1.0, 1.25)))
+    worker = SimWorker(spec, random.Random(0), 0.0)
+    _decoding(worker, 2)
+    assert worker.start_step(1.0) == pytest.approx(0.14)
+    worker.finish_step(1.14)
+    assert worker.start_step(6.0) == pytest.approx(1.25 * 0.14)
+    _, samples, _ = worker.heartbeat(6.2)
+    assert [s.seconds for s in samples] == pytest.approx([0.14, 1.25 * 0.14])
+
+
+def test_host_speeds_are_each_windows_median_step_over_the_fit_with_gaps_from_the_nearest() -> None:
+    fitted = {w: FittedWorker(PROFILE, (0.08, 0.14), noise=0.1, steps=100, mean_abs_rel_err=0.1) for w in "ab"}
+    t0 = 100.0  # the first request reached the scheduler then: the replay's zero
+    rows = ([["decode", t0 + 1.0, 1, 80, s] for s in (0.08, 0.08, 0.088)]  # window 0: x1.0
+            + [["decode", t0 + 6.0, 2, 160, 0.14 * 1.3]] * 2  # window 1: too few steps
+            + [["decode", t0 + 12.0, 2, 160, s] for s in (0.14 * 1.2, 0.14 * 1.25, 0.14 * 1.2)]  # window 2
+            + [["decode", t0 - 3.0, 1, 80, 0.5]] * 3  # before the first request: not the replay's
+            + [["prefill", t0 + 1.0, 64, 4096, 0.4]] * 3)
+    tap = {"routes": [{"t": t0 + 2.0}, {"t": t0}], "samples": {"a": rows, "b": [["prefill", t0, 64, 4096, 0.4]]}}
+    speeds = host_speeds(tap, fitted)
+    assert speeds["a"].factors == pytest.approx((1.0, 1.0, 1.2))  # window 1 ties: the earlier neighbour
+    assert speeds["b"] is STEADY  # no decode steps: nothing to say about its host
