@@ -111,11 +111,18 @@ class WorkerSnapshot:
     # Tokens the running sequences may still generate (their max_tokens minus those out): when their
     # slots free. 0 with sequences running: unknown (an older worker), their progress is guessed.
     running_remaining_tokens: int = 0
+    # Decode worker: sequences holding their blocks while a prefill worker computes their prompt (they
+    # take a batch slot when their KV lands, and count toward max_num_seqs already).
+    waiting_for_remote_kv: int = 0
+    # Requests taken on since the worker started, each counted once this snapshot's load shows it: the
+    # registry drops that many reservations (scheduler/core/registry.py). None: not reported (an older
+    # worker), reservations expire by age.
+    requests_received: int | None = None
 
     def __post_init__(self) -> None:
         counts = (self.queue_depth, self.running_seqs, self.free_blocks, self.inflight_prefill_tokens)
         extras = (self.running_context_tokens, self.max_num_seqs, self.inflight_prefill_requests,
-                  self.running_remaining_tokens)
+                  self.running_remaining_tokens, self.waiting_for_remote_kv, self.requests_received or 0)
         if min(counts) < 0 or min(extras) < 0:
             raise ValueError(f"worker {self.worker_id}: load counts must be non-negative")
         if self.block_size <= 0 or not 0 <= self.free_blocks <= self.total_blocks:

@@ -87,6 +87,8 @@ def snapshot_from_status(status: worker_pb2.WorkerStatus, address: str, now: flo
             running_remaining_tokens=status.running_remaining_tokens,
             max_num_seqs=status.max_num_seqs,
             inflight_prefill_requests=status.inflight_prefill_requests,
+            waiting_for_remote_kv=status.waiting_for_remote_kv,
+            requests_received=status.requests_received if status.HasField("requests_received") else None,
         )
     except InvalidMessageError:
         raise
@@ -109,6 +111,8 @@ def status_from_snapshot(snapshot: WorkerSnapshot) -> worker_pb2.WorkerStatus:
         inflight_prefill_requests=snapshot.inflight_prefill_requests,
         running_context_tokens=snapshot.running_context_tokens,
         running_remaining_tokens=snapshot.running_remaining_tokens,
+        waiting_for_remote_kv=snapshot.waiting_for_remote_kv,
+        requests_received=snapshot.requests_received,
     )
 
 

@@ -17,10 +17,19 @@ worker's rate of arrivals; a load older than `LOAD_REFRESH_S` is rebuilt so that
 rates are observed from a worker's registration, and from the start of the cluster's current busy period
 (`restart_rates`, when nothing runs or waits anywhere).
 
-Reservations: each placement adds its load to the chosen workers at once. A heartbeat received at
-`now` is assumed to include every reservation made before `now - dispatch_grace_s` (the grace
-covers the gateway-to-worker hop), and those are dropped. Counting a request twice for one
-heartbeat is preferred to not counting it: undercounting herds the next requests onto the worker.
+Reservations: each placement adds its load to the chosen workers at once, until the worker's own
+load shows it. A worker counts the requests it has taken on (`WorkerSnapshot.requests_received`,
+each counted once its status includes it), so a heartbeat whose count grew by n drops the n oldest
+reservations: exactly what it now reports, however long the gateway-to-worker hop took. (Dropping
+every reservation older than a fixed grace did not: on the 2-core CPU policy runs the hop sometimes
+took longer than the 50 ms grace, the heartbeat in between dropped a request the worker had not
+received yet, and the next decision placed a second request on a one-slot worker that already had
+one coming; docs/benchmarks.md, scheduler policies, pass R.) A reservation whose request never
+arrives (a gateway that died, a dispatch that failed and was routed again) is dropped after
+`dispatch_timeout_s`. A worker that does not report the count falls back to the grace rule: a
+heartbeat received at `now` includes every reservation made before `now - dispatch_grace_s`.
+Counting a request twice for one heartbeat is preferred to not counting it: undercounting herds the
+next requests onto the worker.
 """
 
 from __future__ import annotations
@@ -59,6 +68,14 @@ class RateWindow:
             raise ValueError("a rate window needs time_constant_s > 0 and min_s > 0")
 
 
+def _arrived(before: int | None, now: int | None) -> int | None:
+    """Requests a worker took on between two heartbeats, or None when the two counts cannot say (it does
+    not count them, or the count went back: the worker restarted under the same id)."""
+    if now is None or before is None or now < before:
+        return None
+    return now - before
+
+
 # The prefill share changes with time alone; rebuilding a worker's load this often keeps it current
 # without rebuilding every worker for every decision (64 workers at 1,000 decisions/s).
 LOAD_REFRESH_S = 0.25
@@ -94,7 +111,7 @@ class _WorkerRecord:
             snapshot=s,
             queued_prefill_tokens=s.inflight_prefill_tokens + r.prefill_tokens,
             queued_prefill_requests=max(s.queue_depth, s.inflight_prefill_requests) + r.prefill_requests,
-            decode_batch=s.running_seqs + s.queue_depth + r.decode_seqs,
+            decode_batch=s.running_seqs + s.queue_depth + s.waiting_for_remote_kv + r.decode_seqs,
             context_tokens=s.running_context_tokens + r.context_tokens,
             free_blocks=max(s.free_blocks - r.blocks, 0),
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
@@ -107,12 +124,14 @@ class _WorkerRecord:
 
 class WorkerRegistry:
     def __init__(
-        self, heartbeat_timeout_s: float, dispatch_grace_s: float, prefill_window: RateWindow | None = None
+        self, heartbeat_timeout_s: float, dispatch_grace_s: float, prefill_window: RateWindow | None = None,
+        dispatch_timeout_s: float = 5.0,
     ) -> None:
-        if heartbeat_timeout_s <= 0 or dispatch_grace_s < 0:
-            raise ValueError("need heartbeat_timeout_s > 0 and dispatch_grace_s >= 0")
+        if heartbeat_timeout_s <= 0 or dispatch_grace_s < 0 or dispatch_timeout_s < dispatch_grace_s:
+            raise ValueError("need heartbeat_timeout_s > 0 and 0 <= dispatch_grace_s <= dispatch_timeout_s")
         self._timeout_s = heartbeat_timeout_s
         self._grace_s = dispatch_grace_s
+        self._dispatch_timeout_s = dispatch_timeout_s
         self._prefill_window = prefill_window or RateWindow()
         self._workers: dict[str, _WorkerRecord] = {}
         self._oldest_seen = math.inf  # a lower bound of every worker's last_seen (see `expire`)
@@ -134,18 +153,30 @@ class WorkerRegistry:
             self._workers[snapshot.worker_id] = _WorkerRecord(snapshot, now, self._prefill_window)
             self._oldest_seen = min(self._oldest_seen, now)
             return True
+        arrived = _arrived(record.snapshot.requests_received, snapshot.requests_received)
         record.snapshot = snapshot
         record.last_seen = now
         self._oldest_seen = min(self._oldest_seen, now)  # a lower bound even if `now` went back
         record.failed = False  # alive after all (or again): routable
         record.changed()
-        cutoff = now - self._grace_s
-        while record.reservations and record.reservations[0][0] <= cutoff:
-            record.reservations.popleft()
-        record.reserved = Reservation()
-        for _, reservation in record.reservations:
-            record.reserved = record.reserved.plus(reservation)
+        self._settle(record, arrived, now)
         return False
+
+    def _settle(self, record: _WorkerRecord, arrived: int | None, now: float) -> None:
+        """Drop the reservations a heartbeat's load now includes (see the module doc): the `arrived`
+        oldest, or without a count those older than the grace; and any older than the dispatch timeout."""
+        reservations = record.reservations
+        if arrived is None:
+            cutoff = now - self._grace_s
+        else:
+            cutoff = now - self._dispatch_timeout_s
+            for _ in range(min(arrived, len(reservations))):
+                reservations.popleft()
+        while reservations and reservations[0][0] <= cutoff:
+            reservations.popleft()
+        record.reserved = Reservation()
+        for _, reservation in reservations:
+            record.reserved = record.reserved.plus(reservation)
 
     def mark_failed(self, worker_id: str) -> None:
         """A gateway saw the worker fail: unroutable until its next heartbeat (KeyError: unknown)."""
@@ -168,6 +199,8 @@ class WorkerRegistry:
         return dead
 
     def reserve(self, worker_id: str, reservation: Reservation, now: float) -> None:
+        """One request's load on one worker (one reservation per request and worker: a heartbeat's count
+        of requests received drops that many, see the module doc)."""
         record = self._workers[worker_id]
         record.reservations.append((now, reservation))
         record.reserved = record.reserved.plus(reservation)

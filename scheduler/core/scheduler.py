@@ -42,7 +42,10 @@ from scheduler.types import (
 @dataclass(frozen=True)
 class SchedulerConfig:
     heartbeat_timeout_s: float = 10.0  # silent this long: dead, never routed to again (adapters/server.py: why 10)
-    dispatch_grace_s: float = 0.05  # see registry: how long a placement may be missing from heartbeats
+    # See registry: how long a placement may be missing from the heartbeats of a worker that does not
+    # count the requests it takes on; and how long one is kept, at most, for a request that never arrives.
+    dispatch_grace_s: float = 0.05
+    dispatch_timeout_s: float = 5.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     default_profile: WorkerProfile = field(default_factory=WorkerProfile)  # for unprofiled workers
     cost_window: int = 512  # samples per fit: the last few seconds of steps
@@ -60,7 +63,8 @@ class Scheduler:
         self.policy = policy
         self.config = config or SchedulerConfig()
         window = RateWindow(self.config.prefill_window_s, self.config.prefill_min_window_s)
-        self._registry = WorkerRegistry(self.config.heartbeat_timeout_s, self.config.dispatch_grace_s, window)
+        self._registry = WorkerRegistry(self.config.heartbeat_timeout_s, self.config.dispatch_grace_s, window,
+                                        self.config.dispatch_timeout_s)
         self._queue = AdmissionQueue(self.config.admission)
         self._prefix = PrefixIndex()
         self._costs: dict[str, CostModel] = {}
@@ -266,8 +270,13 @@ class Scheduler:
             prompt, prefill_cached, self._registry.snapshot(prefill_id).block_size
         )
         new_tokens = prompt - prefill_cached_tokens
-        self._registry.reserve(decode_id, decode_share, now)
-        self._registry.reserve(prefill_id, Reservation(prefill_tokens=new_tokens, prefill_requests=1), now)
+        prefill_share = Reservation(prefill_tokens=new_tokens, prefill_requests=1)
+        # One reservation per request and worker: a worker's heartbeat counts requests (registry.py).
+        if prefill_id == decode_id:
+            self._registry.reserve(decode_id, decode_share.plus(prefill_share), now)
+        else:
+            self._registry.reserve(decode_id, decode_share, now)
+            self._registry.reserve(prefill_id, prefill_share, now)
         compute_s = self._costs[prefill_id].prefill_s(new_tokens, prefill_cached_tokens)
         self._registry.record_prefill(prefill_id, compute_s, now)
         self._registry.track(request.request_id, decode_id, request.slo.tpot_ms, now)

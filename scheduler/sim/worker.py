@@ -151,6 +151,8 @@ class SimWorker:
         self._step: tuple[list[tuple[PrefillJob, int]], list[SimSequence]] | None = None  # (job, tokens)
         self._samples: list[StepSample] = []
         self._landed: list[SimSequence] = []  # remote KV that arrived mid-step, committed when it ends
+        self._awaiting_kv: set[SimSequence] = set()  # holding blocks here while a prefill worker computes
+        self._received = 0  # requests taken on, as a real worker counts them (services/worker/intake.py)
 
     @property
     def busy(self) -> bool:
@@ -163,6 +165,7 @@ class SimWorker:
     # ---- decode side ---------------------------------------------------------------------------
 
     def admit(self, seq: SimSequence) -> None:
+        self._received += 1
         _insert_by_priority(self._waiting, seq, lambda other: _priority(other) > _priority(seq))
 
     def allocate_waiting(self) -> list[SimSequence]:
@@ -183,11 +186,14 @@ class SimWorker:
             seq.decode_cached_tokens = min(
                 cached_blocks * self.spec.block_size, seq.arrival.prompt_tokens - 1
             )
+            if seq.prefill_worker is not None:
+                self._awaiting_kv.add(seq)
             ready.append(seq)
         return ready
 
     def join(self, seq: SimSequence, now: float) -> SimSequence | None:
         """The KV is here and the first token is out: start decoding. Returns seq if it is done."""
+        self._awaiting_kv.discard(seq)
         seq.first_token_at = now
         seq.generated = 1
         self.cache.store(seq.arrival.prefix_hashes)
@@ -224,6 +230,7 @@ class SimWorker:
         self._prefill_queue = deque(j for j in self._prefill_queue if j.seq is not seq or in_step)
         if seq.decode_worker != self.worker_id or seq.aborted:
             return
+        self._awaiting_kv.discard(seq)
         if seq in self._waiting:
             self._waiting.remove(seq)
         elif seq.finished_at is None:  # it holds blocks here: prefilling, in transfer or decoding
@@ -240,6 +247,7 @@ class SimWorker:
         if seq.decode_worker == self.worker_id:
             cached = seq.decode_cached_tokens
         else:
+            self._received += 1  # a prefill worker's job: its own request here
             cached = min(self.cache.match(seq.arrival.prefix_hashes) * self.spec.block_size, prompt - 1)
         job = PrefillJob(seq, prompt - cached, cached)
         # A prompt part-way through its chunks is the engine's running prefill: it keeps its place.
@@ -359,7 +367,9 @@ class SimWorker:
         # Like the engine's pending prefill tokens: prompts waiting for a slot here count too.
         local_waiting = [s for s in self._waiting if s.prefill_worker is None]
         queued_tokens += sum(s.arrival.prompt_tokens for s in local_waiting)
-        not_running = len(self._waiting) + self._holding - len(self._running)
+        # Like the engine's: sequences holding blocks for a remote prefill are counted apart from its queue.
+        awaiting_kv = len(self._awaiting_kv)
+        not_running = len(self._waiting) + self._holding - len(self._running) - awaiting_kv
         if self.spec.role is WorkerRole.PREFILL:  # like the engine's waiting queue: not started yet
             not_running = sum(1 for j in self._prefill_queue if not j.done_tokens and j not in in_step)
         snapshot = WorkerSnapshot(
@@ -379,6 +389,8 @@ class SimWorker:
             running_remaining_tokens=sum(max(s.max_tokens - s.generated, 0) for s in self._running),
             max_num_seqs=self.spec.max_batch,
             inflight_prefill_requests=len(jobs) + len(local_waiting),
+            waiting_for_remote_kv=awaiting_kv,
+            requests_received=self._received,
         )
         samples, self._samples = self._samples, []
         return snapshot, samples, self.cache.drain_events()

@@ -53,6 +53,7 @@ from services.worker.decode_jobs import (
     PrefillPath,
     coalesce,
 )
+from services.worker.intake import Intake
 from services.worker.kv_link import OnLanded
 from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
@@ -74,6 +75,7 @@ class _Flow:
     attempts: int = 0
     peer_address: str = ""  # the prefill worker of the latest remote attempt
     task: asyncio.Task[None] | None = None
+    counted: bool = False  # in the worker's intake (`DecodeService._taken`)
 
     def __post_init__(self) -> None:
         self.choice_aborted = [False] * len(self.job.choice_ids)
@@ -98,9 +100,11 @@ _Prefilled = tuple[list[AsyncIterator[RequestOutput] | None] | None, PrefillPath
 class DecodeService:
     def __init__(self, engine: AsyncEngine, policy: DisaggPolicy, metrics: WorkerMetrics,
                  remote: RemotePrefill | None = None, peers: PrefillPeers | None = None,
-                 verifier: LandedVerifier | None = None) -> None:
-        """`remote`, `peers`, `verifier`: a decode worker's; a `both` worker has none."""
+                 verifier: LandedVerifier | None = None, intake: Intake | None = None) -> None:
+        """`remote`, `peers`, `verifier`: a decode worker's; a `both` worker has none. `intake`: counts each
+        flow once its first engine command is submitted (services/worker/intake.py)."""
         self._engine = engine
+        self._intake = intake or Intake()
         self._policy = policy
         self._metrics = metrics
         self._remote = remote
@@ -274,6 +278,7 @@ class DecodeService:
         streams: list[AsyncIterator[RequestOutput] | None] = [self._engine.open_stream(r) for r in flow.engine_rids]
         reserved = time.perf_counter()
         force = job.mode is PrefillMode.REMOTE
+        self._taken(flow)  # same turn as the engine command below (intake.py)
         reservation = await self._engine.reserve_remote(
             erid, job.prompt, job.params,
             wants_remote=lambda cached: force or self._policy.remote_given_cache(len(job.prompt), cached))
@@ -361,8 +366,15 @@ class DecodeService:
         streams: list[AsyncIterator[RequestOutput] | None] = [None] * len(flow.engine_rids)
         for i in flow.live():
             streams[i] = self._engine.open_stream(flow.engine_rids[i])
+            self._taken(flow)  # same turn as the engine command below (intake.py)
             await self._engine.add_request(flow.engine_rids[i], job.prompt, job.choice_params[i])
         return await self._enter_engine(flow, streams)
+
+    def _taken(self, flow: _Flow) -> None:
+        """Count the flow as taken on, once (a local fallback after a remote attempt is the same request)."""
+        if not flow.counted:
+            flow.counted = True
+            self._intake.take()
 
     async def _enter_engine(self, flow: _Flow, streams: list[AsyncIterator[RequestOutput] | None],
                             ) -> list[AsyncIterator[RequestOutput] | None]:

@@ -35,6 +35,7 @@ from kvtransfer.base import HandoffPayload, HandshakeInfo, TransferPlan, Transfe
 from kvtransfer.errors import UnknownPeerError
 from services.worker.config import TransferConfig
 from services.worker.faults import WorkerFaults
+from services.worker.intake import Intake
 from services.worker.kv_link import KVLink, TransferResult
 from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_order import PrefillOrder
@@ -72,8 +73,10 @@ class _RunningOrder:
 
 class PrefillService:
     def __init__(self, engine: AsyncEngine, link: KVLink, config: TransferConfig, faults: WorkerFaults,
-                 metrics: WorkerMetrics, block_size: int) -> None:
+                 metrics: WorkerMetrics, block_size: int, intake: Intake | None = None) -> None:
+        """`intake`: counts each job once it joins this worker's jobs (services/worker/intake.py)."""
         self._engine = engine
+        self._intake = intake or Intake()
         self._link = link
         self._config = config
         self._faults = faults
@@ -110,6 +113,7 @@ class PrefillService:
         job = _RunningOrder(order)
         job.task = asyncio.create_task(self._run(job), name=f"prefill-{order.request_id}")
         self._jobs[order.request_id] = job
+        self._intake.take()  # the status counts it from now on: unsubmitted, then in the engine
         job.task.add_done_callback(lambda _: self._jobs.pop(order.request_id, None))
         try:
             return await asyncio.shield(job.task)

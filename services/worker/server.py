@@ -32,6 +32,7 @@ from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
+from services.worker.intake import Intake
 from services.worker.kv_link import KVLink
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_peers import PrefillPeers
@@ -53,6 +54,7 @@ class WorkerServer:
         self.metrics = WorkerMetrics(config.role.value)
         self.faults = WorkerFaults(config.faults)
         self.telemetry = TelemetryBuffer()
+        self.intake = Intake()  # requests taken on, across role switches (intake.py)
         self.port = 0
         self._link: KVLink | None = None
         self._verifier: LandedVerifier | None = None
@@ -109,14 +111,16 @@ class WorkerServer:
                                             shards=shards)
         if cfg.role is WorkerRole.PREFILL:
             assert self._link is not None
-            self._prefill = PrefillService(engine, self._link, cfg.transfer, self.faults, self.metrics, block_size)
+            self._prefill = PrefillService(engine, self._link, cfg.transfer, self.faults, self.metrics, block_size,
+                                           self.intake)
         elif cfg.role is WorkerRole.DECODE:
             assert self._link is not None
             self._peers = PrefillPeers(cfg.prefill_peers, self._link, self.worker_id, cfg.transfer.peer_down_s)
             remote = RemotePrefill(self._link, self._peers, cfg.transfer, block_size)
-            self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers, self._verifier)
+            self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers, self._verifier,
+                                         self.intake)
         else:
-            self._decode = DecodeService(engine, cfg.policy, self.metrics)
+            self._decode = DecodeService(engine, cfg.policy, self.metrics, intake=self.intake)
 
     def _start_telemetry(self) -> None:
         if self.config.scheduler_address:
@@ -151,7 +155,9 @@ class WorkerServer:
         """A consistent snapshot, taken on the engine thread between steps."""
         assert self._async_engine is not None
         # Read before the engine's snapshot: a job handed over in between then counts twice for one
-        # heartbeat rather than not at all (undercounting herds the scheduler's next picks here).
+        # heartbeat rather than not at all (undercounting herds the scheduler's next picks here). The
+        # intake first of all: every request it counts is then in the load below (intake.py).
+        received = self.intake.count
         unsubmitted = self._prefill.unsubmitted_prefill() if self._prefill is not None else (0, 0)
         s = await self._async_engine.status()
         self.metrics.free_blocks.set(s.free_blocks)
@@ -171,7 +177,7 @@ class WorkerServer:
             held_blocks=s.held_blocks, quarantined_requests=quarantined,
             waiting_for_remote_kv=s.num_waiting_for_remote_kv,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,
-            draining=self._draining)
+            draining=self._draining, requests_received=received)
 
     def _on_step(self, stats: StepStats) -> None:
         """Engine thread, after every step that ran something."""

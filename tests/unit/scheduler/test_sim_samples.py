@@ -47,3 +47,26 @@ def test_each_step_reports_one_sample_of_its_kind() -> None:
     assert (mixed.prefill_tokens, mixed.batch_size) == (64, 1)
     prefill = profile.prefill_step_s(64, 64 * 64)
     assert mixed.seconds == pytest.approx(prefill + 0.25 * profile.decode_step_s(1, mixed.context_tokens))
+
+
+def test_a_simulated_pair_counts_requests_as_real_workers_do_and_reports_sequences_awaiting_kv() -> None:
+    """The decode worker counts a request when it takes it on, the prefill worker when the job reaches it
+    (services/worker/intake.py); a sequence holding blocks for a remote prefill is reported apart from the
+    queue, as the engine's `waiting_for_remote_kv`."""
+    rng = random.Random(0)
+    decode = SimWorker(SimWorkerSpec("d", WorkerRole.DECODE, WorkerProfile(), max_batch=4), rng, 0.0)
+    prefill = SimWorker(SimWorkerSpec("p", WorkerRole.PREFILL, WorkerProfile()), rng, 0.0)
+    arrival = Arrival(0.0, "r", 64, 8, extend_chain((), 4, label=0), Tier.FREE)
+    seq = SimSequence(arrival, SLO(1000, 100), 8, 8, decode_worker="d", prefill_worker="p")
+    decode.admit(seq)
+    snapshot, _, _ = decode.heartbeat(0.01)
+    assert (snapshot.requests_received, snapshot.queue_depth, snapshot.waiting_for_remote_kv) == (1, 1, 0)
+    (ready,) = decode.allocate_waiting()
+    assert prefill.heartbeat(0.02)[0].requests_received == 0  # the job has not reached it
+    prefill.enqueue_prefill(ready)
+    snapshot, _, _ = decode.heartbeat(0.03)
+    assert (snapshot.requests_received, snapshot.queue_depth, snapshot.waiting_for_remote_kv) == (1, 0, 1)
+    assert prefill.heartbeat(0.03)[0].requests_received == 1
+    decode.land(seq, 0.5)
+    snapshot, _, _ = decode.heartbeat(0.6)
+    assert (snapshot.running_seqs, snapshot.waiting_for_remote_kv) == (1, 0)

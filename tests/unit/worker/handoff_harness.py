@@ -33,6 +33,7 @@ from services.worker.config import DisaggPolicy, TransferConfig
 from services.worker.decode_jobs import GenerateEvent
 from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
+from services.worker.intake import Intake
 from services.worker.kv_link import KVLink
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_peers import PrefillPeer, PrefillPeers
@@ -216,6 +217,7 @@ class Worker:
     gate: StepGate
     reclaimed: list[str] = field(default_factory=list)
     on_reclaimable: Callable[[str], None] | None = None
+    intake: Intake = field(default_factory=Intake)  # what its heartbeat would report as requests_received
 
     @property
     def agent(self) -> MemoryAgent:
@@ -270,7 +272,8 @@ def tokens_of(events: list[GenerateEvent]) -> list[int]:
 
 
 def prefill_service(worker: Worker, config: TransferConfig) -> PrefillService:
-    return PrefillService(worker.engine, worker.link, config, worker.faults, worker.metrics, BLOCK_SIZE)
+    return PrefillService(worker.engine, worker.link, config, worker.faults, worker.metrics, BLOCK_SIZE,
+                          worker.intake)
 
 
 def decode_service(worker: Worker, config: TransferConfig, stubs: dict[str, InProcessStub],
@@ -278,6 +281,6 @@ def decode_service(worker: Worker, config: TransferConfig, stubs: dict[str, InPr
     peers = InProcessPeers(stubs, worker.link)
     remote = RemotePrefill(worker.link, peers, config, BLOCK_SIZE)
     verifier = LandedVerifier(worker.llm.runner.kv_cache, enabled=config.checksums, faults=worker.faults.kv)
-    service = DecodeService(worker.engine, POLICY, worker.metrics, remote, peers, verifier)
+    service = DecodeService(worker.engine, POLICY, worker.metrics, remote, peers, verifier, worker.intake)
     worker.on_reclaimable = service.on_reclaimable
     return service, remote, peers

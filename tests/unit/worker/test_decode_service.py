@@ -157,3 +157,42 @@ async def test_a_client_leaving_mid_stream_aborts_the_request(pair: Pair) -> Non
     await stream.aclose()  # the gRPC stream was cancelled
     await eventually(lambda: pair.service.num_flows == 0)  # the flow saw the engine's ABORT and ended
     await eventually(pair.all_free)
+
+
+async def test_each_request_counts_once_in_each_workers_intake_whatever_path_it_took(pair: Pair) -> None:
+    """What heartbeats report as `requests_received` (services/worker/intake.py): the scheduler drops one
+    reservation per counted request, so a fallback must not count the request again."""
+    await asyncio.wait_for(drain_events(pair.generate("ok")), TIMEOUT_S)
+    assert (pair.decode.intake.count, pair.prefill.intake.count) == (1, 1)
+    pair.decode.faults.kv.arm(Fault.CORRUPT_DESTINATION)  # the hand-off fails: prefilled again locally
+    events = await asyncio.wait_for(drain_events(pair.generate("fallback")), TIMEOUT_S)
+    assert events[0].prefill_path is PrefillPath.LOCAL_FALLBACK
+    assert (pair.decode.intake.count, pair.prefill.intake.count) == (2, 2)
+    await asyncio.wait_for(drain_events(pair.generate("local", mode=PrefillMode.LOCAL)), TIMEOUT_S)
+    assert (pair.decode.intake.count, pair.prefill.intake.count) == (3, 2)
+
+
+async def test_a_request_the_intake_counts_is_in_the_next_engine_status(pair: Pair) -> None:
+    """The count is read before the engine's status snapshot; the engine runs its commands in order, so
+    whatever was counted is in the snapshot, even when the engine was mid-step when it arrived."""
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)  # still running at the pause
+    hog = asyncio.create_task(drain_events(pair.generate("hog", PROMPT, long, PrefillMode.LOCAL)))
+    await eventually(lambda: _running(pair))
+    pair.decode.gate.arm()
+    await pair.decode.gate.paused()  # mid-step: the next commands wait for its end
+    late = asyncio.create_task(drain_events(pair.generate("late", mode=PrefillMode.LOCAL)))
+    await eventually(lambda: _counted(pair, 2))
+    counted = pair.decode.intake.count
+    status = asyncio.create_task(pair.decode.status())
+    pair.decode.gate.release()
+    s = await asyncio.wait_for(status, TIMEOUT_S)
+    assert counted == 2 and s.num_running + s.num_waiting == 2
+    await asyncio.wait_for(asyncio.gather(hog, late), TIMEOUT_S)
+
+
+async def _running(pair: Pair) -> bool:
+    return (await pair.decode.status()).num_running == 1
+
+
+async def _counted(pair: Pair, n: int) -> bool:
+    return pair.decode.intake.count == n

@@ -108,6 +108,15 @@ def test_a_status_carries_the_worker_batch_slots_context_and_remaining_tokens_bo
     assert snapshot_from_status(status("old"), "old:7000", now=1.0).max_num_seqs == 0  # unknown
 
 
+def test_a_status_carries_the_requests_received_and_those_awaiting_remote_kv_both_ways() -> None:
+    snapshot = snapshot_from_status(status("w", requests_received=0, waiting_for_remote_kv=3), "w:7000", now=1.0)
+    assert (snapshot.requests_received, snapshot.waiting_for_remote_kv) == (0, 3)  # 0 is a count, not "unknown"
+    back = status_from_snapshot(snapshot)
+    assert back.HasField("requests_received") and (back.requests_received, back.waiting_for_remote_kv) == (0, 3)
+    older = snapshot_from_status(status("old"), "old:7000", now=1.0)
+    assert older.requests_received is None and not status_from_snapshot(older).HasField("requests_received")
+
+
 def test_a_decision_degraded_to_a_smaller_model_names_it_and_keeps_the_asked_cap() -> None:
     workers = {"s": snapshot_from_status(status("s"), "s:1", now=0.0)}
     decision = RouteDecision("r", DecisionKind.DEGRADE, decode_worker_id="s", model="small")
