@@ -76,6 +76,24 @@ def _arrived(before: int | None, now: int | None) -> int | None:
     return now - before
 
 
+def _batch_context_tokens(s: WorkerSnapshot, r: Reservation) -> int:
+    """The summed context of every sequence in the decode batch. The worker reports its running
+    sequences' context and each reservation carries its own; sequences waiting in the worker (for a
+    slot, or for remote KV) are reported by count only, so each is taken at the mean of the others (at
+    the mean pending prompt when none runs). Leaving them at zero diluted the batch's mean context:
+    a one-slot CPU worker with two waiting priced its slot waits at a third of its context, and a
+    cost model early in a run, whose step still grew with context, at 33 ms steps it ran at 85
+    (docs/benchmarks.md, scheduler policies, pass S)."""
+    known_seqs = s.running_seqs + r.decode_seqs
+    known = s.running_context_tokens + r.context_tokens
+    waiting = s.queue_depth + s.waiting_for_remote_kv
+    if not waiting:
+        return known
+    if known_seqs:
+        return known + waiting * known // known_seqs
+    return waiting * s.inflight_prefill_tokens // max(s.inflight_prefill_requests, 1)
+
+
 # The prefill share changes with time alone; rebuilding a worker's load this often keeps it current
 # without rebuilding every worker for every decision (64 workers at 1,000 decisions/s).
 LOAD_REFRESH_S = 0.25
@@ -112,7 +130,7 @@ class _WorkerRecord:
             queued_prefill_tokens=s.inflight_prefill_tokens + r.prefill_tokens,
             queued_prefill_requests=max(s.queue_depth, s.inflight_prefill_requests) + r.prefill_requests,
             decode_batch=s.running_seqs + s.queue_depth + s.waiting_for_remote_kv + r.decode_seqs,
-            context_tokens=s.running_context_tokens + r.context_tokens,
+            context_tokens=_batch_context_tokens(s, r),
             free_blocks=max(s.free_blocks - r.blocks, 0),
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
             prefill_work_rate=self.prefill_work.value(now),

@@ -63,3 +63,18 @@ def test_the_registry_tells_how_old_the_heartbeat_behind_a_load_is() -> None:
     registry.update(snapshot("w"), now=100.0)
     assert registry.loads(now=100.0)[0].heartbeat_age_s == 0.0
     assert registry.loads(now=101.5)[0].heartbeat_age_s == pytest.approx(1.5)
+
+
+def test_sequences_waiting_in_the_worker_count_at_the_batchs_mean_context() -> None:
+    """They are reported by count only; at zero context they diluted the mean, and a one-slot worker with
+    two waiting priced its slot waits at a third of the context it ran (pass S, docs/benchmarks.md)."""
+    registry = WorkerRegistry(heartbeat_timeout_s=10.0, dispatch_grace_s=0.0)
+    registry.update(snapshot("w", WorkerRole.BOTH, max_num_seqs=1, running_seqs=1, running_context_tokens=90,
+                             queue_depth=2, inflight_prefill_tokens=115, inflight_prefill_requests=2), now=0.0)
+    assert registry.load("w", now=0.0).context_tokens == 270
+    registry.update(snapshot("idle", WorkerRole.BOTH, max_num_seqs=1, queue_depth=2, inflight_prefill_tokens=120,
+                             inflight_prefill_requests=2), now=0.0)
+    assert registry.load("idle", now=0.0).context_tokens == 120  # none running: the pending prompts' mean
+    registry.update(snapshot("busy", WorkerRole.DECODE, running_seqs=3, running_context_tokens=3000,
+                             waiting_for_remote_kv=1), now=0.0)
+    assert registry.load("busy", now=0.0).context_tokens == 4000
