@@ -61,6 +61,15 @@ unseen size by the profile is optimism where the data say nothing: the next plac
 tried, its steps are reported within a heartbeat, and from then on the line covers that size. One
 size at a time: each placement beyond the seen range is priced from the largest seen size, and a burst
 can overshoot only by the arrivals of one heartbeat interval.
+Beyond the contexts seen, the same: past the largest batch context in the window, a token of context
+costs the profile's per-token cost, not the fitted one. A worker's first seconds hold one or two
+batch sizes over a few tokens of context each, and the per-token cost fitted there measures whatever
+else changed in those seconds: on the CPU policy runs a batch-1 step drifted from 62 to 82 ms over
+contexts 82-91 while the other worker on the same cores started (host contention, not context), the
+fit read 0.3-0.85 ms per context token (40x the 13-21 us the whole run's fit found), priced 3
+sequences at 270 tokens at 180-230 ms where they took 100-150, and the goodput policy queued 3-10
+requests at the start of 5 of 6 runs for a TPOT target they would have met; two of those runs lost
+goodput cells to the queueing (docs/benchmarks.md, pass T).
 """
 
 from __future__ import annotations
@@ -159,7 +168,11 @@ class CostModel:
             window, prior_weight,
         )
         self._decode = WindowedLeastSquares(
-            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s), window, prior_weight, tracked=1
+            (p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_context_token_s),
+            window,
+            prior_weight,
+            tracked=1,
+            bounded=2,
         )
         self._prefill_choice = _FitChoice(self._prefill, None if pool is None else pool._prefill)
         self._decode_choice = _FitChoice(self._decode, None if pool is None else pool._decode)
@@ -263,14 +276,18 @@ class CostModel:
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """The fitted line, corrected by what the steps at this batch size say it misses, up to the
         largest batch the fit has seen; beyond it, the step at that batch plus the profile's
-        per-sequence cost for each sequence more (see the module docstring)."""
+        per-sequence cost for each sequence more. Context likewise: the fitted per-token cost up to
+        the largest context in the window, the profile's past it (see the module docstring)."""
         fit = self._decode_fit()
         d, e, f = fit.coefficients
         seen = fit.largest_seen()
         unseen = batch - seen if 0 < seen < batch else 0.0  # sequences past the largest batch seen
         priced = batch - unseen
         batch_s = d + e * priced + fit.residual_at(priced) + self._profile.decode_per_seq_s * unseen
-        return max(_MIN_STEP_S, batch_s + f * context_tokens)
+        seen_context = fit.largest_bounded()
+        fitted = context_tokens if seen_context is None else min(context_tokens, seen_context)
+        context_s = f * fitted + self._profile.decode_per_context_token_s * (context_tokens - fitted)
+        return max(_MIN_STEP_S, batch_s + context_s)
 
     def transfer_s(self, tokens: int) -> float:
         return self._profile.transfer_s(tokens) if tokens > 0 else 0.0

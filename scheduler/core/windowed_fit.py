@@ -18,6 +18,32 @@ MIN_SEEN_SAMPLES = 3  # samples of one value of the tracked feature before it co
 RESIDUAL_SHRINK_SAMPLES = 3.0
 
 
+class _SlidingMax:
+    """The largest value among the samples in a first-in-first-out window: entries of (arrival
+    number, value) kept with values decreasing, so the front is the maximum and each sample is
+    pushed and dropped at most once."""
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[int, float]] = deque()
+        self._arrived = 0
+        self._left = 0
+
+    def push(self, value: float) -> None:
+        while self._entries and self._entries[-1][1] <= value:
+            self._entries.pop()  # never the maximum again: `value` arrived later and stays longer
+        self._entries.append((self._arrived, value))
+        self._arrived += 1
+
+    def pop_oldest(self) -> None:
+        if self._entries and self._entries[0][0] == self._left:
+            self._entries.popleft()
+        self._left += 1
+
+    @property
+    def value(self) -> float | None:
+        return self._entries[0][1] if self._entries else None
+
+
 @dataclass
 class _Group:
     """The window's samples at one value of the tracked feature: their count and sums."""
@@ -46,13 +72,21 @@ class WindowedLeastSquares:
     """
 
     def __init__(
-        self, prior: tuple[float, ...], window: int, prior_weight: float, tracked: int | None = None
+        self,
+        prior: tuple[float, ...],
+        window: int,
+        prior_weight: float,
+        tracked: int | None = None,
+        bounded: int | None = None,
     ) -> None:
         """`tracked`: the index of a feature whose values the window groups its samples by (see
-        `largest_seen` and `residual_at`)."""
+        `largest_seen` and `residual_at`). `bounded`: the index of a feature whose largest value in
+        the window `largest_bounded` reports."""
         if window <= 0 or prior_weight <= 0:
             raise ValueError("need window > 0 and prior_weight > 0")
         self._tracked = tracked
+        self._bounded = bounded
+        self._bound = _SlidingMax()
         self._groups: dict[float, _Group] = {}  # tracked feature value -> its samples in the window
         self._largest_seen: float | None = None  # cached `largest_seen`, None when stale
         self._values: list[float] | None = None  # sorted group keys, None when stale
@@ -74,10 +108,13 @@ class WindowedLeastSquares:
         self._samples.append((features, target))
         self._accumulate(features, target, 1.0)
         self._group(features, target, 1)
+        if self._bounded is not None:
+            self._bound.push(features[self._bounded])
         if len(self._samples) > self._window:
             old, old_target = self._samples.popleft()
             self._accumulate(old, old_target, -1.0)
             self._group(old, old_target, -1)
+            self._bound.pop_oldest()
         self._since_rebuild += 1
         self.version += 1
         if self._since_rebuild >= self._window:
@@ -95,6 +132,11 @@ class WindowedLeastSquares:
                 (v for v, g in self._groups.items() if g.count >= MIN_SEEN_SAMPLES), default=0.0
             )
         return self._largest_seen
+
+    def largest_bounded(self) -> float | None:
+        """The largest value of the `bounded` feature in the window (None: no samples, or no such
+        feature)."""
+        return self._bound.value
 
     def residual_at(self, value: float) -> float:
         """What the window's samples at this value of the tracked feature say the fitted line misses

@@ -289,3 +289,34 @@ def test_a_linear_worker_gets_no_correction_and_context_still_counts() -> None:
 def _decode_line(model: CostModel) -> tuple[float, float]:
     fitted = model.fitted_profile()
     return fitted.decode_fixed_s, fitted.decode_per_seq_s
+
+
+def test_context_past_the_largest_in_the_window_costs_the_profiles_per_token_cost() -> None:
+    """A worker's first steps: one sequence over a few tokens of context, its steps slowing from 62
+    to 82 ms as another worker on the same cores starts (the CPU policy runs). The fit reads that
+    as ~0.8 ms per context token (d pinned at 0); a batch of three at 270 tokens must not be priced at that slope."""
+    profile = WorkerProfile(decode_per_seq_s=2e-4, decode_per_context_token_s=5e-8)
+    model = CostModel(profile)
+    for i, context in enumerate(range(82, 92)):
+        model.observe(DecodeSample(1, context, 0.062 + 0.002 * i))
+    assert model.fitted_profile().decode_per_context_token_s > 5e-4  # the drift, read as context
+    at_seen = model.decode_step_s(1, 91)
+    assert 0.062 < at_seen < 0.080  # within the steps measured there
+    assert model.decode_step_s(3, 270) == pytest.approx(at_seen + 2 * 2e-4 + (270 - 91) * 5e-8)
+    assert model.decode_step_s(1, 60) < at_seen  # below the range: the fitted line, as before
+
+
+def test_longer_contexts_once_seen_are_priced_by_the_fit_until_they_leave_the_window() -> None:
+    true = WorkerProfile(decode_fixed_s=0.02, decode_per_seq_s=1e-3, decode_per_context_token_s=2e-5)
+    model = CostModel(WorkerProfile(), window=40)
+    rng = random.Random(7)
+    for _ in range(40):
+        batch, context = rng.randint(1, 8), rng.randint(100, 4000)
+        model.observe(DecodeSample(batch, context, true.decode_step_s(batch, context)))
+    assert model.decode_step_s(4, 3000) == pytest.approx(true.decode_step_s(4, 3000), rel=0.02)
+    for _ in range(40):  # the window moves on to short contexts only
+        batch, context = rng.randint(1, 8), rng.randint(100, 500)
+        model.observe(DecodeSample(batch, context, true.decode_step_s(batch, context)))
+    fitted_at_500 = model.decode_step_s(4, 500)
+    expected = fitted_at_500 + (3000 - 500) * WorkerProfile().decode_per_context_token_s
+    assert model.decode_step_s(4, 3000) == pytest.approx(expected, rel=0.02)
