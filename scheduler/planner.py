@@ -36,8 +36,8 @@ from scheduler.replay import ReplayConfig, replay
 from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
 from scheduler.sim.results import ReplayResult
 from scheduler.sim.serving import MEASURED_H100, ServingCost
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
 
 # Measured hand-off overhead (TTFT added by a remote prefill) at low load, 2xH100, docs/benchmarks.md.

@@ -23,8 +23,10 @@ from scheduler.core.policies import POLICY_NAMES, Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateways
 from scheduler.sim.results import ReplayResult, RequestOutcome
+from scheduler.sim.sequence import SimSequence, StepOutcome
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec, StepOutcome
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, DecisionKind, RequestSummary, RouteDecision, Tier
 
 

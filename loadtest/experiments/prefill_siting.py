@@ -30,8 +30,8 @@ from scheduler.core.placement import (
 from scheduler.core.policies import GoodputPolicy
 from scheduler.core.prefill_site import PrefillSiting, SiteChoice, SiteReason
 from scheduler.replay import ReplayConfig, replay
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, RequestSummary, Tier, WorkerRole
 
 CARD = WorkerProfile(prefill_fixed_s=0.005, prefill_per_token_s=3.2e-5, prefill_per_token_sq_s=1e-9,

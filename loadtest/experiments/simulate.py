@@ -52,8 +52,9 @@ from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.replay import Clients, ReplayConfig, _Replay
 from scheduler.sim.host import STEADY, HostSpeed
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival
-from scheduler.sim.worker import SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
 _WARMUP_STEPS = 2  # a worker's first steps include lazy initialisation; not representative

@@ -6,7 +6,7 @@
 Chunked prefill folds a prompt (or a chunk of one) into the decode batch's step. The scheduler prices
 such a step as prefill + s x decode step (scheduler/core/cost_model.py, mixed steps) and fits s online
 from the workers' mixed samples; the planner's simulated GPU workers take s from their spec
-(scheduler/sim/worker.py `mixed_decode_share`). On a CPU worker one forward pass carries both and s
+(scheduler/sim/spec.py `mixed_decode_share`). On a CPU worker one forward pass carries both and s
 came out ~0.3; this measures it on a GPU, where the decode step alone replays a CUDA graph and a mixed
 step runs eagerly.
 

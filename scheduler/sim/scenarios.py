@@ -11,8 +11,8 @@ import random
 from dataclasses import replace
 
 from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, WorkloadSpec, extend_chain, make_trace
-from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
 
 FAST = WorkerProfile(

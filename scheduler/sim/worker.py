@@ -20,17 +20,12 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
 
-from scheduler.core.cost_model import WorkerProfile
-from scheduler.sim.host import STEADY, HostSpeed
 from scheduler.sim.prefix_cache import SimPrefixCache
-from scheduler.sim.serving import NONE, ServingCost, StepShape
-from scheduler.sim.trace import Arrival
+from scheduler.sim.sequence import PrefillJob, SimSequence, StepOutcome, insert_by_priority, priority
+from scheduler.sim.serving import StepShape
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.types import (
-    SLO,
     DecodeSample,
     KVEvent,
     MixedSample,
@@ -39,102 +34,6 @@ from scheduler.types import (
     WorkerRole,
     WorkerSnapshot,
 )
-
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class SimWorkerSpec:
-    worker_id: str
-    role: WorkerRole
-    profile: WorkerProfile  # the simulated truth; the scheduler may start from it or from defaults
-    total_blocks: int = 8192
-    block_size: int = 16
-    max_batch: int = 128  # sequences holding blocks here at once (prefilling, in transfer or decoding)
-    max_prefill_tokens: int = 8192  # prompt tokens per prefill step; one longer prompt runs alone
-    # Chunked prefill: a prompt's tokens per step (the engine's `max_prefill_chunk`), and then the
-    # step budget above is shared with the decode batch as the engine's is. None: whole prompts.
-    max_prefill_chunk: int | None = None
-    cache_blocks: int = 4096  # prefix-cache capacity
-    model: str = "sim"
-    # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
-    # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
-    serving: ServingCost = NONE
-    # The profile the scheduler starts from, when not `profile` (replaying a run whose scheduler was
-    # seeded with another one: its siting decisions then follow that run's). None: `profile`.
-    scheduler_seed: WorkerProfile | None = None
-    # Measured seconds of a pure decode step by batch size (index = batch - 1), in place of the
-    # profile's linear decode price up to its length. Part of the simulated truth only. A real CPU
-    # worker's decode step is not linear in the batch (loadtest/experiments/simulate.py says why
-    # this exists); empty: the profile prices every decode step.
-    decode_step_s: tuple[float, ...] = ()
-    # The share of the decode part's price that a step also carrying prefill pays: 1.0 prices a mixed
-    # step as prefill + decode. On a CPU worker one forward pass carries both, and the decodes add
-    # much less than a decode step of their own (policy_compare measures ~0.3 from token gaps).
-    mixed_decode_share: float = 1.0
-    # The host's speed over the replay: a factor on every step's time (scheduler/sim/host.py). Part of
-    # the simulated truth only, and the samples the scheduler learns from carry it, as a real worker's do.
-    host_speed: HostSpeed = STEADY
-
-    def __post_init__(self) -> None:
-        if any(not s > 0 for s in self.decode_step_s):
-            raise ValueError(f"decode step times must be positive, got {self.decode_step_s}")
-        if not 0.0 <= self.mixed_decode_share <= 1.0:
-            raise ValueError(f"mixed_decode_share must be in [0, 1], got {self.mixed_decode_share}")
-
-    def decode_truth_s(self, batch: int, context_tokens: int) -> float:
-        """What a pure decode step of `batch` sequences holding `context_tokens` takes here."""
-        if 0 < batch <= len(self.decode_step_s):
-            return self.decode_step_s[batch - 1]
-        return self.profile.decode_step_s(batch, context_tokens)
-
-
-@dataclass(eq=False)
-class SimSequence:
-    arrival: Arrival
-    slo: SLO
-    output_tokens: int  # after any DEGRADE cap
-    max_tokens: int
-    decode_worker: str
-    prefill_worker: str | None
-    reserved_blocks: int = 0
-    decode_cached_tokens: int = 0
-    generated: int = 0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    admitted_at: float | None = None  # sent to its decode worker (a remote one: the reservation asked)
-    prefill_queued_at: float | None = None  # blocks held: its prefill queued
-    prefill_started_at: float | None = None  # its first prefill chunk's step began
-    prefilled_at: float | None = None  # its last prefill chunk's step ended
-    # When the client sees the first and the last token: through the gateway (scheduler/sim/gateway.py).
-    first_token_out_at: float | None = None
-    last_token_out_at: float | None = None  # its latest token's, while it streams
-    finished_out_at: float | None = None
-    aborted: bool = False  # its client left and the gateway aborted it (SimWorker.abort)
-
-    @property
-    def context(self) -> int:
-        return self.arrival.prompt_tokens + self.generated
-
-
-@dataclass(eq=False)
-class PrefillJob:
-    seq: SimSequence
-    new_tokens: int
-    cached_tokens: int
-    done_tokens: int = 0  # computed so far (chunked prefill)
-
-    @property
-    def remaining(self) -> int:
-        return self.new_tokens - self.done_tokens
-
-
-@dataclass
-class StepOutcome:
-    prefilled: list[PrefillJob] = field(default_factory=list)  # remote jobs: the driver starts the transfer
-    finished: list[SimSequence] = field(default_factory=list)
-    first_tokens: list[SimSequence] = field(default_factory=list)  # sequences whose first token is out now
-    streamed: list[SimSequence] = field(default_factory=list)  # sequences that decoded a later token
 
 
 class SimWorker:
@@ -166,7 +65,7 @@ class SimWorker:
 
     def admit(self, seq: SimSequence) -> None:
         self._received += 1
-        _insert_by_priority(self._waiting, seq, lambda other: _priority(other) > _priority(seq))
+        insert_by_priority(self._waiting, seq, lambda other: priority(other) > priority(seq))
 
     def allocate_waiting(self) -> list[SimSequence]:
         """Reserve blocks for waiting sequences in queue order (the engine's: by the tier's priority, then
@@ -251,8 +150,8 @@ class SimWorker:
             cached = min(self.cache.match(seq.arrival.prefix_hashes) * self.spec.block_size, prompt - 1)
         job = PrefillJob(seq, prompt - cached, cached)
         # A prompt part-way through its chunks is the engine's running prefill: it keeps its place.
-        _insert_by_priority(self._prefill_queue, job,
-                            lambda other: not other.done_tokens and _priority(other.seq) > _priority(seq))
+        insert_by_priority(self._prefill_queue, job,
+                            lambda other: not other.done_tokens and priority(other.seq) > priority(seq))
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -394,17 +293,3 @@ class SimWorker:
         )
         samples, self._samples = self._samples, []
         return snapshot, samples, self.cache.drain_events()
-
-
-
-def _insert_by_priority(queue: deque[_T], item: _T, outranked: Callable[[_T], bool]) -> None:
-    """Insert `item` ahead of the trailing entries it outranks: the engine batcher's order (by
-    `Tier.priority`, first come first served within one)."""
-    i = len(queue)
-    while i and outranked(queue[i - 1]):
-        i -= 1
-    queue.insert(i, item)
-
-
-def _priority(seq: SimSequence) -> int:
-    return seq.arrival.tier.priority

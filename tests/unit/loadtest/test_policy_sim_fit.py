@@ -1,5 +1,5 @@
 """The policy_compare simulator's fit from tapped step samples (loadtest/experiments/simulate.py) and the
-simulated worker's measured decode table (scheduler/sim/worker.py)."""
+simulated worker's measured decode table (scheduler/sim/spec.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from loadtest.experiments.simulate import FittedWorker, decode_table, fit_workers, host_speeds, rebuild_steps
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.host import STEADY, HostSpeed
+from scheduler.sim.sequence import SimSequence
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
 PROFILE = WorkerProfile(prefill_fixed_s=0.1, prefill_per_token_s=0.003, prefill_per_token_sq_s=0.0,

@@ -9,8 +9,10 @@ import pytest
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import LengthDistribution, scaled_trace, synthetic_trace
+from scheduler.sim.sequence import SimSequence
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
 

@@ -9,9 +9,11 @@ import random
 import pytest
 
 from scheduler.core.cost_model import CostModel, WorkerProfile
+from scheduler.sim.sequence import SimSequence
 from scheduler.sim.serving import ServingCost
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, PrefillSample, Tier, WorkerRole
 
 # The shape of the 4xH100 profile of docs/benchmarks.md: 22 ms up to ~680 tokens, then 1 ms + 31 us/token.

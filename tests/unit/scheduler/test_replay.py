@@ -6,8 +6,8 @@ import pytest
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.replay import ReplayConfig, replay
 from scheduler.sim.scenarios import heterogeneous_cluster, heterogeneous_workload, tier_slos
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, WorkloadSpec, extend_chain, make_trace
-from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
 
 PROFILE = WorkerProfile(

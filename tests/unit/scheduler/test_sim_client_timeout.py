@@ -12,8 +12,10 @@ import pytest
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.replay import Clients, ReplayConfig, replay
 from scheduler.sim.results import RequestOutcome
+from scheduler.sim.sequence import SimSequence
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
 PROFILE = WorkerProfile(prefill_fixed_s=0.01, prefill_per_token_s=1e-4, prefill_per_token_sq_s=0.0,

@@ -8,8 +8,8 @@ import pytest
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.replay import ReplayConfig, replay
 from scheduler.sim.gateway import NO_GATEWAY, GatewayCost, SimGateway, SimGateways
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimWorkerSpec
 from scheduler.types import SLO, Tier, WorkerRole
 
 

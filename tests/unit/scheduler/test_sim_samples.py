@@ -8,8 +8,10 @@ import random
 import pytest
 
 from scheduler.core.cost_model import WorkerProfile
+from scheduler.sim.sequence import SimSequence
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, DecodeSample, MixedSample, PrefillSample, Tier, WorkerRole
 
 

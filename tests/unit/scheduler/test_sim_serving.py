@@ -12,9 +12,11 @@ from loadtest.experiments.serving_cost import Bucket, buckets, fit, gaps
 from loadtest.records import RequestRecord
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, workers_for
+from scheduler.sim.sequence import SimSequence
 from scheduler.sim.serving import MEASURED_H100, ServingCost, StepShape
+from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.sim.worker import SimSequence, SimWorker, SimWorkerSpec
+from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
 PROFILE = WorkerProfile(decode_fixed_s=0.008, decode_per_seq_s=1e-5, decode_per_context_token_s=0.0)
