@@ -21,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, mean_attainment, plan, scaled_trace, trace_from_rows
 from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
+from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.sim.trace import Arrival
 from scheduler.types import SLO
 
@@ -98,14 +100,16 @@ def on_the_runs_grid(trace: list[Arrival], trace_rate: float, layout: Layout, pr
 
 
 def check(summary: dict[str, Any], runs: Path, profile: WorkerProfile, slo: SLO,
-          scheduler_seed: WorkerProfile | None = None, gateway: GatewayCost = MEASURED_GATEWAY) -> dict[str, Any]:
+          scheduler_seed: WorkerProfile | None = None, gateway: GatewayCost = MEASURED_GATEWAY,
+          serving: ServingCost = MEASURED_H100) -> dict[str, Any]:
     """Per workload: the planner's ranking, its recommendation and where that stands in the measured one."""
     verdicts: dict[str, Any] = {}
     for workload, entry in summary["workloads"].items():
         gpus = max(g["gpus"] for g in entry["goodput"].values())
         measured = {r["config"]: r for r in entry["ranking"]}
         config = PlanConfig(gpus=gpus, slo=slo, kv_blocks_per_gpu=int(summary.get("num_blocks") or 20480),
-                            max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed, gateway=gateway)
+                            max_batch=128, handoff_s=HANDOFF_S, scheduler_seed=scheduler_seed, gateway=gateway,
+                            serving=serving)
         trace = trace_from_rows(workload_trace(runs, workload))
         predicted = plan(trace, {1: profile}, config)
         rates = {name: sorted(row["rate"] for row in rows) for name, rows in entry["configs"].items()}
@@ -161,6 +165,12 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
                    help="the loop rounds a request waits on its way in (as baton plan)")
     p.add_argument("--gateway-processes", type=int, default=None,
                    help="gateway processes (as baton plan; default: the runs' own, summary.json)")
+    p.add_argument("--serving-step-ms", type=float, default=MEASURED_H100.per_step_s * 1e3,
+                   help="a served step's cost beyond the profile, per step (as baton plan)")
+    p.add_argument("--serving-seq-us", type=float, default=MEASURED_H100.per_seq_s * 1e6,
+                   help="... per sequence in the step (as baton plan)")
+    p.add_argument("--serving-context-ns", type=float, default=MEASURED_H100.per_context_token_s * 1e9,
+                   help="... per context token of the decoding sequences (as baton plan)")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -176,6 +186,12 @@ def gateway_cost(args: argparse.Namespace, meta: dict[str, Any] | None = None) -
     processes = args.gateway_processes or int((meta or {}).get("gateway_processes") or 1)
     return GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
                        admission_rounds=args.gateway_admission_rounds, processes=processes)
+
+
+def serving_cost(args: argparse.Namespace) -> ServingCost:
+    """The simulated workers' serving cost of the --serving-* flags; the hand-off terms stay the measured ones."""
+    return replace(MEASURED_H100, per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
+                   per_context_token_s=args.serving_context_ns / 1e9)
 
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         report.print_tables(summary)
         seed = run_seed(meta) if args.run_seed else None
         verdicts = check(summary, Path(tmp) / "runs", load_profile(profile_path), slo, seed,
-                         gateway_cost(args, meta))
+                         gateway_cost(args, meta), serving_cost(args))
         (args.out / "check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
         print_check(verdicts, slo)
         report.plot(Path(tmp) / "runs", args.out, summary)

@@ -33,6 +33,7 @@ from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, replay_layout, trace_from_rows
 from scheduler.sim.gateway import GatewayCost
 from scheduler.sim.results import ReplayResult
+from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.types import SLO
 
 PREFILL_COMPUTE = "prefill_compute"  # services/worker/metrics.py HandoffPhase values, as summary.json keys them
@@ -156,10 +157,11 @@ def _num(value: float | None) -> str:
 
 
 def replay_config(meta: dict[str, Any], slo: SLO, gateway: GatewayCost,
-                  scheduler_seed: WorkerProfile | None = None) -> PlanConfig:
+                  scheduler_seed: WorkerProfile | None = None, serving: ServingCost = MEASURED_H100) -> PlanConfig:
     """The planner's simulator set up as the runs of `meta` were served (KV pool, batch limit, hand-off)."""
     return PlanConfig(gpus=1, slo=slo, kv_blocks_per_gpu=int(meta.get("num_blocks") or 20480), max_batch=128,
-                      handoff_s=layout_check.HANDOFF_S, gateway=gateway, scheduler_seed=scheduler_seed)
+                      handoff_s=layout_check.HANDOFF_S, gateway=gateway, scheduler_seed=scheduler_seed,
+                      serving=serving)
 
 
 def compare_runs(runs_dir: Path, profile: WorkerProfile, config: PlanConfig, meta: dict[str, Any]) -> list[Row]:
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = layout_check.merge_runs(args.outs, Path(tmp))
         slo = layout_check.run_slo(args, meta)
         config = replay_config(meta, slo, layout_check.gateway_cost(args, meta),
-                               layout_check.run_seed(meta) if args.run_seed else None)
+                               layout_check.run_seed(meta) if args.run_seed else None, layout_check.serving_cost(args))
         rows = compare_runs(Path(tmp) / "runs", layout_check.load_profile(profile_path), config, meta)
     (args.out / "replay.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     print_rows(rows, slo)

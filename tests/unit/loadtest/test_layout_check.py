@@ -7,6 +7,7 @@ import pytest
 from loadtest.experiments import layout_check
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, LengthDistribution, PlanConfig, synthetic_trace
+from scheduler.sim.serving import MEASURED_H100
 from scheduler.types import SLO
 
 CARD = WorkerProfile(prefill_fixed_s=0.005, prefill_per_token_s=3.2e-5, decode_fixed_s=0.008, decode_per_seq_s=5e-5)
@@ -28,3 +29,17 @@ def test_the_prediction_on_the_runs_rates_interpolates_the_90_percent_crossing(m
 
 def test_a_layout_missing_the_target_at_the_lowest_rate_has_no_prediction_on_the_grid(monkeypatch) -> None:
     assert _grid(monkeypatch, {12: 0.5, 24: 0.2, 36: 0.1}) is None
+
+
+def test_the_serving_flags_price_the_simulated_workers_and_keep_the_hand_off_terms(tmp_path) -> None:
+    args, _ = layout_check.parse_args("layout_check", None, [
+        str(tmp_path), "--out", str(tmp_path / "out"), "--profile", str(tmp_path / "p.json"),
+        "--serving-step-ms", "1.55", "--serving-seq-us", "74", "--serving-context-ns", "0"])
+    serving = layout_check.serving_cost(args)
+    assert (serving.per_step_s, serving.per_seq_s, serving.per_context_token_s) == pytest.approx((1.55e-3, 74e-6, 0.0))
+    assert serving.per_prefill_done_s == MEASURED_H100.per_prefill_done_s
+    defaults, _ = layout_check.parse_args("layout_check", None, [
+        str(tmp_path), "--out", str(tmp_path / "out"), "--profile", str(tmp_path / "p.json")])
+    fields = ("per_step_s", "per_seq_s", "per_prefill_step_s", "per_prefill_done_s", "per_context_token_s")
+    default = layout_check.serving_cost(defaults)
+    assert [getattr(default, f) for f in fields] == pytest.approx([getattr(MEASURED_H100, f) for f in fields])
