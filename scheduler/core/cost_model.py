@@ -75,8 +75,10 @@ goodput cells to the queueing (docs/benchmarks.md, pass T).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from scheduler.core.windowed_fit import WindowedLeastSquares
 from scheduler.types import DecodeSample, MixedSample, PrefillSample, StepSample
@@ -174,8 +176,10 @@ class CostModel:
             tracked=1,
             bounded=2,
         )
-        self._prefill_choice = _FitChoice(self._prefill, None if pool is None else pool._prefill)
-        self._decode_choice = _FitChoice(self._decode, None if pool is None else pool._decode)
+        self._prefill_choice: _FitChoice[tuple[float, ...]] = _FitChoice(
+            self._prefill, None if pool is None else pool._prefill, _coefficients)
+        self._decode_choice: _FitChoice[_DecodeTerms] = _FitChoice(
+            self._decode, None if pool is None else pool._decode, _DecodeTerms.of)
 
     def observe(self, sample: StepSample) -> None:
         if sample.seconds <= 0:
@@ -200,18 +204,11 @@ class CostModel:
         solve costs more than a whole routing decision's other arithmetic, so the scheduler calls
         this after each heartbeat's samples: a decision that came first to a fresh fit waited for
         its solve (~0.15 ms each; 0.9 per decision in the slowest 1%)."""
-        self._prefill_choice.coefficients()
-        self._decode_choice.coefficients()
+        self._prefill_choice.terms()
+        self._decode_choice.terms()
 
     def _prefill_coefficients(self) -> tuple[float, ...]:
-        return self._prefill_choice.coefficients()
-
-    def _decode_coefficients(self) -> tuple[float, ...]:
-        return self._decode_choice.coefficients()
-
-    def _decode_fit(self) -> WindowedLeastSquares:
-        self._decode_choice.coefficients()  # brings the choice up to date
-        return self._decode_choice.fit
+        return self._prefill_choice.terms()
 
     def _at_floor(self, tokens: int, attention: int) -> bool:
         """A step of this size that the profile puts on its floor (never, without a floor)."""
@@ -225,7 +222,8 @@ class CostModel:
     def fitted_profile(self) -> WorkerProfile:
         """The current coefficients as a profile (for metrics, and to seed the next start)."""
         a, b, c, _ = self._prefill_coefficients()
-        d, e, f = self._decode_coefficients()
+        decode = self._decode_choice.terms()
+        d, e, f = decode.fixed, decode.per_seq, decode.per_context
         return WorkerProfile(
             prefill_fixed_s=a,
             prefill_per_token_s=b,
@@ -278,15 +276,17 @@ class CostModel:
         largest batch the fit has seen; beyond it, the step at that batch plus the profile's
         per-sequence cost for each sequence more. Context likewise: the fitted per-token cost up to
         the largest context in the window, the profile's past it (see the module docstring)."""
-        fit = self._decode_fit()
-        d, e, f = fit.coefficients
-        seen = fit.largest_seen()
+        terms = self._decode_choice.terms()
+        seen = terms.largest_batch
         unseen = batch - seen if 0 < seen < batch else 0.0  # sequences past the largest batch seen
         priced = batch - unseen
-        batch_s = d + e * priced + fit.residual_at(priced) + self._profile.decode_per_seq_s * unseen
-        seen_context = fit.largest_bounded()
+        residual = terms.residuals.get(priced)
+        if residual is None:
+            residual = terms.residuals[priced] = terms.fit.residual_at(priced)
+        batch_s = terms.fixed + terms.per_seq * priced + residual + self._profile.decode_per_seq_s * unseen
+        seen_context = terms.largest_context
         fitted = context_tokens if seen_context is None else min(context_tokens, seen_context)
-        context_s = f * fitted + self._profile.decode_per_context_token_s * (context_tokens - fitted)
+        context_s = terms.per_context * fitted + self._profile.decode_per_context_token_s * (context_tokens - fitted)
         return max(_MIN_STEP_S, batch_s + context_s)
 
     def transfer_s(self, tokens: int) -> float:
@@ -321,25 +321,56 @@ class CostModel:
         return self.decode_step_s(batch + 1, context_tokens + prompt_tokens + max_tokens // 2)
 
 
-class _FitChoice:
-    """One kind of step's fit for a worker: its own once it has `MIN_OWN_SAMPLES`, before that the
-    pooled one if it knows more; and that fit's coefficients, kept until either fit takes a sample.
-    Routing reads them ~100 times per decision and samples arrive a few times per second."""
+_Terms = TypeVar("_Terms")
 
-    def __init__(self, own: WindowedLeastSquares, pooled: WindowedLeastSquares | None) -> None:
+
+class _FitChoice(Generic[_Terms]):
+    """One kind of step's fit for a worker: its own once it has `MIN_OWN_SAMPLES`, before that the
+    pooled one if it knows more; and the terms `derive` reads from that fit, kept until either fit
+    takes a sample. Routing reads them ~130 times per decision and samples arrive a few times per
+    second, so a read is one version check (docs/benchmarks.md, scheduler decision latency)."""
+
+    def __init__(
+        self, own: WindowedLeastSquares, pooled: WindowedLeastSquares | None,
+        derive: Callable[[WindowedLeastSquares], _Terms],
+    ) -> None:
         self._own = own
         self._pooled = pooled
+        self._derive = derive
         self.fit = own
-        self._coefficients = own.coefficients
-        self._versions = (-1, -1)  # stale: the first call chooses
+        self._terms = derive(own)
+        self._own_version = self._pooled_version = -1  # stale: the first call chooses
 
-    def coefficients(self) -> tuple[float, ...]:
+    def terms(self) -> _Terms:
         own, pooled = self._own, self._pooled
-        if own.version != self._versions[0] or pooled is not None and pooled.version != self._versions[1]:
-            self._versions = (own.version, -1 if pooled is None else pooled.version)
+        if own.version != self._own_version or pooled is not None and pooled.version != self._pooled_version:
+            self._own_version, self._pooled_version = own.version, -1 if pooled is None else pooled.version
             if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
                 self.fit = own
             else:
                 self.fit = pooled
-            self._coefficients = self.fit.coefficients
-        return self._coefficients
+            self._terms = self._derive(self.fit)
+        return self._terms
+
+
+def _coefficients(fit: WindowedLeastSquares) -> tuple[float, ...]:
+    return fit.coefficients
+
+
+@dataclass(slots=True)
+class _DecodeTerms:
+    """What `CostModel.decode_step_s` reads from a decode fit, read once per refit (see `_FitChoice`)."""
+
+    fit: WindowedLeastSquares
+    fixed: float
+    per_seq: float
+    per_context: float
+    largest_batch: float  # `WindowedLeastSquares.largest_seen`
+    largest_context: float | None  # `WindowedLeastSquares.largest_bounded`
+    residuals: dict[float, float]  # `WindowedLeastSquares.residual_at` per batch size asked
+
+    @classmethod
+    def of(cls, fit: WindowedLeastSquares) -> _DecodeTerms:
+        d, e, f = fit.coefficients
+        return cls(fit, d, e, f, fit.largest_seen(), fit.largest_bounded(), {})
+
