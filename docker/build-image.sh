@@ -69,6 +69,6 @@ from services.gateway.config import resolve_model_dir; print("default model:", r
 run timeout 15 python -m scheduler.adapters --port 50070 --metrics-port 9090 --drain-grace-s 0 \
     > "$WORK/smoke.log" 2>&1 || true
 cat "$WORK/smoke.log"
-grep -q "listening on" "$WORK/smoke.log"
+grep -q "compiled decision path) listening on" "$WORK/smoke.log"
 "${BUILDAH[@]}" images "$IMAGE"
 echo "== ok: $IMAGE"

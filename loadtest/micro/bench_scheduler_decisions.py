@@ -17,12 +17,21 @@ with room left for a heavier tier. A queued-behind decision is a deque append, s
 the admission queue more than routing. `queued_fraction` in the output says how many decisions only queued.
 
     .venv/bin/python -m loadtest.micro.bench_scheduler_decisions [--seconds 10] [--json out.json]
+
+The compiled decision path (scheduler/native.py): compile a copy of the package and put it first,
+
+    mkdir -p /tmp/native && cp -r scheduler /tmp/native/ && .venv/bin/python -m scheduler.native /tmp/native
+    PYTHONPATH=/tmp/native .venv/bin/python -m loadtest.micro.bench_scheduler_decisions
+
+(`compiled` in the output says which ran). `decisions_sha256` hashes every answer: the same seed and
+code decide alike compiled or not (tests/integration/scheduler/test_native_scheduler.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import random
 import statistics
@@ -35,6 +44,7 @@ from scheduler.adapters.loop_watch import quiet_gc
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.native import compiled
 from scheduler.sim.trace import extend_chain
 from scheduler.types import (
     SLO,
@@ -44,6 +54,7 @@ from scheduler.types import (
     KVEventKind,
     PrefillSample,
     RequestSummary,
+    RouteDecision,
     StepSample,
     Tier,
     WorkerRole,
@@ -124,6 +135,7 @@ def _measure(config: BenchConfig) -> dict[str, float]:
     heartbeat_s: list[float] = []
     tick_s: list[float] = []
     kinds: Counter[DecisionKind] = Counter()
+    digest = hashlib.sha256()  # every decision's answer: two builds that decide alike hash alike
     finishing: deque[tuple[float, str, str]] = deque()
     next_beat = {w: config.heartbeat_s * i / len(workers) for i, (w, _) in enumerate(workers)}
     now, next_tick, n = 0.0, 0.0, 0
@@ -158,11 +170,13 @@ def _measure(config: BenchConfig) -> dict[str, float]:
         route_s.append(time.perf_counter() - started)
         route_cpu_s.append(time.thread_time() - started_cpu)
         kinds[decision.kind] += 1
+        digest.update(_decision_key(decision))
         if decision.is_placed and decision.decode_worker_id is not None:
             running[decision.decode_worker_id] += 1
             finishing.append((now + config.lifetime_s, request.request_id, decision.decode_worker_id))
     elapsed = time.perf_counter() - wall
     return {
+        "compiled": compiled(),
         "workers": len(workers),
         "indexed_blocks": indexed,
         "requests": len(route_s),
@@ -181,7 +195,14 @@ def _measure(config: BenchConfig) -> dict[str, float]:
         "tick_p99_ms": _percentile(tick_s, 0.99) * 1e3,
         # Core CPU seconds per simulated second: below 1.0, one core keeps up with the rate.
         "core_busy_fraction": elapsed / config.seconds,
+        "decisions_sha256": digest.hexdigest(),
     }
+
+
+def _decision_key(d: RouteDecision) -> bytes:
+    """What a decision answered, to the last bit of its predictions (`repr` of a float round-trips)."""
+    return repr((d.kind.value, d.decode_worker_id, d.prefill_worker_id, d.predicted_ttft_ms, d.predicted_tpot_ms,
+                 d.predicted_stretch_ms, str(d.reason), d.prefill_reason, d.max_tokens)).encode()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

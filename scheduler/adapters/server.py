@@ -27,6 +27,7 @@ from scheduler.adapters.profiles import ProfileBook
 from scheduler.adapters.servicer import SchedulerServicer, ServicerConfig
 from scheduler.core.policies import POLICY_NAMES, GoodputConfig, GoodputPolicy, Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.native import compiled
 from scheduler.types import Tier
 from services.common.tracing import TraceContextServerInterceptor
 
@@ -128,8 +129,9 @@ class SchedulerService:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "scheduler (%s) listening on %s:%d, metrics on %s",
-            self.config.policy, self.config.host, self.port, self.metrics_port,
+            "scheduler (%s, %s decision path) listening on %s:%d, metrics on %s",
+            self.config.policy, "compiled" if compiled() else "interpreted", self.config.host, self.port,
+            self.metrics_port,
         )
 
     async def stop(self, grace_s: float | None = None) -> None:

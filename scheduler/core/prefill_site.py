@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.placement import DecodeSide, Placement, PrefillSide, decode_side, evaluate, prefill_side
 from scheduler.types import RequestSummary, WorkerRole
@@ -72,6 +74,7 @@ class SiteChoice:
     cost: float  # fraction of the SLO budget consumed (see the module docstring)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (scheduler/native.py), still open to other rules
 class PrefillSiting:
     """Chooses the prefill site for a request on one decode worker. Pure; no state between calls."""
 

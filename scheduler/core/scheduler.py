@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.core.admission import AdmissionConfig, AdmissionQueue
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel, WorkerProfile
@@ -58,6 +60,7 @@ class SchedulerConfig:
     prefill_min_window_s: float = 2.0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (scheduler/native.py), subclassed by the load tests' tap
 class Scheduler:
     def __init__(self, policy: Policy, config: SchedulerConfig | None = None) -> None:
         self.policy = policy

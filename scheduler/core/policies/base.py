@@ -17,6 +17,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.core.cluster_view import ClusterView
 from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision
 
@@ -24,6 +26,7 @@ from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision
 NO_WORKERS_RETRY_AFTER_S = 5.0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (scheduler/native.py), still open to new policies
 class Policy(ABC):
     name: ClassVar[str]
 

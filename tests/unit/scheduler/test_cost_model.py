@@ -1,5 +1,6 @@
 import json
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -74,7 +75,7 @@ def test_fit_never_predicts_negative_or_zero_step_times() -> None:
     for _ in range(50):  # degenerate samples: one size, tiny times
         model.observe(PrefillSample(1000, 1e-6))
     assert model.prefill_s(1) > 0
-    assert all(v >= 0 for v in vars(model.fitted_profile()).values())
+    assert all(v >= 0 for v in asdict(model.fitted_profile()).values())
 
 
 def test_prefill_with_cached_prefix_costs_less_than_uncached() -> None:

@@ -1,0 +1,71 @@
+"""The compiled decision path (scheduler/native.py) decides exactly as the interpreted one.
+
+A copy of the `scheduler` package is compiled with mypyc (~25 s on 2 cores). The decision benchmark
+(64 workers, ~100k indexed blocks, 1,000 requests/s; loadtest/micro/bench_scheduler_decisions.py) then
+runs two simulated seconds per policy under each build, in a process whose `scheduler` is that build;
+`decisions_sha256` hashes every answer, the predicted TTFT/TPOT to the last bit. The same process
+checks that the load tests' tap, an interpreted subclass of the compiled `Scheduler`, still works.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler.core.policies import POLICY_NAMES
+from scheduler.native import build
+
+ROOT = Path(__file__).resolve().parents[3]
+
+RUN_POLICIES = """
+import json, sys
+from loadtest.experiments.scheduler_tap import TappedScheduler
+from loadtest.micro.bench_scheduler_decisions import BenchConfig, run
+from scheduler.core.scheduler import SchedulerConfig
+from scheduler.native import compiled
+
+TappedScheduler("goodput", SchedulerConfig())  # an interpreted subclass of the (maybe compiled) core
+out = {"compiled": compiled()}
+for policy in sys.argv[1:]:
+    result = run(BenchConfig(seconds=2.0, policy=policy))
+    out[policy] = [result["decisions_sha256"], result["requests"]]
+print(json.dumps(out))
+"""
+
+
+def _decide(site: Path, cwd: Path) -> dict[str, object]:
+    """Each policy's benchmark digest in a process that imports `scheduler` from `site` first."""
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_POLICIES, *POLICY_NAMES], cwd=cwd, env={"PYTHONPATH": f"{site}:{ROOT}"},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_compiled_scheduler_decides_exactly_as_interpreted(tmp_path: Path) -> None:
+    interpreted, native = tmp_path / "interpreted", tmp_path / "native"
+    for site in (interpreted, native):
+        shutil.copytree(ROOT / "scheduler", site / "scheduler", ignore=shutil.ignore_patterns("__pycache__"))
+    compiling = subprocess.run([sys.executable, "-m", "scheduler.native", str(native)], cwd=tmp_path,
+                               env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                               capture_output=True, text=True, timeout=900, check=False)
+    assert compiling.returncode == 0, compiling.stderr[-3000:]
+    assert list((native / "scheduler" / "core").glob("scheduler.*.so"))
+
+    pure, fast = _decide(interpreted, tmp_path), _decide(native, tmp_path)
+
+    assert pure.pop("compiled") is False and fast.pop("compiled") is True
+    assert set(pure) == set(POLICY_NAMES)
+    assert fast == pure
+
+
+def test_refuses_to_compile_a_source_checkout() -> None:
+    with pytest.raises(ValueError, match="source checkout"):
+        build(ROOT)
