@@ -41,24 +41,31 @@ def sources(site: Path) -> list[str]:
 
 
 def build(site: Path) -> list[Path]:
-    """Compile `sources(site)` in place; returns the extension modules written."""
+    """Compile `sources(site)` and put the extension modules next to them; returns those written.
+
+    The compile runs on a scratch copy of the package: mypy reads the working directory as a source
+    root, and an installed site-packages holds modules (`mypy_extensions.py`) that would shadow its own."""
     site = site.resolve()
     if (site / ".git").exists() or (site / "pyproject.toml").exists():
         raise ValueError(f"{site} is a source checkout: compile an installed copy (see the module docstring)")
+    paths = sources(site)
     from mypyc.build import mypycify  # build-time only: mypy is not a run-time dependency
     from setuptools import setup
 
-    paths = sources(site)
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as temp:
-        os.chdir(site)  # mypyc names modules by their path from the working directory
+        scratch = Path(temp)
+        shutil.copytree(site / "scheduler", scratch / "scheduler", ignore=shutil.ignore_patterns("__pycache__"))
+        os.chdir(scratch)  # mypyc names modules by their path from the working directory
         try:
             setup(name="baton-scheduler-native", ext_modules=mypycify(paths, opt_level="3", group_name=GROUP),
-                  script_args=["build_ext", "--inplace", "--build-temp", temp, "--build-lib", temp], py_modules=[])
+                  script_args=["build_ext", "--inplace", "--build-temp", str(scratch / "build")], py_modules=[])
         finally:
             os.chdir(cwd)
-            shutil.rmtree(site / "build", ignore_errors=True)  # mypyc's generated C
-    return sorted(p for p in site.rglob("*.so") if p.name.startswith(GROUP) or "scheduler" in p.parts)
+        built = sorted(p.relative_to(scratch) for p in scratch.glob("**/*.so") if "build" not in p.parts)
+        for relative in built:
+            shutil.copy2(scratch / relative, site / relative)
+    return [site / relative for relative in built]
 
 
 def compiled() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _MIN_RELATIVE_VAR = 1e-2  # see WindowedLeastSquares._penalty
@@ -166,7 +167,7 @@ class WindowedLeastSquares:
 
     def _residual(self, value: float, coefficients: tuple[float, ...]) -> float:
         group = self._groups[value]
-        line = sum(c * x for c, x in zip(coefficients, group.features, strict=True))
+        line = _dot(coefficients, group.features)
         return (group.target - line) / (group.count + RESIDUAL_SHRINK_SAMPLES)
 
     def _sorted_values(self) -> list[float]:
@@ -261,7 +262,7 @@ class WindowedLeastSquares:
         prior = self._prior
         a = [[self._xtx[i][j] + lam * penalty[i][j] for j in free] for i in free]
         b = [
-            self._xty[i] + lam * sum(penalty[i][j] * prior[j] for j in range(len(prior))) for i in free
+            self._xty[i] + lam * _dot(penalty[i], prior) for i in free
         ]
         scale = [math.sqrt(a[r][r]) for r in range(len(free))]
         a = [[v / (scale[r] * scale[c]) for c, v in enumerate(row)] for r, row in enumerate(a)]
@@ -286,5 +287,15 @@ def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
             b[i] -= factor * b[k]
     x = [0.0] * n
     for i in reversed(range(n)):
-        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+        x[i] = (b[i] - _dot(a[i][i + 1 :], x[i + 1 :])) / a[i][i]
     return x
+
+
+def _dot(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The plain left-to-right sum of products. Not `sum()`: from Python 3.12 it sums floats with
+    compensation, so the same fit would give other last bits on 3.11, on 3.12, and compiled
+    (scheduler/native.py; mypyc's `sum` adds plainly), and decisions near a tie would differ."""
+    total = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        total += x * y
+    return total
