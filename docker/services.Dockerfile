@@ -33,16 +33,9 @@ COPY tokenization /src/tokenization
 COPY services /src/services
 COPY loadtest /src/loadtest
 RUN /opt/baton/venv/bin/pip install --no-deps /src
-# The scheduler's decision path compiled with mypyc (scheduler/native.py): the compiler, the Python
-# headers and mypy live in this stage only; the final stage copies the venv with the extension modules.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
-    && rm -rf /var/lib/apt/lists/* \
-    && /opt/baton/venv/bin/pip install --target /opt/mypyc "mypy>=1.10" setuptools \
-    && SITE=$(/opt/baton/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
-    && PYTHONPATH=/opt/mypyc /opt/baton/venv/bin/python -m scheduler.native "$SITE" \
-    && rm -rf /opt/mypyc
+# The scheduler's decision path compiled with mypyc (build tools in this stage only).
+COPY docker/compile-scheduler.sh /src/docker/
+RUN sh /src/docker/compile-scheduler.sh
 
 FROM deps AS model
 # Build args are per stage: the wheel dir and CA bundle again, for torch.

