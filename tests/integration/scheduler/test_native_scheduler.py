@@ -69,3 +69,8 @@ def test_compiled_scheduler_decides_exactly_as_interpreted(tmp_path: Path) -> No
 def test_refuses_to_compile_a_source_checkout() -> None:
     with pytest.raises(ValueError, match="source checkout"):
         build(ROOT)
+
+
+def test_refuses_a_directory_without_the_package(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no scheduler package"):
+        build(tmp_path)
