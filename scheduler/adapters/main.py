@@ -20,6 +20,7 @@ from scheduler.adapters.loop_watch import settle_gc
 from scheduler.adapters.server import DEFAULT_PORT, SchedulerService, SchedulerServiceConfig
 from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
+from scheduler.native import check_fresh
 from scheduler.types import Tier
 from services.common.errors import ConfigError
 from services.common.tracing import EXPORTERS, setup_tracing
@@ -134,6 +135,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(args.log_level)
     try:
+        check_fresh()  # a compiled module older than its source would run instead of it (scheduler/native.py)
         config = config_from_args(args)
         service = SchedulerService(config)  # loads the profile file: a bad one fails here, clearly
         setup_tracing(args.otel_exporter, "baton-scheduler")

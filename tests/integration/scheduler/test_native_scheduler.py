@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.core.policies import POLICY_NAMES
-from scheduler.native import build
+from scheduler.native import build, stale
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,12 +58,22 @@ def test_compiled_scheduler_decides_exactly_as_interpreted(tmp_path: Path) -> No
                                capture_output=True, text=True, timeout=900, check=False)
     assert compiling.returncode == 0, compiling.stderr[-3000:]
     assert list((native / "scheduler" / "core").glob("scheduler.*.so"))
+    assert stale(native) == []
 
     pure, fast = _decide(interpreted, tmp_path), _decide(native, tmp_path)
 
     assert pure.pop("compiled") is False and fast.pop("compiled") is True
     assert set(pure) == set(POLICY_NAMES)
     assert fast == pure
+
+    # An edited source (a newer release installed over the compiled one): the scheduler will not start.
+    with (native / "scheduler" / "core" / "placement.py").open("a") as source:
+        source.write("# edited\n")
+    refused = subprocess.run([sys.executable, "-m", "scheduler.adapters", "--port", "0"], cwd=tmp_path,
+                             env={"PYTHONPATH": f"{native}:{ROOT}"}, capture_output=True, text=True, timeout=120,
+                             check=False)
+    assert refused.returncode == 2
+    assert "scheduler/core/placement.py" in refused.stderr and "recompile" in refused.stderr
 
 
 def test_refuses_to_compile_a_source_checkout() -> None:
