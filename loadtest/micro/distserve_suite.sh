@@ -4,8 +4,9 @@ cd "$(dirname "$0")/../.." && ls .whl/*.whl >/dev/null && python3 -m pip install
 # decode worker vs 2 co-located `both` workers, Llama-3.1-8B shape (dummy weights), random ISL 2048 /
 # OSL 128 and ShareGPT, request-rate sweep, goodput under TTFT <= 500 ms / TPOT <= 50 ms.
 # The line above installs the wheels carried in .whl/ (nixl, grpc, protobuf, gguf, and the gateway's
-# and bench's pure-Python/cp312 dependencies) into /tmp/baton-site. Needs .data/distserve/ (carried;
-# `python -m loadtest.experiments.distserve_assets` writes it).
+# and bench's pure-Python/cp312 dependencies, mypy-extensions for the scheduler among them) into
+# /tmp/baton-site. Needs .data/distserve/ (carried; `python -m loadtest.experiments.distserve_assets`
+# writes it).
 #
 #   OUT=/some/dir bash loadtest/micro/distserve_suite.sh      # OUT defaults to ./distserve-out
 #   bash loadtest/micro/distserve_suite.sh --tp 2 ...          # extra arguments go to the experiment
