@@ -280,10 +280,8 @@ class CostModel:
         seen = terms.largest_batch
         unseen = batch - seen if 0 < seen < batch else 0.0  # sequences past the largest batch seen
         priced = batch - unseen
-        residual = terms.residuals.get(priced)
-        if residual is None:
-            residual = terms.residuals[priced] = terms.fit.residual_at(priced)
-        batch_s = terms.fixed + terms.per_seq * priced + residual + self._profile.decode_per_seq_s * unseen
+        batch_s = (terms.fixed + terms.per_seq * priced + terms.fit.residual_at(priced)
+                   + self._profile.decode_per_seq_s * unseen)
         seen_context = terms.largest_context
         fitted = context_tokens if seen_context is None else min(context_tokens, seen_context)
         context_s = terms.per_context * fitted + self._profile.decode_per_context_token_s * (context_tokens - fitted)
@@ -337,7 +335,6 @@ class _FitChoice(Generic[_Terms]):
         self._own = own
         self._pooled = pooled
         self._derive = derive
-        self.fit = own
         self._terms = derive(own)
         self._own_version = self._pooled_version = -1  # stale: the first call chooses
 
@@ -345,11 +342,10 @@ class _FitChoice(Generic[_Terms]):
         own, pooled = self._own, self._pooled
         if own.version != self._own_version or pooled is not None and pooled.version != self._pooled_version:
             self._own_version, self._pooled_version = own.version, -1 if pooled is None else pooled.version
-            if pooled is None or own.num_samples >= MIN_OWN_SAMPLES or pooled.num_samples <= own.num_samples:
-                self.fit = own
-            else:
-                self.fit = pooled
-            self._terms = self._derive(self.fit)
+            fit = own
+            if pooled is not None and own.num_samples < MIN_OWN_SAMPLES and pooled.num_samples > own.num_samples:
+                fit = pooled
+            self._terms = self._derive(fit)
         return self._terms
 
 
@@ -367,10 +363,9 @@ class _DecodeTerms:
     per_context: float
     largest_batch: float  # `WindowedLeastSquares.largest_seen`
     largest_context: float | None  # `WindowedLeastSquares.largest_bounded`
-    residuals: dict[float, float]  # `WindowedLeastSquares.residual_at` per batch size asked
 
     @classmethod
     def of(cls, fit: WindowedLeastSquares) -> _DecodeTerms:
         d, e, f = fit.coefficients
-        return cls(fit, d, e, f, fit.largest_seen(), fit.largest_bounded(), {})
+        return cls(fit, d, e, f, fit.largest_seen(), fit.largest_bounded())
 
