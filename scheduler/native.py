@@ -97,9 +97,7 @@ def stale(site: Path) -> list[str]:
 
 def check_fresh() -> None:
     """Raise ValueError when this process's `scheduler` package has stale compiled modules (`stale`)."""
-    import scheduler
-
-    site = Path(scheduler.__file__ or ".").resolve().parent.parent
+    site = Path(__file__).resolve().parents[1]  # this module is never compiled: it sits in the package's sources
     changed = stale(site)
     if changed:
         raise ValueError(f"compiled modules older than their sources under {site}: {', '.join(changed)}; "
