@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.batch import TokenLogprobs
@@ -78,9 +78,11 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_sleep_s: float = 0.002,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
-        """`on_step` runs on the engine thread after every step that ran something: keep it cheap."""
+        """`on_step` runs on the engine thread after every step that ran something, before its outputs
+        are published, with the step's served time (`StepStats.served_seconds`): keep it cheap."""
         self.engine = engine
         self._on_step = on_step
+        self._since = time.perf_counter()  # the loop's last step end or wake from idle (served times)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -253,32 +255,47 @@ class AsyncEngine:
             self._apply_commands()
             self.engine.release_expired_holds()
             if not self.engine.has_unfinished():
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
+                self._doze(0.05)
                 continue
             try:
                 self._step_once()
             except EngineError as e:
                 log.exception("engine step failed")
                 self._fail_all(e)
+                self._since = time.perf_counter()
             except Exception as e:  # a bug must not leave streams hanging forever
                 log.exception("engine step crashed")
                 self._fail_all(e)
                 time.sleep(self._idle_sleep_s)
+                self._since = time.perf_counter()
 
     def _step_once(self) -> None:
         outputs = self.engine.step()
         stats = self.engine.last_step
-        if self._on_step is not None and stats is not None:
-            self._on_step(stats)
+        if stats is not None:
+            self._report(stats)
         if not outputs:
             if not self.engine.batcher.has_work():
                 # Nothing runnable (e.g. every sequence waits for remote KV): doze, but a command
                 # (a commit of landed KV) wakes the thread at once.
-                self._wakeup.wait(self._idle_sleep_s)
-                self._wakeup.clear()
+                self._doze(self._idle_sleep_s)
             return
         self._publish(outputs)
+
+    def _report(self, stats: StepStats) -> None:
+        """Hand `on_step` the step with its served time: the loop's wall time since its previous step
+        (or its wake from idle), so a busy loop's samples add up to its period, the client's token gap,
+        and a dozing loop's idle time is in none of them."""
+        now = time.perf_counter()
+        served, self._since = now - self._since, now
+        if self._on_step is not None:
+            self._on_step(replace(stats, served_seconds=served))
+
+    def _doze(self, seconds: float) -> None:
+        """Idle until a command arrives or `seconds` pass; idle time is no step's served time."""
+        self._wakeup.wait(seconds)
+        self._wakeup.clear()
+        self._since = time.perf_counter()
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Deliver outputs to their streams (engine thread): one event-loop wake-up per loop and step,

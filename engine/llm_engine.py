@@ -84,7 +84,14 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one step ran (for step-time samples and metrics)."""
+    """What one step ran (for step-time samples and metrics).
+
+    Two times: `seconds` is the forward pass and sampling (`runner.execute`); `served_seconds` is what
+    the step cost the engine loop that serves it (engine.async_engine), from the loop's previous step
+    (or its wake from idle) to this step's end: the commands applied between steps, the batch's
+    scheduling and bookkeeping, the previous step's emission to the streams, and the forward pass. A
+    busy loop's period is the client's token gap, so a TPOT predicted from `seconds` alone is short by
+    the rest: on one H200 near saturation, ~2 ms of a ~13-ms mean step (docs/benchmarks.md)."""
 
     prefill_tokens: int  # tokens of prefill chunks
     attention_tokens_sq: int  # sum over prefill chunks of new * (new + 2 * cached)
@@ -92,6 +99,12 @@ class StepStats:
     decode_context_tokens: int  # their total context after the step
     seconds: float
     speculation: SpeculationStats = field(default_factory=lambda: SpeculationStats())  # this step's drafts
+    served_seconds: float | None = None  # None: not stepped by a serving loop (a bare LLMEngine)
+
+    @property
+    def period_seconds(self) -> float:
+        """The step as its clients pay for it: the served time where a serving loop measured one."""
+        return self.seconds if self.served_seconds is None else self.served_seconds
 
     @classmethod
     def of(cls, plan: BatchPlan, seconds: float, speculation: SpeculationStats | None = None) -> StepStats:

@@ -13,8 +13,9 @@ suite scrapes these histograms and counters before and after each run and keeps 
   `baton_gateway_gc_pause_seconds`, and what its loop cost per request and token
   (`baton_gateway_event_loop_cpu_seconds`, `baton_gateway_tokens`, `baton_gateway_generations_finished`:
   loadtest/experiments/gateway_cost.py);
-- each worker: `baton_engine_step_seconds` by kind of step (prefill, decode, mixed), and a decode
-  worker's `baton_pd_prefill_path` (prompts prefilled locally or handed over).
+- each worker: `baton_engine_step_seconds` (the forward pass) and `baton_engine_served_step_seconds`
+  (the engine loop's time per step) by kind of step (prefill, decode, mixed), and a decode worker's
+  `baton_pd_prefill_path` (prompts prefilled locally or handed over).
 
 Histograms come out as count, mean and quantiles (linear in a bucket, as in handoff_phases.py);
 counters as their increase.
@@ -34,7 +35,7 @@ SERVICE_PREFIXES = (
     "baton_gateway_event_loop_cpu_seconds", "baton_gateway_tokens", "baton_gateway_generations_finished",
     "baton_gateway_gc_pause_seconds", "baton_gateway_worker_messages",
 )
-WORKER_PREFIXES = ("baton_engine_step_seconds", "baton_pd_prefill_path")
+WORKER_PREFIXES = ("baton_engine_step_seconds", "baton_engine_served_step_seconds", "baton_pd_prefill_path")
 _KEY = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})?$")
 _HISTOGRAM_PARTS = ("_bucket", "_count", "_sum")
 

@@ -1,6 +1,8 @@
 """What a served step costs beyond the model runner: the part `baton profile` does not time.
 
-`baton profile` times `runner.execute(plan)` alone (services/profiler/measure.py). A served worker
+`baton profile` times `runner.execute(plan)` alone (services/profiler/measure.py); a worker's step
+samples carry the served step (engine/async_engine.py), so the scheduler's fits learn this cost from
+them while its prior, the profile, does not know it. A served worker
 also runs, every step, the batcher's bookkeeping and, per sequence in the batch, the token's way out:
 read back, stop checks, the output event and its gRPC stream message, all Python on the worker's
 process. On the 4xH100 run of docs/benchmarks.md ("Four GPUs") the decode worker of 3P1D (decode

@@ -7,7 +7,8 @@ engine's chunked prefill: each step takes at most that many tokens of a prompt, 
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports KV events and, when it is
 a step sample of its kind (prefill, decode or mixed) that the next heartbeat carries to the scheduler,
-as a real worker's does (services/worker/heartbeat.py). Step times are the
+as a real worker's does (services/worker/heartbeat.py), with the served time the step took, serving
+cost included. Step times are the
 profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
 factor and the host's speed at the time (`SimWorkerSpec.host_speed`); a measured decode step table
 (`SimWorkerSpec.decode_step_s`) may replace the profile's decode price. An abort (a client that gave
@@ -166,30 +167,32 @@ class SimWorker:
             if job.seq.prefill_started_at is None:
                 job.seq.prefill_started_at = now
         speed = self.spec.host_speed.at(now)
-        seconds = 0.0
-        if jobs:
-            tokens = sum(t for _, t in jobs)
-            attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
-            prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter() * speed
-            if not decoding:
-                self._samples.append(PrefillSample(tokens, prefill_s, attention))
-            seconds += prefill_s
+        tokens = sum(t for _, t in jobs)
+        attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
+        prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter() * speed if jobs else 0.0
         context = sum(s.context for s in decoding)
+        decode_s = 0.0
         if decoding:
             decode_s = self.spec.decode_truth_s(len(decoding), context) * self._jitter() * speed
             if jobs:
                 decode_s *= self.spec.mixed_decode_share
-                self._samples.append(MixedSample(tokens, attention, len(decoding), context, prefill_s + decode_s))
-            else:
-                self._samples.append(DecodeSample(len(decoding), context, decode_s))
-            seconds += decode_s
         done = [j for j, t in jobs if t >= j.remaining]  # their first token is sampled now
         handed_off = sum(1 for j in done if j.seq.decode_worker != self.worker_id)
         remote = any(j.seq.decode_worker != self.worker_id for j, _ in jobs)
         shape = StepShape(len(decoding), context, len(done), remote, handed_off)
-        seconds += self.spec.serving.step_s(shape) * self._jitter() * speed
+        # The sample is the served step, serving cost included, as a real worker's engine loop reports it.
+        seconds = prefill_s + decode_s + self.spec.serving.step_s(shape) * self._jitter() * speed
+        self._samples.append(self._sample(tokens, attention, len(decoding), context, seconds))
         self._step = (jobs, decoding)
         return seconds
+
+    @staticmethod
+    def _sample(tokens: int, attention: int, decoding: int, context: int, seconds: float) -> StepSample:
+        if tokens and decoding:
+            return MixedSample(tokens, attention, decoding, context, seconds)
+        if tokens:
+            return PrefillSample(tokens, seconds, attention)
+        return DecodeSample(decoding, context, seconds)
 
     def finish_step(self, now: float) -> StepOutcome:
         assert self._step is not None, "finish_step without start_step"

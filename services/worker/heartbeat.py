@@ -47,17 +47,21 @@ class TelemetryBuffer:
     def add_step(self, stats: StepStats) -> None:
         """Record a step-time sample of its kind. A step that mixes prefill chunks with decodes is its
         own kind: counted as a prefill and again as a decode, its whole time would inflate both of the
-        scheduler's fits; as a mixed sample it tells what the decodes add to a step carrying a prompt."""
+        scheduler's fits; as a mixed sample it tells what the decodes add to a step carrying a prompt.
+        The time is the served one (`StepStats.period_seconds`): the scheduler predicts clients' token
+        gaps and queue waits from these samples, and both run at the engine loop's pace, not the
+        forward pass's."""
+        seconds = stats.period_seconds
         if stats.prefill_tokens and stats.decode_seqs:
             sample = spb.StepSample(kind=spb.StepSample.KIND_MIXED, tokens=stats.prefill_tokens,
                                     attention_tokens_sq=stats.attention_tokens_sq, decode_seqs=stats.decode_seqs,
-                                    context_tokens=stats.decode_context_tokens, seconds=stats.seconds)
+                                    context_tokens=stats.decode_context_tokens, seconds=seconds)
         elif stats.prefill_tokens:
             sample = spb.StepSample(kind=spb.StepSample.KIND_PREFILL, tokens=stats.prefill_tokens,
-                                    seconds=stats.seconds, attention_tokens_sq=stats.attention_tokens_sq)
+                                    seconds=seconds, attention_tokens_sq=stats.attention_tokens_sq)
         elif stats.decode_seqs:
             sample = spb.StepSample(kind=spb.StepSample.KIND_DECODE, tokens=stats.decode_seqs,
-                                    context_tokens=stats.decode_context_tokens, seconds=stats.seconds)
+                                    context_tokens=stats.decode_context_tokens, seconds=seconds)
         else:
             return
         with self._lock:

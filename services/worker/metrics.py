@@ -42,6 +42,10 @@ class WorkerMetrics:
                               ["kind"], registry=r)
         self.step_seconds = Histogram("baton_engine_step_seconds", "Engine step time, by kind of step",
                                       ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.served_step_seconds = Histogram(
+            "baton_engine_served_step_seconds",
+            "Engine loop time per step (bookkeeping, emission and the step), by kind of step",
+            ["kind"], buckets=_STEP_BUCKETS, registry=r)
         self.free_blocks = Gauge("baton_kv_free_blocks", "KV blocks an allocation may take", registry=r)
         self.total_blocks = Gauge("baton_kv_total_blocks", "KV blocks in the pool", registry=r)
         self.fallbacks = Counter("baton_pd_fallback", "Requests whose remote prefill fell back, by reason",
@@ -83,6 +87,8 @@ class WorkerMetrics:
         else:
             kind = "decode"
         self.step_seconds.labels(kind).observe(stats.seconds)
+        if stats.served_seconds is not None:
+            self.served_step_seconds.labels(kind).observe(stats.served_seconds)
         if stats.prefill_tokens:
             self.tokens.labels("prompt").inc(stats.prefill_tokens)
         spec = stats.speculation

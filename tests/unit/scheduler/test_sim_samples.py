@@ -1,5 +1,6 @@
 """A simulated worker reports step samples as a real one does: one per step, of the step's kind
-(services/worker/heartbeat.py), a mixed step's time with its decode part at the spec's share."""
+(services/worker/heartbeat.py), a mixed step's time with its decode part at the spec's share, and the
+served step's time, serving cost included (engine/async_engine.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.sim.sequence import SimSequence
+from scheduler.sim.serving import ServingCost
 from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
 from scheduler.sim.worker import SimWorker
@@ -49,6 +51,22 @@ def test_each_step_reports_one_sample_of_its_kind() -> None:
     assert (mixed.prefill_tokens, mixed.batch_size) == (64, 1)
     prefill = profile.prefill_step_s(64, 64 * 64)
     assert mixed.seconds == pytest.approx(prefill + 0.25 * profile.decode_step_s(1, mixed.context_tokens))
+
+
+def test_a_sample_is_the_served_step_serving_cost_included() -> None:
+    serving = ServingCost(per_step_s=0.002, per_seq_s=0.0001)
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, WorkerProfile(), max_batch=4, serving=serving)
+    worker = SimWorker(spec, random.Random(0), 0.0)
+    worker.admit(_seq("first", 0))
+    (ready,) = worker.allocate_waiting()
+    worker.enqueue_prefill(ready)
+    for now in (0.0, 1.0):  # the prompt's step, then a decode step
+        seconds = worker.start_step(now)
+        worker.finish_step(now + 1.0)
+        (sample,) = worker.heartbeat(now + 1.0)[1]
+        assert sample.seconds == seconds
+    assert isinstance(sample, DecodeSample)
+    assert sample.seconds == pytest.approx(spec.profile.decode_step_s(1, sample.context_tokens) + 0.0021)
 
 
 def test_a_simulated_pair_counts_requests_as_real_workers_do_and_reports_sequences_awaiting_kv() -> None:
