@@ -171,6 +171,8 @@ def parse_args(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argp
                    help="... per sequence in the step (as baton plan)")
     p.add_argument("--serving-context-ns", type=float, default=MEASURED_H100.per_context_token_s * 1e9,
                    help="... per context token of the decoding sequences (as baton plan)")
+    p.add_argument("--serving-sampled-share", type=float, default=MEASURED_H100.sampled_share,
+                   help="the share of that cost the workers' step samples carry (as baton plan)")
     args = p.parse_args(argv)
     profile_path = args.profile or next((o / "profile-8b.json" for o in args.outs
                                          if (o / "profile-8b.json").exists()), None)
@@ -191,7 +193,7 @@ def gateway_cost(args: argparse.Namespace, meta: dict[str, Any] | None = None) -
 def serving_cost(args: argparse.Namespace) -> ServingCost:
     """The simulated workers' serving cost of the --serving-* flags; the hand-off terms stay the measured ones."""
     return replace(MEASURED_H100, per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
-                   per_context_token_s=args.serving_context_ns / 1e9)
+                   per_context_token_s=args.serving_context_ns / 1e9, sampled_share=args.serving_sampled_share)
 
 
 def run_slo(args: argparse.Namespace, meta: dict[str, Any]) -> SLO:

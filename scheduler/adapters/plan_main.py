@@ -71,6 +71,9 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="the same, per prompt whose prefill ends in the step and is handed over")
     p.add_argument("--serving-context-ns", type=float, default=serving.per_context_token_s * 1e9,
                    help="the same, per context token of the decoding sequences")
+    p.add_argument("--serving-sampled-share", type=float, default=serving.sampled_share,
+                   help="the share of the serving cost inside the workers' engine loop, so in the step samples "
+                        "the simulated scheduler learns from (default: measured on 1xH200, docs/benchmarks.md)")
     gateway = PlanConfig.gateway
     p.add_argument("--gateway-request-ms", type=float, default=gateway.per_request_s * 1e3,
                    help="the gateway's CPU per request (default: measured on 4xH100, docs/benchmarks.md); "
@@ -101,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
             serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
                                 per_prefill_done_s=args.serving_prefill_done_ms / 1e3,
-                                per_context_token_s=args.serving_context_ns / 1e9),
+                                per_context_token_s=args.serving_context_ns / 1e9,
+                                sampled_share=args.serving_sampled_share),
             gateway=GatewayCost(per_request_s=args.gateway_request_ms / 1e3, per_token_s=args.gateway_token_us / 1e6,
                                 admission_rounds=args.gateway_admission_rounds, processes=args.gateway_processes),
             search_rate=not args.no_search, search_tolerance=args.search_tolerance, seeds=args.seeds,

@@ -46,6 +46,15 @@ log TTFT/TPOT errors, each run alike), moved per step 1.24 -> 0.3 ms, per sequen
 context token 25 -> 12.5 ns, and the per-step prefill term 8.7 -> 0 ms (the per-prompt hand-off term kept
 its 10.9 ms); mean |error| of attainment 0.159 -> 0.104 over those runs, and of the per-GPU capacity the
 planner predicts for the measured layouts 18% -> 10%. In-sample: the same runs judged it.
+
+What the samples see (`sampled_share`): since 2026-11-29 a worker's step samples time its engine loop's
+whole period per step (engine/async_engine.py), not the forward pass alone, so the simulated workers
+report the profile's part plus this share of the serving cost. On 1xH200 at TPOT <= 20 ms (c1, 16 runs
+past the knee) the loop added 0.6-1.9 ms per decode step to the forward pass, less than these terms
+price, yet replaying those runs matched best with the whole cost in the samples: simulated attainment
+0.71-0.82 against 0.83-0.95 measured on ShareGPT, TPOT p50 16 ms both; with shares of 0-0.75 the
+simulated scheduler admitted past the knee (TPOT p50 18-24 ms, attainment 0.16-0.79). Share 0
+replays runs of workers from before the change (forward-only samples).
 """
 
 from __future__ import annotations
@@ -60,11 +69,16 @@ class ServingCost:
     per_prefill_step_s: float = 0.0  # on top, for a step that carries prefill for another worker
     per_prefill_done_s: float = 0.0  # on top, per prompt whose prefill ends in the step and is handed over
     per_context_token_s: float = 0.0  # per context token of the decoding sequences
+    # The share of this cost inside the engine loop's served step, so in the worker's step samples (the
+    # module docstring, "What the samples see").
+    sampled_share: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.per_step_s, self.per_seq_s, self.per_prefill_step_s, self.per_prefill_done_s,
                self.per_context_token_s) < 0:
             raise ValueError(f"serving costs must be non-negative, got {self}")
+        if not 0.0 <= self.sampled_share <= 1.0:
+            raise ValueError(f"the sampled share must be within [0, 1], got {self.sampled_share}")
 
     def step_s(self, step: StepShape) -> float:
         sequences = step.decoding + step.prompts_done

@@ -7,8 +7,8 @@ engine's chunked prefill: each step takes at most that many tokens of a prompt, 
 order, within the step's token budget that the decodes share), a prefill on the decode
 worker itself shares the step with the decode batch, and each step reports KV events and, when it is
 a step sample of its kind (prefill, decode or mixed) that the next heartbeat carries to the scheduler,
-as a real worker's does (services/worker/heartbeat.py), with the served time the step took, serving
-cost included. Step times are the
+as a real worker's does (services/worker/heartbeat.py), with the served time its engine loop would
+time (the profile's part and the serving cost's `sampled_share`). Step times are the
 profile's plus the serving cost the profile does not see (`SimWorkerSpec.serving`), times a noise
 factor and the host's speed at the time (`SimWorkerSpec.host_speed`); a measured decode step table
 (`SimWorkerSpec.decode_step_s`) may replace the profile's decode price. An abort (a client that gave
@@ -180,11 +180,14 @@ class SimWorker:
         handed_off = sum(1 for j in done if j.seq.decode_worker != self.worker_id)
         remote = any(j.seq.decode_worker != self.worker_id for j, _ in jobs)
         shape = StepShape(len(decoding), context, len(done), remote, handed_off)
-        # The sample is the served step, serving cost included, as a real worker's engine loop reports it.
-        seconds = prefill_s + decode_s + self.spec.serving.step_s(shape) * self._jitter() * speed
-        self._samples.append(self._sample(tokens, attention, len(decoding), context, seconds))
+        serving = self.spec.serving
+        serving_s = serving.step_s(shape) * self._jitter() * speed
+        # The sample is the served step as a real worker's engine loop times it: the part of the serving
+        # cost inside that loop included, the rest (seen by clients only) not.
+        sampled = prefill_s + decode_s + serving_s * serving.sampled_share
+        self._samples.append(self._sample(tokens, attention, len(decoding), context, sampled))
         self._step = (jobs, decoding)
-        return seconds
+        return prefill_s + decode_s + serving_s
 
     @staticmethod
     def _sample(tokens: int, attention: int, decoding: int, context: int, seconds: float) -> StepSample:

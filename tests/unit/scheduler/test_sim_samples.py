@@ -69,6 +69,21 @@ def test_a_sample_is_the_served_step_serving_cost_included() -> None:
     assert sample.seconds == pytest.approx(spec.profile.decode_step_s(1, sample.context_tokens) + 0.0021)
 
 
+def test_samples_carry_only_the_sampled_share_of_the_serving_cost() -> None:
+    serving = ServingCost(per_step_s=0.002, sampled_share=0.0)  # workers from before served samples
+    spec = SimWorkerSpec("w", WorkerRole.BOTH, WorkerProfile(), max_batch=4, serving=serving)
+    worker = SimWorker(spec, random.Random(0), 0.0)
+    worker.admit(_seq("first", 0))
+    (ready,) = worker.allocate_waiting()
+    worker.enqueue_prefill(ready)
+    seconds = worker.start_step(0.0)
+    worker.finish_step(1.0)
+    (sample,) = worker.heartbeat(1.0)[1]
+    assert seconds == pytest.approx(sample.seconds + 0.002)
+    with pytest.raises(ValueError, match="sampled share"):
+        ServingCost(sampled_share=1.5)
+
+
 def test_a_simulated_pair_counts_requests_as_real_workers_do_and_reports_sequences_awaiting_kv() -> None:
     """The decode worker counts a request when it takes it on, the prefill worker when the job reaches it
     (services/worker/intake.py); a sequence holding blocks for a remote prefill is reported apart from the
