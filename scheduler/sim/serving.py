@@ -50,10 +50,10 @@ planner predicts for the measured layouts 18% -> 10%. In-sample: the same runs j
 What the samples see (`sampled_share`): since 2026-11-29 a worker's step samples time its engine loop's
 whole period per step (engine/async_engine.py), not the forward pass alone, so the simulated workers
 report the profile's part plus this share of the serving cost. On 1xH200 at TPOT <= 20 ms (c1, 16 runs
-past the knee) the loop added 0.6-1.9 ms per decode step to the forward pass, less than these terms
+past the knee) the loop added 0.5-1.9 ms per decode step to the forward pass, less than these terms
 price, yet replaying those runs matched best with the whole cost in the samples: simulated attainment
 0.71-0.82 against 0.83-0.95 measured on ShareGPT, TPOT p50 16 ms both; with shares of 0-0.75 the
-simulated scheduler admitted past the knee (TPOT p50 18-24 ms, attainment 0.16-0.79). Share 0
+simulated scheduler admitted past the knee (TPOT p50 18-32 ms, attainment 0.10-0.79). Share 0
 replays runs of workers from before the change (forward-only samples).
 """
 
