@@ -30,10 +30,11 @@ from engine.batch import TokenLogprobs
 from engine.block_manager import KVEvent
 from engine.choices import ChoiceFork
 from engine.errors import EngineError, OutOfBlocksError
-from engine.llm_engine import LLMEngine, StepStats
+from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
+from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from engine.block_manager import KVEvent, KVEventKind
-from engine.llm_engine import StepStats
+from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
 from rpcgen.baton.v1 import worker_pb2 as pb

@@ -20,8 +20,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine, StepStats
+from engine.llm_engine import LLMEngine
 from engine.parallel.launcher import TensorParallelRunner
+from engine.step_stats import StepStats
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
 from kvtransfer.nixl.shards import FollowerShards

@@ -82,7 +82,7 @@ def test_each_steps_stats_carry_its_drafts_and_count_verify_chunks_as_decodes(en
 def test_worker_metrics_export_the_speculation_counters() -> None:
     from prometheus_client import generate_latest
 
-    from engine.llm_engine import SpeculationStats, StepStats
+    from engine.step_stats import SpeculationStats, StepStats
     from services.worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics("decode")

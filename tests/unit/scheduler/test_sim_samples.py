@@ -53,29 +53,29 @@ def test_each_step_reports_one_sample_of_its_kind() -> None:
     assert mixed.seconds == pytest.approx(prefill + 0.25 * profile.decode_step_s(1, mixed.context_tokens))
 
 
-def test_a_sample_is_the_served_step_serving_cost_included() -> None:
-    serving = ServingCost(per_step_s=0.002, per_seq_s=0.0001)
+def _worker_with_a_prompt(serving: ServingCost) -> SimWorker:
     spec = SimWorkerSpec("w", WorkerRole.BOTH, WorkerProfile(), max_batch=4, serving=serving)
     worker = SimWorker(spec, random.Random(0), 0.0)
     worker.admit(_seq("first", 0))
     (ready,) = worker.allocate_waiting()
     worker.enqueue_prefill(ready)
+    return worker
+
+
+def test_a_sample_is_the_served_step_serving_cost_included() -> None:
+    worker = _worker_with_a_prompt(ServingCost(per_step_s=0.002, per_seq_s=0.0001))
     for now in (0.0, 1.0):  # the prompt's step, then a decode step
         seconds = worker.start_step(now)
         worker.finish_step(now + 1.0)
         (sample,) = worker.heartbeat(now + 1.0)[1]
         assert sample.seconds == seconds
     assert isinstance(sample, DecodeSample)
-    assert sample.seconds == pytest.approx(spec.profile.decode_step_s(1, sample.context_tokens) + 0.0021)
+    assert sample.seconds == pytest.approx(worker.spec.profile.decode_step_s(1, sample.context_tokens) + 0.0021)
 
 
 def test_samples_carry_only_the_sampled_share_of_the_serving_cost() -> None:
-    serving = ServingCost(per_step_s=0.002, sampled_share=0.0)  # workers from before served samples
-    spec = SimWorkerSpec("w", WorkerRole.BOTH, WorkerProfile(), max_batch=4, serving=serving)
-    worker = SimWorker(spec, random.Random(0), 0.0)
-    worker.admit(_seq("first", 0))
-    (ready,) = worker.allocate_waiting()
-    worker.enqueue_prefill(ready)
+    # workers from before served samples
+    worker = _worker_with_a_prompt(ServingCost(per_step_s=0.002, sampled_share=0.0))
     seconds = worker.start_step(0.0)
     worker.finish_step(1.0)
     (sample,) = worker.heartbeat(1.0)[1]

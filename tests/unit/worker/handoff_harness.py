@@ -22,8 +22,9 @@ import grpc
 
 from engine.async_engine import AsyncEngine, EngineStatus
 from engine.config import BatcherConfig, CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine, StepStats
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepStats
 from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
 from kvtransfer.memory import FABRIC, MemoryAgent

@@ -8,9 +8,10 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, StepStats
+from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepStats
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

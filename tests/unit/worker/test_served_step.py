@@ -10,8 +10,8 @@ from pathlib import Path
 from handoff_harness import build_engine
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import StepStats
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from services.worker.heartbeat import TelemetryBuffer
 
