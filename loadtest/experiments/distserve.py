@@ -222,6 +222,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="least_loaded", help="scheduler policy")
     p.add_argument("--scheduler-profile", type=Path, default=None, metavar="JSON",
                    help="a `baton profile` of the card: the scheduler's cost-model seed (the goodput policy's)")
+    p.add_argument("--tap-scheduler", action="store_true",
+                   help="record the scheduler's decisions and step samples (logs/<layout>-scheduler_tap.json) for "
+                        "`python -m loadtest.experiments.tpot_forecast OUT`: predicted against measured TTFT/TPOT")
     p.add_argument("--worker-args", default="", metavar="ARGS",
                    help="more `baton worker` flags for every worker, one string (an A/B of a worker setting: "
                         "--worker-args=\"--gil-switch-interval-ms 0.2\")")

@@ -48,6 +48,9 @@ class ClusterSpec:
     worker_ready_timeout_s: float = 240.0
     service_ready_timeout_s: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
+    # Run the scheduler as `loadtest.experiments.scheduler_tap` (the same service, plus a record of every
+    # decision and step sample, written to the log folder at exit) for `tpot_forecast` afterwards.
+    tap_scheduler: bool = False
 
 
 class Cluster:
@@ -64,6 +67,7 @@ class Cluster:
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
         self.service_metrics_urls: dict[str, str] = {}  # "scheduler" / "gateway" -> its /metrics
         self.plans = parse_layout(config).worker_plans(spec.tp)
+        self.tap_path = log_dir / f"{config}-scheduler_tap.json"  # written when the scheduler stops, if tapped
 
     def __enter__(self) -> Cluster:
         started = time.monotonic()
@@ -93,12 +97,7 @@ class Cluster:
         s = self.spec
         scheduler_port, scheduler_metrics_port = free_port(), free_port()
         self.service_metrics_urls["scheduler"] = f"http://127.0.0.1:{scheduler_metrics_port}/metrics"
-        scheduler = self._spawn("scheduler", [
-            sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1", "--port", str(scheduler_port),
-            "--metrics-port", str(scheduler_metrics_port),
-            "--policy", s.policy, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "10",
-            "--drain-grace-s", "1", "--log-level", "WARNING",
-            *(["--profile", str(s.scheduler_profile)] if s.scheduler_profile else [])], {})
+        scheduler = self._spawn("scheduler", self.scheduler_argv(scheduler_port, scheduler_metrics_port), {})
         scheduler.wait_ready(lambda: scheduler.listens_on(scheduler_port), s.service_ready_timeout_s)
         address = f"127.0.0.1:{scheduler_port}"
         plans = self.plans
@@ -132,6 +131,16 @@ class Cluster:
             "BATON_GATEWAY_PROCESSES": str(s.gateway_processes)})
         gateway.wait_ready(_http_ok(f"{self.url}/readyz"), s.service_ready_timeout_s)
         self.service_metrics_urls["gateway"] = f"{self.url}/metrics"
+
+    def scheduler_argv(self, port: int, metrics_port: int) -> list[str]:
+        s = self.spec
+        module = ("loadtest.experiments.scheduler_tap", "--tap-out", str(self.tap_path)) if s.tap_scheduler \
+            else ("scheduler.adapters",)
+        return [sys.executable, "-m", *module, "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", str(metrics_port),
+                "--policy", s.policy, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "10",
+                "--drain-grace-s", "1", "--log-level", "WARNING",
+                *(["--profile", str(s.scheduler_profile)] if s.scheduler_profile else [])]
 
     def stop(self) -> None:
         """Gateway, workers, scheduler: the reverse of the start order."""

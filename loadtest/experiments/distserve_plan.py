@@ -87,7 +87,7 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
         model_dir = default_model_dir(None)
         spec = ClusterSpec(model_dir, model_dir.name, (*SMOKE_ENGINE, *worker_tail), args.slo_ttft_ms, args.slo_tpot_ms,
                            args.policy, args.scheduler_profile, args.gateway_processes, cpu=True,
-                           env={"OMP_NUM_THREADS": "1"})
+                           env={"OMP_NUM_THREADS": "1"}, tap_scheduler=args.tap_scheduler)
         warmup: tuple[tuple[str, ...], ...] = (
             ("--dataset", "random", "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "2"),)
     else:
@@ -98,7 +98,7 @@ def make_plan(work: Path, args: argparse.Namespace) -> Plan:
         context = ("--max-model-len", str(max(4096, isl + osl + 64)))
         spec = ClusterSpec(model_dir, name, (*device, *GPU_ENGINE, *context, *worker_tail), args.slo_ttft_ms,
                            args.slo_tpot_ms, args.policy, args.scheduler_profile, args.gateway_processes, tp=args.tp,
-                           env=NO_NVLS)
+                           env=NO_NVLS, tap_scheduler=args.tap_scheduler)
         # The measured prompt length too: a shape first seen while serving compiles then (~1 s TTFT).
         warmup = (("--dataset", "random", "--random-input-len", str(isl), "--random-output-len", "16",
                    "--num-prompts", "12", "--request-rate", "6"),

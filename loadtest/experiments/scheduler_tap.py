@@ -30,7 +30,7 @@ from scheduler.adapters.main import add_scheduler_arguments, config_from_args
 from scheduler.adapters.server import SchedulerService
 from scheduler.core.cluster_view import WorkerLoad
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.core.policies import make_policy
+from scheduler.core.policies import Policy, make_policy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import (
     DecodeSample,
@@ -47,8 +47,9 @@ from scheduler.types import (
 class TappedScheduler(Scheduler):
     """The core `Scheduler`, unchanged, plus a record of its inputs and answers."""
 
-    def __init__(self, policy_name: str, config: SchedulerConfig) -> None:
-        super().__init__(make_policy(policy_name), config)
+    def __init__(self, policy_name: str, config: SchedulerConfig, policy: Policy | None = None) -> None:
+        """`policy`: the one to run when its configuration is more than its name (the service's flags)."""
+        super().__init__(policy or make_policy(policy_name), config)
         self.policy_name = policy_name
         self.routes: list[dict[str, Any]] = []
         self.late_decisions: list[dict[str, Any]] = []
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tap-out", type=Path, required=True, help="write the record here at exit")
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    core = TappedScheduler(args.policy, SchedulerConfig(heartbeat_timeout_s=config.heartbeat_timeout_s))
+    core = TappedScheduler(args.policy, SchedulerConfig(heartbeat_timeout_s=config.heartbeat_timeout_s),
+                           config.make_policy())
     service = SchedulerService(config, scheduler=core)
     asyncio.run(_serve(service))
     args.tap_out.parent.mkdir(parents=True, exist_ok=True)

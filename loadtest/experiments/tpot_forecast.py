@@ -1,14 +1,20 @@
 """How well the scheduler forecast the TTFT and TPOT of the requests it placed, and the prefill stretch.
 
     .venv/bin/python -m loadtest.experiments.tpot_forecast results/pcs_r1/exp1_random__goodput [...]
+    .venv/bin/python -m loadtest.experiments.tpot_forecast DISTSERVE_OUT  # a GPU run with --tap-scheduler
 
-Each argument is one `policy_compare` run directory (its `bench*.json` and `scheduler_tap.json`).
+Each argument is one `policy_compare` run directory (its `bench*.json` and `scheduler_tap.json`), or a
+`distserve` output folder run with `--tap-scheduler` (its `runs/*.json` and `logs/<layout>-scheduler_tap.json`:
+one tap per layout, covering all its runs; each run takes the routes made while it ran, by wall clock).
 Per decode worker it prints, as medians over the requests placed there:
 - measured / predicted TTFT: from the scheduler's placement to the client's first token (the tap's
   clock plus the client's times, `mixed_steps.pair_requests`) against `predicted_ttft_ms`; for a
   queued request, from the decision that placed it;
 - measured / predicted TPOT: the client's TPOT (first token to last, per later token) against the
   decision's `predicted_tpot_ms`;
+- measured / predicted base: the TPOT less the stretch, measured (the client's TPOT less the mixed
+  steps' excess below) against predicted (`predicted_tpot_ms - predicted_stretch_ms`): the decode step
+  at the forecast batch, so a TPOT miss reads as a wrong batch or step cost, or a wrong stretch;
 - measured / predicted stretch: of that prediction, the part the worker's prefill share adds
   (`predicted_stretch_ms`, scheduler/core/prefill_load.py) against what the prompts folded into the
   request's steps measurably added: over the request's life, each mixed step the worker reported less
@@ -29,6 +35,7 @@ import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,7 @@ class WorkerAccuracy:
     requests: int
     ttft_ratio: float  # median measured / predicted TTFT
     tpot_ratio: float  # median measured / predicted TPOT
+    base_ratio: float  # median measured / predicted TPOT less the stretch (see the module doc)
     stretch_ratio: float | None  # median measured / predicted stretch (None: no request had a stretch)
 
 
@@ -94,8 +102,14 @@ def accuracy(found: Sequence[Forecast]) -> list[WorkerAccuracy]:
         out.append(WorkerAccuracy(worker_id, len(mine),
                                   statistics.median(f.ttft_ms / f.predicted_ttft_ms for f in mine),
                                   statistics.median(f.tpot_ms / f.predicted_tpot_ms for f in mine),
+                                  statistics.median(_base_ratio(f) for f in mine),
                                   statistics.median(stretched) if stretched else None))
     return out
+
+
+def _base_ratio(f: Forecast) -> float:
+    predicted = max(f.predicted_tpot_ms - f.predicted_stretch_ms, 1e-9)
+    return (f.tpot_ms - f.mixed_excess_ms) / predicted
 
 
 def _placement_times(tap: Mapping[str, Any]) -> dict[str, float]:
@@ -127,19 +141,57 @@ def run_forecasts(run_dir: Path, heartbeat_s: float) -> list[Forecast]:
     return forecasts(tap, served, heartbeat_s)
 
 
+def suite_forecasts(out_dir: Path, heartbeat_s: float) -> dict[str, list[Forecast]]:
+    """A `distserve --tap-scheduler` output folder: per run (`runs/<layout>__<workload>__r<rate>.json`),
+    the forecasts of the requests its bench sent."""
+    taps: dict[str, dict[str, Any]] = {}
+    out: dict[str, list[Forecast]] = {}
+    for bench in sorted((out_dir / "runs").glob("*.json")):
+        layout = bench.stem.split("__")[0]
+        tap_path = out_dir / "logs" / f"{layout}-scheduler_tap.json"
+        if not tap_path.exists():
+            continue
+        tap = taps.setdefault(layout, json.loads(tap_path.read_text()))
+        run = load_result(bench).runs[0]
+        created_at = json.loads(bench.read_text())["created_at"]  # when the bench wrote it: the run's end
+        routes = [r for r in placed_routes(tap, "enterprise")
+                  if _within_run(r["t"] + tap["time_offset_s"], created_at, run.duration)]
+        out[bench.stem] = forecasts(tap, pair_requests(routes, run.records), heartbeat_s)
+    return out
+
+
+def _within_run(wall_s: float, created_at: str, duration_s: float) -> bool:
+    """Whether a route made at `wall_s` (epoch seconds) belongs to the run whose report was written at
+    `created_at` (ISO, truncated to the second) after `duration_s` of sending and draining; the suites
+    leave seconds between runs, so a second's margin either side separates them."""
+    end = datetime.fromisoformat(created_at).timestamp() + 1.0
+    return end - duration_s - 2.0 <= wall_s <= end
+
+
+def _print_row(name: str, a: WorkerAccuracy) -> None:
+    stretch = "-" if a.stretch_ratio is None else f"{a.stretch_ratio:.2f}"
+    print(f"| {name} | {a.worker_id} | {a.requests} | {a.ttft_ratio:.2f} | {a.tpot_ratio:.2f} | "
+          f"{a.base_ratio:.2f} | {stretch} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.experiments.tpot_forecast", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="policy_compare run directories")
-    parser.add_argument("--heartbeat-s", type=float, default=0.3, help="the workers' heartbeat interval")
+    parser.add_argument("runs", nargs="+", type=Path,
+                        help="policy_compare run directories, or distserve output folders (with runs/)")
+    parser.add_argument("--heartbeat-s", type=float, default=0.3,
+                        help="the workers' heartbeat interval (policy_compare 0.3; distserve's are 0.2)")
     args = parser.parse_args(argv)
-    print("| run | worker | requests | measured/predicted: TTFT | TPOT | stretch |")
-    print("|---|---|---|---|---|---|")
-    for run_dir in args.runs:
-        for a in accuracy(run_forecasts(run_dir, args.heartbeat_s)):
-            stretch = "-" if a.stretch_ratio is None else f"{a.stretch_ratio:.2f}"
-            print(f"| {run_dir.parent.name}/{run_dir.name} | {a.worker_id} | {a.requests} | {a.ttft_ratio:.2f} | "
-                  f"{a.tpot_ratio:.2f} | {stretch} |")
+    print("| run | worker | requests | measured/predicted: TTFT | TPOT | base | stretch |")
+    print("|---|---|---|---|---|---|---|")
+    for path in args.runs:
+        if (path / "runs").is_dir():
+            for name, found in suite_forecasts(path, args.heartbeat_s).items():
+                for a in accuracy(found):
+                    _print_row(name, a)
+            continue
+        for a in accuracy(run_forecasts(path, args.heartbeat_s)):
+            _print_row(f"{path.parent.name}/{path.name}", a)
     return 0
 
 

@@ -9,10 +9,12 @@ import pytest
 
 from loadtest.experiments import distserve_assets
 from loadtest.experiments.distserve import parse_args
+from loadtest.experiments.distserve_cluster import Cluster
 from loadtest.experiments.distserve_plan import make_plan
 from loadtest.experiments.distserve_report import ranking
 from loadtest.experiments.layout_check import measured_name
 from loadtest.experiments.layouts import parse_layout
+from scheduler.adapters.main import add_scheduler_arguments
 from scheduler.planner import Layout
 from services.worker.main import add_worker_args
 
@@ -71,3 +73,19 @@ def test_worker_args_reach_every_worker_as_valid_worker_flags(tmp_path: Path, mo
     add_worker_args(worker)
     parsed = worker.parse_args(["--role", "decode", *engine_args])
     assert parsed.gil_switch_interval_ms == 0.2 and parsed.kv_checksums is False
+
+
+def test_a_tapped_run_starts_the_scheduler_tap_with_the_schedulers_flags(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distserve_assets, "unpack_sharegpt", lambda dest: dest)
+    spec = make_plan(tmp_path, parse_args(["--smoke", "--policy", "goodput", "--tap-scheduler"])).spec
+    cluster = Cluster("c1", spec, tmp_path / "logs")
+    argv = cluster.scheduler_argv(5000, 5001)
+    assert argv[1:5] == ["-m", "loadtest.experiments.scheduler_tap", "--tap-out", str(tmp_path / "logs" /
+                                                                                     "c1-scheduler_tap.json")]
+    tap = argparse.ArgumentParser()
+    add_scheduler_arguments(tap)
+    tap.add_argument("--tap-out")
+    assert tap.parse_args(argv[3:]).policy == "goodput"
+    untapped = Cluster("c1", make_plan(tmp_path, parse_args(["--smoke"])).spec, tmp_path / "logs")
+    assert untapped.scheduler_argv(5000, 5001)[1:3] == ["-m", "scheduler.adapters"]

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
 import pytest
 
 from loadtest.experiments.mixed_steps import ServedRequest
-from loadtest.experiments.tpot_forecast import accuracy, forecasts
+from loadtest.experiments.tpot_forecast import accuracy, forecasts, suite_forecasts
+from loadtest.metrics import SLO
+from loadtest.records import RequestRecord
+from loadtest.report import BenchResult, write_result
+from loadtest.runner import RunResult
 
 
 def _route(t: float, rid: str, kind: str, worker: str | None, tpot_ms: float | None = None,
@@ -48,3 +56,33 @@ def test_the_accuracy_is_the_median_ratio_per_worker_stretch_only_where_one_was_
     assert w.ttft_ratio == pytest.approx(2.0)
     assert w.tpot_ratio == pytest.approx((100 / 120 + 100 / 100) / 2)
     assert w.stretch_ratio == pytest.approx(30.0 / 20.0)  # the second had no stretch forecast
+
+
+def _suite_run(out: Path, name: str, created_at: str, prompts: list[int]) -> None:
+    """A bench file of requests with these prompt lengths, each 3 tokens 0.1 s apart."""
+    records = [RequestRecord(f"{i}-0", i, 0, 0.1 * i, prompt, 3, ok=True, ttft=0.2, chunk_gaps=[0.1, 0.1])
+               for i, prompt in enumerate(prompts)]
+    write_result(BenchResult(name, {}, SLO(500.0, 50.0), [RunResult(1.0, {}, None, records, 10.0)]),
+                 out / "runs" / f"{name}.json")
+    doc = json.loads((out / "runs" / f"{name}.json").read_text())
+    (out / "runs" / f"{name}.json").write_text(json.dumps({**doc, "created_at": created_at}))
+
+
+def test_a_suite_folder_gives_each_run_the_routes_its_bench_made(tmp_path: Path) -> None:
+    # One tap for the layout, two runs 30 s apart of the same lengths: each pairs only with its own routes.
+    ends = {"c1__random__r1": "2026-11-29T05:00:10+00:00", "c1__random__r2": "2026-11-29T05:00:40+00:00"}
+    for name, created_at in ends.items():
+        _suite_run(tmp_path, name, created_at, [64, 64])
+    start = datetime(2026, 11, 29, 5, 0, 0, tzinfo=UTC).timestamp()
+    routes = [_route(t, f"{t}", "route", "w", tpot_ms, 0.0, 100.0)
+              for t, tpot_ms in ((0.5, 100.0), (0.6, 100.0), (30.5, 50.0), (30.6, 50.0))]
+    for r in routes:
+        r["request"].update(prompt_tokens=64, max_tokens=3)
+    tap = {"time_offset_s": start, "routes": routes, "late_decisions": [], "samples": {}}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "c1-scheduler_tap.json").write_text(json.dumps(tap))
+    found = suite_forecasts(tmp_path, heartbeat_s=0.2)
+    assert {name: [f.predicted_tpot_ms for f in fs] for name, fs in found.items()} == {
+        "c1__random__r1": [100.0, 100.0], "c1__random__r2": [50.0, 50.0]}
+    (w,) = accuracy(found["c1__random__r2"])
+    assert (w.tpot_ratio, w.base_ratio) == (pytest.approx(2.0), pytest.approx(2.0))  # 100 ms measured, no stretch
