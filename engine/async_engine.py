@@ -58,6 +58,7 @@ class EngineStatus:
     held_blocks: int
     block_size: int
     max_num_seqs: int
+    max_prefill_chunk: int  # longest slice of one prompt prefilled per step
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,8 @@ class AsyncEngine:
                                 b.num_pending_prefill_tokens, b.num_pending_prefill_requests,
                                 b.num_running_context_tokens, b.num_running_remaining_tokens,
                                 bm.num_free_blocks,
-                                bm.num_total_blocks, e.num_held_blocks, bm.block_size, e.config.batcher.max_num_seqs)
+                                bm.num_total_blocks, e.num_held_blocks, bm.block_size, e.config.batcher.max_num_seqs,
+                                e.config.batcher.max_prefill_chunk)
 
         return await self._call(snapshot)  # type: ignore[no-any-return]
 

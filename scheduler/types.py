@@ -114,6 +114,9 @@ class WorkerSnapshot:
     # Decode worker: sequences holding their blocks while a prefill worker computes their prompt (they
     # take a batch slot when their KV lands, and count toward max_num_seqs already).
     waiting_for_remote_kv: int = 0
+    # The longest slice of a prompt the engine prefills in one step (chunked prefill): a prompt rides
+    # that many steps' worth of the decoding batch's time. 0: unknown (an older worker), whole prompts.
+    max_prefill_chunk: int = 0
     # Requests taken on since the worker started, each counted once this snapshot's load shows it: the
     # registry drops that many reservations (scheduler/core/registry.py). None: not reported (an older
     # worker), reservations expire by age.

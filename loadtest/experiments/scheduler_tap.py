@@ -110,7 +110,8 @@ def _load_json(w: WorkerLoad) -> dict[str, Any]:
     return {"running": s.running_seqs, "waiting": s.queue_depth, "decode_batch": w.decode_batch,
             "max_num_seqs": s.max_num_seqs, "queued_prefill_tokens": w.queued_prefill_tokens,
             "queued_prefill_requests": w.queued_prefill_requests,
-            "prefill_work_rate": w.prefill_work_rate, "prefill_rate": w.prefill_rate}
+            "prefill_work_rate": w.prefill_work_rate, "prefill_rate": w.prefill_rate,
+            "prefill_chunk_rate": w.prefill_chunk_rate, "folded_s_per_chunk": w.folded_s_per_chunk}
 
 
 def _summary_json(r: RequestSummary) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from scheduler.core.cluster_view import WorkerLoad
 from scheduler.core.cost_model import CostModel
-from scheduler.core.prefill_load import decode_stretch, prefill_share
+from scheduler.core.prefill_load import decode_stretch, measured_share, prefill_share
 
 
 def life_batch(decode: WorkerLoad, others: int, max_tokens: int, step_s: float) -> float:
@@ -74,8 +74,14 @@ def batch_context(decode: WorkerLoad, seqs: int) -> int:
 
 def step_stretch(decode: WorkerLoad, cost: CostModel, step_s: float) -> float:
     """How much longer, wall clock, a step of `step_s` takes on the worker with the prompts arriving
-    there folded into its steps (prefill_load.py: the share they take depends on the step)."""
-    share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, step_s)
+    there folded into its steps (prefill_load.py): their chunks at the cost the worker's mixed steps
+    measured, or, before it has reported any, the share forecast from their predicted compute (which
+    depends on the step)."""
+    folded = decode.folded_s_per_chunk
+    if folded is None:
+        share = prefill_share(decode.prefill_work_rate, decode.prefill_rate, cost.mixed_decode_share, step_s)
+    else:
+        share = measured_share(decode.prefill_chunk_rate, folded)
     return decode_stretch(share, decode.max_num_seqs)
 
 

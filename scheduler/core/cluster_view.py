@@ -32,6 +32,11 @@ class WorkerLoad:
     # (`prefill_load.prefill_share`); the decode steps of everyone on the worker get the rest.
     prefill_work_rate: float = 0.0
     prefill_rate: float = 0.0
+    # The same prompts' chunks per second (the engine's prefill slices), and what one costs the
+    # decoding batch as the worker's mixed steps measured it (None until it has reported a few): when
+    # known, the share is their product (`prefill_load.measured_share`), the rates above the prior.
+    prefill_chunk_rate: float = 0.0
+    folded_s_per_chunk: float | None = None
     # Requests placed here to decode per second, recently (the same window as the prefill rates): the
     # sequences that will join a newcomer's batch during its life (batch_forecast.life_batch).
     arrival_rate: float = 0.0
@@ -74,6 +79,7 @@ class WorkerLoad:
             tightest_tpot_ms=None,
             prefill_work_rate=0.0,
             prefill_rate=0.0,
+            prefill_chunk_rate=0.0,
             arrival_rate=0.0,
         )
 

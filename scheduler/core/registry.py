@@ -40,7 +40,7 @@ from collections.abc import Container
 from dataclasses import dataclass, fields
 
 from scheduler.core.cluster_view import WorkerLoad
-from scheduler.core.prefill_load import DecayingRate
+from scheduler.core.prefill_load import DecayingRate, FoldedCost, prefill_chunks
 from scheduler.types import WorkerSnapshot
 
 
@@ -94,6 +94,10 @@ def _batch_context_tokens(s: WorkerSnapshot, r: Reservation) -> int:
     return waiting * s.inflight_prefill_tokens // max(s.inflight_prefill_requests, 1)
 
 
+# Mixed steps a worker reports before their measured cost per prompt token replaces the forecast
+# (prefill_load.py): a few heartbeats' worth on a GPU, where one step in two or three is mixed under load.
+MIN_FOLDED_STEPS = 8
+
 # The prefill share changes with time alone; rebuilding a worker's load this often keeps it current
 # without rebuilding every worker for every decision (64 workers at 1,000 decisions/s).
 LOAD_REFRESH_S = 0.25
@@ -103,9 +107,14 @@ class _WorkerRecord:
     def __init__(self, snapshot: WorkerSnapshot, now: float, window: RateWindow) -> None:
         self.snapshot = snapshot
         self.last_seen = now
-        # predicted prefill seconds per second, prompts prefilled per second, decode placements per second
+        # predicted prefill seconds per second, prompts and their chunks prefilled per second,
+        # decode placements per second
         self.prefill_work = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.prefills = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
+        self.prefill_chunks = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
+        # What a prompt chunk folded into its decoding steps costs (kept across idle periods: it is a
+        # property of the worker and the workload, not a rate of the load now).
+        self.folded = FoldedCost(window.time_constant_s, MIN_FOLDED_STEPS)
         self.arrivals = DecayingRate(window.time_constant_s, since=now, min_window_s=window.min_s)
         self.reservations: deque[tuple[float, Reservation]] = deque()
         self.reserved = Reservation()
@@ -135,6 +144,8 @@ class _WorkerRecord:
             tightest_tpot_ms=min(self.tpot_targets) if self.tpot_targets else None,
             prefill_work_rate=self.prefill_work.value(now),
             prefill_rate=self.prefills.value(now),
+            prefill_chunk_rate=self.prefill_chunks.value(now),
+            folded_s_per_chunk=self.folded.per_chunk_s(now),
             arrival_rate=self.arrivals.value(now),
             heartbeat_age_s=max(now - self.last_seen, 0.0),
         )
@@ -224,11 +235,23 @@ class WorkerRegistry:
         record.reserved = record.reserved.plus(reservation)
         record.changed()
 
-    def record_prefill(self, worker_id: str, compute_s: float, now: float) -> None:
-        """A placement's prompt will be prefilled here, in about `compute_s` (its cost model's estimate)."""
+    def record_prefill(self, worker_id: str, compute_s: float, new_tokens: int, now: float) -> None:
+        """A placement's prompt will be prefilled here: `new_tokens` uncached, in about `compute_s` (its
+        cost model's estimate). Its chunks count towards the folded cost when others decode here
+        besides it (a decode reservation other than its own): they will ride their steps."""
         record = self._workers[worker_id]
+        chunks = prefill_chunks(new_tokens, record.snapshot.max_prefill_chunk)
         record.prefill_work.add(compute_s, now)
         record.prefills.add(1.0, now)
+        record.prefill_chunks.add(float(chunks), now)
+        if record.snapshot.running_seqs + record.reserved.decode_seqs > 1:
+            record.folded.add_chunks(chunks, now)
+        record.changed()
+
+    def record_folded(self, worker_id: str, excess_s: float, now: float) -> None:
+        """A mixed step the worker reported, `excess_s` over its batch's decode step."""
+        record = self._workers[worker_id]
+        record.folded.add_step(excess_s, now)
         record.changed()
 
     def idle(self, now: float) -> bool:
@@ -246,6 +269,7 @@ class WorkerRegistry:
         for record in self._workers.values():
             record.prefill_work.restart(now)
             record.prefills.restart(now)
+            record.prefill_chunks.restart(now)
             record.arrivals.restart(now)
             record.changed()
 

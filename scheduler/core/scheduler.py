@@ -30,6 +30,7 @@ from scheduler.core.role_switch import RoleSwitches
 from scheduler.types import (
     DecisionKind,
     KVEvent,
+    MixedSample,
     Reason,
     RequestSummary,
     RoleSwitch,
@@ -107,11 +108,16 @@ class Scheduler:
             self._prefix.drop_worker(worker_id)
             self._costs[worker_id] = self._new_cost_model(snapshot)
         cost, pool = self._costs[worker_id], self._pool(snapshot.model, worker_id)
-        for sample in samples:
+        steps = tuple(samples)
+        for sample in steps:
             cost.observe(sample)
             pool.observe(sample)
         cost.refit()  # here, off the routing path (docs/benchmarks.md, decision latency)
         pool.refit()
+        for sample in steps:  # priced by the decode fit that includes this heartbeat's decode steps
+            if isinstance(sample, MixedSample):
+                excess = sample.seconds - cost.decode_step_s(sample.batch_size, sample.context_tokens)
+                self._registry.record_folded(worker_id, excess, now)
         self._prefix.apply(worker_id, kv_events)
         self._switches.observe(snapshot, self._registry.holds_work(worker_id))
         self._version += 1
@@ -281,7 +287,7 @@ class Scheduler:
             self._registry.reserve(decode_id, decode_share, now)
             self._registry.reserve(prefill_id, prefill_share, now)
         compute_s = self._costs[prefill_id].prefill_s(new_tokens, prefill_cached_tokens)
-        self._registry.record_prefill(prefill_id, compute_s, now)
+        self._registry.record_prefill(prefill_id, compute_s, new_tokens, now)
         self._registry.track(request.request_id, decode_id, request.slo.tpot_ms, now)
         if request.conversation_id is not None:
             self._conversations[request.conversation_id] = decode_id

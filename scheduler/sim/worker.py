@@ -293,6 +293,7 @@ class SimWorker:
             # max_tokens, like a real engine: it cannot know where a sequence's EOS falls
             running_remaining_tokens=sum(max(s.max_tokens - s.generated, 0) for s in self._running),
             max_num_seqs=self.spec.max_batch,
+            max_prefill_chunk=self.spec.max_prefill_chunk or 0,
             inflight_prefill_requests=len(jobs) + len(local_waiting),
             waiting_for_remote_kv=awaiting_kv,
             requests_received=self._received,

@@ -173,6 +173,7 @@ class WorkerServer:
             worker_id=self.worker_id, role=self.config.role.value, model=self.config.model_id,
             queue_depth=s.num_waiting, running_seqs=s.num_running, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
+            max_prefill_chunk=s.max_prefill_chunk,
             inflight_prefill_tokens=backlog[0], inflight_prefill_requests=backlog[1],
             running_context_tokens=s.running_context_tokens, running_remaining_tokens=s.running_remaining_tokens,
             held_blocks=s.held_blocks, quarantined_requests=quarantined,

@@ -303,7 +303,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining", "max_num_seqs", "inflight_prefill_requests", "running_context_tokens", "running_remaining_tokens", "requests_received")
+    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining", "max_num_seqs", "inflight_prefill_requests", "running_context_tokens", "running_remaining_tokens", "requests_received", "max_prefill_chunk")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class WorkerStatus(_message.Message):
     RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -342,7 +343,8 @@ class WorkerStatus(_message.Message):
     running_context_tokens: int
     running_remaining_tokens: int
     requests_received: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., inflight_prefill_requests: _Optional[int] = ..., running_context_tokens: _Optional[int] = ..., running_remaining_tokens: _Optional[int] = ..., requests_received: _Optional[int] = ...) -> None: ...
+    max_prefill_chunk: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., inflight_prefill_requests: _Optional[int] = ..., running_context_tokens: _Optional[int] = ..., running_remaining_tokens: _Optional[int] = ..., requests_received: _Optional[int] = ..., max_prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class InjectFaultRequest(_message.Message):
     __slots__ = ("fault", "times", "delay_s")

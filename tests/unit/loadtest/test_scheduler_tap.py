@@ -22,9 +22,10 @@ def test_each_route_keeps_the_loads_it_was_decided_on() -> None:
     tap.route(summary, now=0.1)
     tap.route(RequestSummary("r2", 64, (), Tier.FREE, SLO(2500, 250), 16), now=0.2)
     first, second = (route["loads"] for route in tap.routes)
-    assert first["busy"] | {"prefill_work_rate": 0.0, "prefill_rate": 0.0} == {
+    rates = {"prefill_work_rate": 0.0, "prefill_rate": 0.0, "prefill_chunk_rate": 0.0}
+    assert first["busy"] | rates == {
         "running": 1, "waiting": 2, "decode_batch": 3, "max_num_seqs": 1, "queued_prefill_tokens": 80,
-        "queued_prefill_requests": 2, "prefill_work_rate": 0.0, "prefill_rate": 0.0}
+        "queued_prefill_requests": 2, **rates, "folded_s_per_chunk": None}
     assert first["idle"]["decode_batch"] == 0
     chosen = tap.routes[0]["decision"]["decode"]
     assert second[chosen]["decode_batch"] == first[chosen]["decode_batch"] + 1  # r1's reservation counts
