@@ -74,25 +74,36 @@ class DecayingRate:
             raise ValueError("time_constant_s and min_window_s must be > 0")
         self._tau = time_constant_s
         self._min_window_s = min_window_s
-        self._value = 0.0
-        self._at = -math.inf
+        self._sum = DecayingSum(time_constant_s)
         self._since = since
 
     def restart(self, now: float) -> None:
         """Forget the history: the rate is observed from `now` on."""
-        self._value = 0.0
-        self._at = -math.inf
+        self._sum = DecayingSum(self._tau)
         self._since = now
 
     def add(self, amount: float, now: float) -> None:
-        self._value = self._decayed(now) + amount / self._tau
-        self._at = max(now, self._at)
+        self._sum.add(amount / self._tau, now)
 
     def value(self, now: float) -> float:
         observed = max(now - self._since, self._min_window_s)
-        return self._decayed(now) / -math.expm1(-observed / self._tau)
+        return self._sum.value(now) / -math.expm1(-observed / self._tau)
 
-    def _decayed(self, now: float) -> float:
+
+class DecayingSum:
+    """A sum whose terms fade as exp(-age / `time_constant_s`); an earlier clock reading than the
+    latest term's never inflates it."""
+
+    def __init__(self, time_constant_s: float) -> None:
+        self._tau = time_constant_s
+        self._value = 0.0
+        self._at = -math.inf
+
+    def add(self, amount: float, now: float) -> None:
+        self._value = self.value(now) + amount
+        self._at = max(now, self._at)
+
+    def value(self, now: float) -> float:
         if self._value == 0.0 or now <= self._at:
             return self._value
         return self._value * math.exp((self._at - now) / self._tau)
@@ -110,8 +121,8 @@ class FoldedCost:
             raise ValueError("time_constant_s must be > 0 and min_steps >= 1")
         self._min_steps = min_steps
         self._steps = 0
-        self._excess = _DecayingSum(time_constant_s)
-        self._chunks = _DecayingSum(time_constant_s)
+        self._excess = DecayingSum(time_constant_s)
+        self._chunks = DecayingSum(time_constant_s)
 
     def add_step(self, excess_s: float, now: float) -> None:
         """One mixed step, `excess_s` over its batch's decode step (negative when it was cheaper: a
@@ -128,22 +139,6 @@ class FoldedCost:
         if self._steps < self._min_steps or chunks <= 0:
             return None
         return max(self._excess.value(now) / chunks, 0.0)
-
-
-class _DecayingSum:
-    def __init__(self, time_constant_s: float) -> None:
-        self._tau = time_constant_s
-        self._value = 0.0
-        self._at = -math.inf
-
-    def add(self, amount: float, now: float) -> None:
-        self._value = self.value(now) + amount
-        self._at = max(now, self._at)
-
-    def value(self, now: float) -> float:
-        if self._value == 0.0 or now <= self._at:
-            return self._value
-        return self._value * math.exp((self._at - now) / self._tau)
 
 
 def prefill_chunks(new_tokens: int, max_prefill_chunk: int) -> int:
