@@ -37,6 +37,7 @@ class WorkerLoad:
     # known, the share is their product (`prefill_load.measured_share`), the rates above the prior.
     prefill_chunk_rate: float = 0.0
     folded_s_per_chunk: float | None = None
+    folded_s_per_step: float | None = None  # a mixed step's mean excess over the batch's decode step
     # Requests placed here to decode per second, recently (the same window as the prefill rates): the
     # sequences that will join a newcomer's batch during its life (batch_forecast.life_batch).
     arrival_rate: float = 0.0

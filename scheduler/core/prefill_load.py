@@ -123,11 +123,13 @@ class FoldedCost:
         self._steps = 0
         self._excess = DecayingSum(time_constant_s)
         self._chunks = DecayingSum(time_constant_s)
+        self._mixed_steps = DecayingSum(time_constant_s)
 
     def add_step(self, excess_s: float, now: float) -> None:
         """One mixed step, `excess_s` over its batch's decode step (negative when it was cheaper: a
         CPU computes part of the decodes in the prefill's pass)."""
         self._excess.add(excess_s, now)
+        self._mixed_steps.add(1.0, now)
         self._steps += 1
 
     def add_chunks(self, chunks: int, now: float) -> None:
@@ -139,6 +141,13 @@ class FoldedCost:
         if self._steps < self._min_steps or chunks <= 0:
             return None
         return max(self._excess.value(now) / chunks, 0.0)
+
+    def per_step_s(self, now: float) -> float | None:
+        """What a mixed step costs over its batch's decode step, on average (whatever it carries):
+        a prompt in slices rides one such step per slice."""
+        if self._steps < self._min_steps:
+            return None
+        return max(self._excess.value(now) / self._mixed_steps.value(now), 0.0)
 
 
 def prefill_chunks(new_tokens: int, max_prefill_chunk: int) -> int:

@@ -146,6 +146,7 @@ class _WorkerRecord:
             prefill_rate=self.prefills.value(now),
             prefill_chunk_rate=self.prefill_chunks.value(now),
             folded_s_per_chunk=self.folded.per_chunk_s(now),
+            folded_s_per_step=self.folded.per_step_s(now),
             arrival_rate=self.arrivals.value(now),
             heartbeat_age_s=max(now - self.last_seen, 0.0),
         )

@@ -5,12 +5,13 @@ import math
 
 import pytest
 
+from scheduler.core.placement import decode_side, evaluate, sliced_prefill_s
 from scheduler.core.policies import LeastLoadedPolicy
 from scheduler.core.prefill_load import FoldedCost, measured_share, prefill_chunks
 from scheduler.core.registry import MIN_FOLDED_STEPS
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import DecodeSample, MixedSample, WorkerRole
-from tests.unit.scheduler.conftest import request, snapshot
+from tests.unit.scheduler.conftest import load, request, snapshot, view
 
 WINDOW_S = 5.0
 
@@ -112,3 +113,25 @@ def test_prompts_placed_on_an_idle_worker_are_not_counted_as_folded() -> None:
     mixed = [MixedSample(512, 512 * 512, 4, 4096, 0.030)] * MIN_FOLDED_STEPS
     scheduler.on_heartbeat(idle, mixed, [], now=0.5)
     assert scheduler.worker_loads(0.5)[0].folded_s_per_chunk is None  # steps, but no chunk they carried
+
+
+def test_a_sliced_local_prompt_waits_one_measured_mixed_step_per_slice_for_its_first_token() -> None:
+    chunked = snapshot("w", WorkerRole.BOTH, running_seqs=4, max_prefill_chunk=512)
+    busy = load("w", WorkerRole.BOTH, batch=4, snapshot=chunked, folded_s_per_step=0.020)
+    side = decode_side(request(prompt=2048), view([busy]), busy)
+    long_prompt = evaluate(request(prompt=2048), view([busy]), busy, None)
+    assert long_prompt.ttft_s == pytest.approx(4 * (side.running_step_s + 0.020))  # four 512-token slices
+    assert sliced_prefill_s(busy, side, 512) is None  # one slice: one prefill and the step it shares
+    unmeasured = load("w", WorkerRole.BOTH, batch=4, snapshot=chunked)
+    assert sliced_prefill_s(unmeasured, side, 2048) is None  # no mixed step measured yet
+    idle = load("w", WorkerRole.BOTH, snapshot=snapshot("w", WorkerRole.BOTH, max_prefill_chunk=512),
+                folded_s_per_step=0.020)
+    assert sliced_prefill_s(idle, decode_side(request(prompt=2048), view([idle]), idle), 2048) is None
+
+
+def test_the_mean_mixed_step_is_the_excess_per_step_whatever_it_carried() -> None:
+    folded = FoldedCost(time_constant_s=10.0, min_steps=2)
+    folded.add_step(0.030, now=0.0)
+    assert folded.per_step_s(now=0.0) is None
+    folded.add_step(0.010, now=0.0)
+    assert folded.per_step_s(now=0.0) == pytest.approx(0.020)
