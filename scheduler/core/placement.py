@@ -235,6 +235,7 @@ def evaluate(
         # Sequences waiting for a slot on a `both`/decode worker are also in its prefill queue:
         # their prefills and the decode steps of the slot wait run one after the other on the
         # same engine, so the two add up (no double count).
+        backlog = decode_cost.prefill_backlog_s(decode.queued_prefill_tokens, decode.queued_prefill_requests)
         sliced = sliced_prefill_s(decode, side, compute_tokens)
         if sliced is None:
             ttft = side.slot_wait_s + decode_cost.predict_ttft_s(
@@ -245,13 +246,11 @@ def evaluate(
                 shared_step_s=decode_cost.mixed_decode_share * side.running_step_s,
             )
         else:
-            ttft = side.slot_wait_s + decode_cost.prefill_backlog_s(
-                decode.queued_prefill_tokens, decode.queued_prefill_requests) + sliced
+            ttft = side.slot_wait_s + backlog + sliced
         if side.running:
             added_tpot = local_interference_s(
                 decode_cost, compute_tokens, side.cached_tokens, request.max_tokens, side.running_step_s)
-        wait = side.slot_wait_s + decode_cost.prefill_backlog_s(
-            decode.queued_prefill_tokens, decode.queued_prefill_requests)
+        wait = side.slot_wait_s + backlog
     else:
         if remote is None:
             remote = prefill_side(request, view, prefill)
@@ -280,8 +279,8 @@ def sliced_prefill_s(decode: WorkerLoad, side: DecodeSide, new_tokens: int) -> f
     batch: one slice per step, each step the batch's plus the mean excess the worker's mixed steps
     measured (`FoldedCost.per_step_s`). None when it takes one step, the batch is empty or no mixed step
     was measured: one prefill plus the shared step is the price then (`CostModel.predict_ttft_s`).
-    Priced as one prefill, a 2,048-token prompt in 512-token slices on a busy 1xH200 worker (~57 ms for
-    four ~35-ms steps) reached its first token 77-91 ms later than predicted at the median
+    Priced as one prefill (~57 ms), a 2,048-token prompt run as four 512-token slices, each in a ~35-ms
+    step, on a busy 1xH200 worker reached its first token 77-91 ms later than predicted at the median
     (docs/benchmarks.md, "Folded prefill cost")."""
     slices = prefill_chunks(new_tokens, decode.snapshot.max_prefill_chunk)
     per_step = decode.folded_s_per_step

@@ -94,7 +94,7 @@ def _batch_context_tokens(s: WorkerSnapshot, r: Reservation) -> int:
     return waiting * s.inflight_prefill_tokens // max(s.inflight_prefill_requests, 1)
 
 
-# Mixed steps a worker reports before their measured cost per prompt token replaces the forecast
+# Mixed steps a worker reports before their measured cost per prompt chunk replaces the forecast
 # (prefill_load.py): a few heartbeats' worth on a GPU, where one step in two or three is mixed under load.
 MIN_FOLDED_STEPS = 8
 
