@@ -31,10 +31,8 @@ Workloads (fixed, seeded; the constants below):
 - exp1 `random`: 60 single-turn requests, prompt uniform 32-96 tokens, output uniform 16-24,
   Poisson at 1.3 req/s, one tier (enterprise key), SLO TTFT <= 2500 ms, TPOT <= 250 ms;
 - exp1_high_rate: exp1's 60 requests (same seed) at 2.0 req/s, RR / LL / goodput only;
-- exp2 `multiturn`: 24 conversations x 4 turns, 2 shared system prompts of 256 tokens, 32-token
-  user turns, 16 output tokens, conversations start at 0.4/s, SLO as exp1 (24, not 12: with 12
-  conversations round-robin's real TTFT p90 ranged 2.8-6.4 s over 11 runs, too noisy for one
-  run's p90 to judge the simulator);
+- exp2 `multiturn`: 12 conversations x 4 turns, 2 shared system prompts of 256 tokens, 32-token
+  user turns, 16 output tokens, conversations start at 0.4/s, SLO as exp1;
 - exp3 overload (runs: RR, LL, goodput, goodput+profile): enterprise 24 requests at 0.3 req/s and
   free 240 requests at 3.0 req/s at the same time (two `baton bench` processes, seeds 1 and 2;
   lengths as exp1), SLOs enterprise TTFT 2500 / TPOT 250 ms, free TTFT 6000 / TPOT 500 ms.
@@ -130,7 +128,7 @@ LENGTHS = ("--random-input-len", "uniform:32:96", "--random-output-len", "unifor
 RANDOM = ("--dataset", "random", "--num-prompts", "60", *LENGTHS, "--request-rate", "1.3", "--seed", "0")
 # exp1's prompts at a higher rate (same seed, so the same prompts): the baselines still met every SLO at 1.3.
 RANDOM_HIGH = ("--dataset", "random", "--num-prompts", "60", *LENGTHS, "--request-rate", "2.0", "--seed", "0")
-MULTITURN = ("--dataset", "multiturn", "--num-prompts", "24", "--num-turns", "4", "--system-prompt-len", "256",
+MULTITURN = ("--dataset", "multiturn", "--num-prompts", "12", "--num-turns", "4", "--system-prompt-len", "256",
              "--num-system-prompts", "2", "--random-input-len", "32", "--random-output-len", "16",
              "--request-rate", "0.4", "--seed", "0")
 OVERLOAD_ENTERPRISE = ("--dataset", "random", "--num-prompts", "24", *LENGTHS, "--request-rate", "0.3", "--seed", "1")
