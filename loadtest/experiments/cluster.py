@@ -28,7 +28,7 @@ from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
-from services.launcher.process import free_port
+from services.launcher.process import free_port, start_on_free_port
 from services.launcher.serve import WORKER_READY, migrate_database
 from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, listening, log_line
 
@@ -104,8 +104,7 @@ class PolicyStack:
         self.tap_path = run_dir / "scheduler_tap.json"
         self.supervisor = Supervisor(run_dir / "logs", cwd=Path.cwd())
         self.python = sys.executable
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # the gateway's, set once it listens
 
     def __enter__(self) -> PolicyStack:
         try:
@@ -152,5 +151,12 @@ class PolicyStack:
                "BATON_KAFKA_BOOTSTRAP": e.kafka_bootstrap, "BATON_SCHEDULER_ADDRESS": scheduler,
                "BATON_SLOS": json.dumps(slos), "BATON_TIER_LIMITS": json.dumps(dict.fromkeys(TIERS, _UNLIMITED)),
                "BATON_DRAIN_TIMEOUT_S": "2", **self.config.extra_gateway_env}
-        argv = [self.python, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(self.port)]
-        self.supervisor.start(ChildSpec("gateway", argv, http_ok(f"{self.url}/readyz"), env=env, stop_timeout_s=20))
+        # The port is picked as the gateway starts, not with the stack: picked first, it was taken by some
+        # other socket during the workers' start-up once (docs/benchmarks.md, pass Y), and a bind race
+        # gets a fresh port rather than failing the whole experiment.
+        def start(port: int) -> str:
+            url = f"http://127.0.0.1:{port}"
+            argv = [self.python, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(port)]
+            self.supervisor.start(ChildSpec("gateway", argv, http_ok(f"{url}/readyz"), env=env, stop_timeout_s=20))
+            return url
+        self.url = start_on_free_port(start)

@@ -14,9 +14,8 @@ from pathlib import Path
 from types import TracebackType
 
 from services.common.errors import InfraStartError
-from services.launcher.process import SupervisedProcess, free_port
+from services.launcher.process import SupervisedProcess, free_port, lost_port_race
 
-_PORT_RACE_MARKERS = ("address already in use", "address in use", "eaddrinuse")
 _START_ATTEMPTS = 3
 
 
@@ -79,8 +78,7 @@ class EmbeddedService(ABC):
                 process.wait_ready(self._ready, self._start_timeout_s)
                 break
             except InfraStartError as e:
-                raced = any(m in str(e).lower() for m in _PORT_RACE_MARKERS)
-                if not raced or self._fixed_port is not None or attempt == _START_ATTEMPTS - 1:
+                if not lost_port_race(e) or self._fixed_port is not None or attempt == _START_ATTEMPTS - 1:
                     raise
         self._after_ready()
 

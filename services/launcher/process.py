@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from services.common.errors import InfraStartError
 from services.common.lifetime import die_with_parent
@@ -35,6 +36,27 @@ def free_port() -> int:
             port = int(s.getsockname()[1])
         if port not in _RESERVED_PORTS:
             return port
+
+
+_T = TypeVar("_T")
+_PORT_RACE_MARKERS = ("address already in use", "address in use", "eaddrinuse")
+
+
+def lost_port_race(error: BaseException) -> bool:
+    """Whether a child failed to start because its port was taken after `free_port()` picked it."""
+    return any(marker in str(error).lower() for marker in _PORT_RACE_MARKERS)
+
+
+def start_on_free_port(start: Callable[[int], _T], attempts: int = 3) -> _T:
+    """`start(port)` on a port `free_port()` picks, again on a fresh one when the child lost a bind race
+    (any process's outgoing connection can take the picked port first); other failures raise at once."""
+    for attempt in range(attempts):
+        try:
+            return start(free_port())
+        except InfraStartError as e:
+            if not lost_port_race(e) or attempt == attempts - 1:
+                raise
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 
 class SupervisedProcess:
