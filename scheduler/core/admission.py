@@ -10,16 +10,6 @@ the heavier tier first, and the weights order the tiers that can all be placed. 
 free request, whose looser targets fit a busier cluster, would take the capacity an enterprise
 request is waiting for, and enterprise would be served last exactly when it matters.
 
-Within a tier the order is FIFO, but a request that cannot be placed does not hold back the younger
-ones behind it (up to `max_passed_per_tier` per round, `passed` in `peek`). Its TTFT target counts
-its wait, so an old request can be unplaceable only because it waited: a younger one of the same
-tier, with the same prompt, meets its targets on the capacity that is free now. Strict FIFO left
-that capacity idle until the head expired while everyone behind it aged too: on one H200 past the
-knee (random 2k/128, TTFT <= 500 ms) 345 of 380 queued requests were queued only behind others and
-235 timed out, and goodput fell to ~6 req/s from ~9 at the knee (docs/benchmarks.md, "The admission
-queue past the knee"). The older request is still tried first every round, so it gets whatever
-capacity it can use.
-
 Each tier has a maximum wait, and by default a request also leaves when its own TTFT target has
 passed: it can no longer count towards goodput, and serving it late would take capacity from
 requests that still can — under sustained overload that is how everything ends up late.
@@ -48,9 +38,6 @@ class AdmissionConfig:
     max_queue_s: Mapping[Tier, float] = field(default_factory=_default_max_queue_s)
     max_depth: int = 1024  # per tier; a full tier rejects new arrivals at once
     expire_at_ttft_target: bool = True  # False: wait the full tier maximum even past the TTFT target
-    # Queued requests of one tier that a round may pass over when they cannot be placed, to try the
-    # younger ones behind them (each try costs a policy decision). 0: strict FIFO within a tier.
-    max_passed_per_tier: int = 8
 
     def __post_init__(self) -> None:
         for name, table in (("tier_weights", self.tier_weights), ("max_queue_s", self.max_queue_s)):
@@ -59,8 +46,6 @@ class AdmissionConfig:
                 raise ValueError(f"{name} needs a positive value for every tier; missing: {missing}")
         if self.max_depth <= 0:
             raise ValueError(f"max_depth must be positive, got {self.max_depth}")
-        if self.max_passed_per_tier < 0:
-            raise ValueError(f"max_passed_per_tier must be >= 0, got {self.max_passed_per_tier}")
 
 
 @dataclass(frozen=True)
@@ -112,33 +97,18 @@ class AdmissionQueue:
         weight = self.config.tier_weights[tier]
         return {t for t in Tier if self.config.tier_weights[t] <= weight}
 
-    def tiers_below(self, tier: Tier) -> set[Tier]:
-        """Every tier weighted less than `tier`."""
-        weight = self.config.tier_weights[tier]
-        return {t for t in Tier if self.config.tier_weights[t] < weight}
+    def peek(self, skip: Container[Tier] = ()) -> QueuedRequest | None:
+        """The request fairness says goes next, among tiers not in `skip`."""
+        tiers = [t for t, fifo in self._fifo.items() if fifo and t not in skip]
+        if not tiers:
+            return None
+        tier = min(tiers, key=lambda t: (self._tag[t], -self.config.tier_weights[t]))
+        return self._fifo[tier][0]
 
-    def peek(self, skip: Container[Tier] = (), passed: Container[str] = ()) -> QueuedRequest | None:
-        """The request fairness says goes next, among tiers not in `skip`: its tier's oldest request
-        whose id is not in `passed` (tried this round and left waiting)."""
-        best: tuple[tuple[float, float], QueuedRequest] | None = None
-        for tier, fifo in self._fifo.items():
-            if tier in skip:
-                continue
-            entry = next((e for e in fifo if e.request.request_id not in passed), None)
-            key = (self._tag[tier], -self.config.tier_weights[tier])
-            if entry is not None and (best is None or key < best[0]):
-                best = (key, entry)
-        return None if best is None else best[1]
-
-    def pop(self, entry: QueuedRequest) -> QueuedRequest:
-        """Serve `entry` (one `peek` returned; older ones of its tier may stay queued); the tier's
-        next tag moves 1/weight on."""
-        tier = entry.request.tier
+    def pop(self, tier: Tier) -> QueuedRequest:
+        """Serve the head of `tier` (the one `peek` returned); the next head's tag moves 1/weight on."""
         fifo = self._fifo[tier]
-        if fifo[0] is entry:
-            fifo.popleft()
-        else:
-            fifo.remove(entry)
+        entry = fifo.popleft()
         del self._tier_of[entry.request.request_id]
         self._virtual_time = self._tag[tier]
         if fifo:

@@ -189,8 +189,7 @@ class Scheduler:
         too_large = _reject_if_too_large(request, view)
         if too_large is not None:
             return too_large
-        # No overtaking a heavier tier or older requests of its own: a newcomer waits behind them (the
-        # next tick tries them first, then it).
+        # FIFO within a tier, and no overtaking a heavier tier: a newcomer waits behind them.
         if self._queue.has_waiting_at_or_above(request.tier):
             return self._enqueue(request, now, Reason.BEHIND_QUEUE)
         decision = self.policy.route(request, view, now)
@@ -213,24 +212,14 @@ class Scheduler:
         if self._version == self._tick_version:
             return decisions
         self._tick_version = self._version
-        # Tiers that wait this round (see admission: FIFO, heavier first), and the requests tried and
-        # left waiting, per tier: younger ones of the same tier are tried after them, up to a limit.
-        blocked: set[Tier] = set()
-        passed: dict[Tier, list[str]] = {}
-        passed_ids: set[str] = set()
-        limit = self.config.admission.max_passed_per_tier
-        while (entry := self._queue.peek(skip=blocked, passed=passed_ids)) is not None:
+        blocked: set[Tier] = set()  # tiers that wait this round (see admission: FIFO, heavier first)
+        while (entry := self._queue.peek(skip=blocked)) is not None:
             request = replace(entry.request, waited_s=now - entry.enqueued_at)
             decision = self.policy.route(request, self._view(now), now)
             if decision.kind is DecisionKind.QUEUE:
-                blocked |= self._queue.tiers_below(request.tier)
-                tier_passed = passed.setdefault(request.tier, [])
-                tier_passed.append(request.request_id)
-                passed_ids.add(request.request_id)
-                if len(tier_passed) > limit:
-                    blocked.add(request.tier)
+                blocked |= self._queue.tiers_not_above(request.tier)
                 continue
-            self._queue.pop(entry)
+            self._queue.pop(request.tier)
             if decision.is_placed:
                 self._commit(request, decision, now)
             decisions.append(decision)

@@ -14,7 +14,7 @@ def serve(queue: AdmissionQueue, n: int) -> list[str]:
     for _ in range(n):
         entry = queue.peek()
         assert entry is not None
-        served.append(queue.pop(entry).request.request_id)
+        served.append(queue.pop(entry.request.tier).request.request_id)
     return served
 
 
@@ -78,23 +78,6 @@ def test_remove_cancels_a_queued_request(make_request) -> None:
     assert "plus-1" not in queue
     assert serve(queue, 2) == ["plus-0", "plus-2"]
     assert queue.remove("plus-1") is None
-
-
-def test_peek_passes_over_requests_left_waiting_this_round(make_request) -> None:
-    queue = AdmissionQueue()
-    fill(queue, make_request, PLUS, 3)
-    fill(queue, make_request, FREE, 1)
-    entry = queue.peek(passed={"plus-0"})
-    assert entry is not None and entry.request.request_id == "plus-1"
-    assert queue.pop(entry).request.request_id == "plus-1"  # served past its tier's head
-    assert queue.peek(skip={PLUS}, passed={"plus-0"}).request.request_id == "free-0"
-    assert queue.peek(skip={FREE}, passed={"plus-0", "plus-2"}) is None
-    assert serve(queue, 3) == ["plus-0", "plus-2", "free-0"]  # the head kept its place
-
-
-def test_config_refuses_a_negative_pass_limit() -> None:
-    with pytest.raises(ValueError, match="max_passed_per_tier"):
-        AdmissionConfig(max_passed_per_tier=-1)
 
 
 def test_config_demands_every_tier(make_request) -> None:

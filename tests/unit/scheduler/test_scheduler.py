@@ -1,6 +1,5 @@
 import pytest
 
-from scheduler.core.admission import AdmissionConfig
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy, LeastLoadedPolicy, RoundRobinPolicy
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -123,44 +122,6 @@ def test_a_newcomer_queues_behind_waiting_requests_of_its_tier(make_snapshot, ma
     second = scheduler.route(make_request("second", tier=Tier.PLUS), now=0.1)
     assert (second.kind, second.reason) == (DecisionKind.QUEUE, Reason.BEHIND_QUEUE)
     assert [d.request_id for d in scheduler.tick(now=0.1)] == ["first"]
-
-
-def _old_and_young_queued(make_snapshot, make_request, admission: AdmissionConfig) -> Scheduler:
-    """Two plus requests queued 0.5 s apart on a full worker, then room for one at 0.95 s, where the
-    older one's wait has spent its TTFT target (1 s) and the younger one's has not (~0.11 s to go)."""
-    scheduler = Scheduler(GoodputPolicy(), SchedulerConfig(heartbeat_timeout_s=TIMEOUT_S, admission=admission))
-    scheduler.register(make_snapshot("w", free_blocks=0), now=0.0)
-    slo = SLO(ttft_ms=1000, tpot_ms=100)
-    assert scheduler.route(make_request("old", tier=Tier.PLUS, slo=slo), now=0.0).kind is DecisionKind.QUEUE
-    assert scheduler.route(make_request("young", tier=Tier.PLUS, slo=slo), now=0.5).kind is DecisionKind.QUEUE
-    _full_then_room_for_one(make_snapshot, make_request, scheduler, now=0.95)
-    return scheduler
-
-
-def test_a_queued_request_its_wait_made_unplaceable_does_not_hold_back_younger_ones(
-    make_snapshot, make_request
-) -> None:
-    scheduler = _old_and_young_queued(make_snapshot, make_request, AdmissionConfig())
-    [placed] = scheduler.tick(now=0.95)
-    assert (placed.request_id, placed.kind) == ("young", DecisionKind.ROUTE)
-    assert scheduler.queued == 1  # the old one waits on until its target has passed
-    [expired] = scheduler.tick(now=1.01)
-    assert (expired.request_id, expired.reason) == ("old", Reason.QUEUE_TIMEOUT)
-
-
-def test_strict_fifo_leaves_the_capacity_to_the_head(make_snapshot, make_request) -> None:
-    scheduler = _old_and_young_queued(make_snapshot, make_request, AdmissionConfig(max_passed_per_tier=0))
-    assert scheduler.tick(now=0.95) == []
-    assert scheduler.queued == 2
-
-
-def test_a_heavier_tier_left_waiting_still_holds_back_lighter_ones(make_snapshot, make_request) -> None:
-    scheduler = scheduler_with(GoodputPolicy(), make_snapshot, "w", free_blocks=0)
-    scheduler.route(make_request("ent", tier=Tier.ENTERPRISE, slo=SLO(ttft_ms=1000, tpot_ms=100)), now=0.0)
-    scheduler.route(make_request("free", tier=Tier.FREE, slo=SLO(ttft_ms=5000, tpot_ms=100)), now=0.5)
-    _full_then_room_for_one(make_snapshot, make_request, scheduler, now=0.95)
-    assert scheduler.tick(now=0.95) == []  # "ent" cannot be placed in time, and "free" waits behind it
-    assert [d.request_id for d in scheduler.tick(now=1.01)] == ["ent", "free"]  # expired, then placed
 
 
 def test_a_queued_request_is_rejected_once_its_wait_runs_out(make_snapshot, make_request) -> None:
