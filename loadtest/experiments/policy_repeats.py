@@ -15,7 +15,9 @@ verdicts the scheduler issue asks for:
 The same two figures for the replays run at the speed each run's host ran its workers at, window by
 window (`analysis.py`, `simulate.host_speeds`), follow as context, not as verdicts: how much of the
 error is the shared host drifting between runs and within them rather than the simulator's model of
-the policies and workers.
+the policies and workers. So does the TTFT p90 read per configuration over the repeats: the simulated
+mean against the real mean, and in how many configurations the real p90 alone moves by more than the
+tolerance between repeats (where it does, no prediction of a run can be within it every time).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class RunResult:
     engine_step_ms: float | None = None  # the host's speed during the run (`analysis.engine_step_ms`)
     sim_host_replayed_error_pp: float | None = None  # the replay at the run's host speed (analysis.py)
     sim_host_replayed_ttft_ratio: float | None = None  # its simulated / real TTFT p90
+    ttft_p90_ms: float | None = None  # real, every tier's completed requests
+    sim_ttft_p90_ms: float | None = None
 
 
 def load(summary: dict) -> list[RunResult]:
@@ -62,7 +66,7 @@ def load(summary: dict) -> list[RunResult]:
                 enterprise["ttft_p90_ms"] if enterprise else None,
                 100.0 * (sim["goodput_fraction"] - real["goodput_fraction"]),
                 _ttft_ratio(sim, real), real.get("engine_step_ms"), result.get("sim_host_replayed_error_pp"),
-                None if replayed is None else _ttft_ratio(replayed, real)))
+                None if replayed is None else _ttft_ratio(replayed, real), real["ttft_p90_ms"], sim["ttft_p90_ms"]))
     return results
 
 
@@ -147,6 +151,33 @@ def host_speed_context(repeats: Sequence[list[RunResult]]) -> str | None:
             f"{len(replayed)} runs, its TTFT p90 within {100 * MAX_TTFT_RATIO_ERROR:.0f}% in {within}/{len(ratios)}")
 
 
+def per_configuration_context(repeats: Sequence[list[RunResult]]) -> str | None:
+    """The TTFT p90 verdict read per configuration (experiment x policy) over the repeats: the simulated
+    p90s' mean against the real ones' mean, and how far the real p90 itself moves between repeats of one
+    configuration. Where that spread is wider than the tolerance, no prediction of a run, however exact
+    about the configuration, is within it in every repeat: context for the per-run verdict, not a verdict.
+    None with fewer than two repeats."""
+    if len(repeats) < 2:
+        return None
+    keys = dict.fromkeys((r.experiment, r.run) for rs in repeats for r in rs)
+    within, wide = 0, []
+    for key in keys:
+        rows = [r for rs in repeats for r in rs if (r.experiment, r.run) == key
+                and r.ttft_p90_ms and r.sim_ttft_p90_ms is not None]
+        if not rows:
+            continue
+        real = [r.ttft_p90_ms or 0.0 for r in rows]
+        mean_real = statistics.fmean(real)
+        sim = statistics.fmean(r.sim_ttft_p90_ms or 0.0 for r in rows)
+        within += abs(sim / mean_real - 1.0) <= MAX_TTFT_RATIO_ERROR
+        if max(abs(x / mean_real - 1.0) for x in real) > MAX_TTFT_RATIO_ERROR:
+            wide.append(f"{key[0]}/{key[1]} {min(real):.0f}-{max(real):.0f} ms")
+    tolerance = f"{100 * MAX_TTFT_RATIO_ERROR:.0f}%"
+    return (f"per configuration, the simulated TTFT p90's mean over the repeats is within {tolerance} of the real "
+            f"one's in {within}/{len(keys)}; the real p90 itself moves more than {tolerance} from its mean "
+            f"between repeats in {len(wide)}/{len(keys)}" + (f" ({', '.join(wide)})" if wide else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.experiments.policy_repeats", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for v in verdicts(repeats):
         print(f"{'PASS' if v.passed else 'FAIL'}  {v.name}: {v.detail}")
-    context = host_speed_context(repeats)
-    if context is not None:
-        print(f"(context) {context}")
+    for context in (host_speed_context(repeats), per_configuration_context(repeats)):
+        if context is not None:
+            print(f"(context) {context}")
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.experiments.analysis import engine_step_ms
-from loadtest.experiments.policy_repeats import host_speed_context, load, table, verdicts
+from loadtest.experiments.policy_repeats import host_speed_context, load, per_configuration_context, table, verdicts
 
 
 def _run(good: float, sim_good: float, ttft: float, sim_ttft: float, enterprise_ttft: float,
@@ -82,3 +82,19 @@ def test_the_replays_at_each_runs_host_speed_are_reported_beside_the_verdicts_wh
     context = host_speed_context([load(summary)])
     assert context is not None
     assert context.endswith("mean |error| is 3.4 pp over 5 runs, its TTFT p90 within 20% in 4/5")  # (4*4+1)/5
+
+
+def test_the_ttft_p90_read_per_configuration_compares_means_and_names_the_real_spread() -> None:
+    first, second = _summary(1.0, 0.9, 2000), _summary(1.0, 0.9, 2000)
+    # exp1 least_loaded: real 1000 / 1000, simulated 1100 / 1100 (as built): within, no spread
+    # exp1 round_robin: real 2000 / 4000 (+-33% around 3000), simulated 3300 both: its mean within 10%
+    first["exp1_random"]["runs"]["round_robin"]["real"]["ttft_p90_ms"] = 2000
+    second["exp1_random"]["runs"]["round_robin"]["real"]["ttft_p90_ms"] = 4000
+    for summary in (first, second):
+        summary["exp1_random"]["runs"]["round_robin"]["sim"]["ttft_p90_ms"] = 3300
+        summary["exp3_overload"]["runs"]["goodput"]["sim"]["ttft_p90_ms"] = 3000  # real 2000: 1.5x
+    assert per_configuration_context([load(first)]) is None  # one repeat: nothing to spread
+    context = per_configuration_context([load(first), load(second)])
+    assert context == ("per configuration, the simulated TTFT p90's mean over the repeats is within 20% of the "
+                       "real one's in 4/5; the real p90 itself moves more than 20% from its mean between repeats "
+                       "in 1/5 (exp1_random/round_robin 2000-4000 ms)")
