@@ -53,7 +53,7 @@ from scheduler.core.scheduler import SchedulerConfig
 from scheduler.replay import Clients, ReplayConfig, _Replay
 from scheduler.sim.host import STEADY, HostSpeed
 from scheduler.sim.spec import SimWorkerSpec
-from scheduler.sim.trace import Arrival
+from scheduler.sim.trace import Arrival, link_turns
 from scheduler.sim.worker import SimWorker
 from scheduler.types import SLO, Tier, WorkerRole
 
@@ -183,7 +183,8 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def trace_from_tap(tap: Mapping[str, Any]) -> list[Arrival]:
     """Requests as the scheduler received them (first Route per id), times from the first arrival;
-    output length = max_tokens (the benchmark runs with ignore_eos)."""
+    output length = max_tokens (the benchmark runs with ignore_eos); each conversation turn with the
+    blocks its answer fills (`link_turns`, at the workers' block size)."""
     routes = tap["routes"]
     seen: dict[str, Arrival] = {}
     t0 = min((r["t"] for r in routes), default=0.0)
@@ -195,7 +196,9 @@ def trace_from_tap(tap: Mapping[str, Any]) -> list[Arrival]:
             time_s=r["t"] - t0, request_id=q["request_id"], prompt_tokens=q["prompt_tokens"],
             output_tokens=q["max_tokens"], prefix_hashes=tuple(q["prefix_hashes"]), tier=Tier(q["tier"]),
             conversation_id=q["conversation_id"])
-    return sorted(seen.values(), key=lambda a: a.time_s)
+    trace = sorted(seen.values(), key=lambda a: a.time_s)
+    block_sizes = {w["block_size"] for w in tap["workers"].values()}
+    return link_turns(trace, block_sizes.pop()) if len(block_sizes) == 1 else trace
 
 
 def tier_slos(tap: Mapping[str, Any], default: SLO) -> dict[Tier, SLO]:

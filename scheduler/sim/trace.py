@@ -10,8 +10,9 @@ scheduler ever sees.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 from scheduler.types import Tier
 
@@ -28,10 +29,56 @@ class Arrival:
     tier: Tier
     max_tokens: int | None = None  # the cap the client asked for; None: exactly output_tokens
     conversation_id: str | None = None
+    # Chained hashes of the full blocks the answer fills after the prompt's (`link_turns`): the engine
+    # caches every computed block, the answer's too, and a conversation's next turn begins with them.
+    output_hashes: tuple[int, ...] = ()
 
     @property
     def effective_max_tokens(self) -> int:
         return self.output_tokens if self.max_tokens is None else max(self.max_tokens, 1)
+
+
+def link_turns(trace: Sequence[Arrival], block_size: int) -> list[Arrival]:
+    """`trace` with each conversation turn's `output_hashes` read from the conversation's next turn, whose
+    prompt begins with this turn's prompt and answer. The blocks counted are those the answer completes
+    with its KV computed (every token's but the last one generated). Turns are linked by conversation id
+    where the trace has one, else by their hashes: the next turn is the earliest later prompt that begins
+    with this one's blocks, provided every later prompt that does continues one chain (a prompt of shared
+    blocks only, a system prompt, begins many conversations and links to none). A conversation's last
+    turn, and a turn whose next prompt rewrote the history, get none.
+
+    Without them a replay's worker cached only prompts, so a later turn missed the block(s) holding the
+    previous answer: on the CPU policy runs' multi-turn experiment the simulated prefix hit rate was 0.81
+    where the real engine's was 0.84 in every repeat, and the simulated TTFT p90 of prefix-aware routing
+    was 1.17-1.34x the real one (docs/benchmarks.md, pass Z)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    ordered = sorted(trace, key=lambda a: a.time_s)
+    linked = []
+    for i, turn in enumerate(ordered):
+        later = _next_turn(turn, ordered[i + 1:])
+        linked.append(turn if later is None else replace(turn, output_hashes=_answer_blocks(turn, later, block_size)))
+    return linked
+
+
+def _next_turn(turn: Arrival, later: Sequence[Arrival]) -> Arrival | None:
+    if turn.conversation_id is not None:
+        return next((a for a in later if a.conversation_id == turn.conversation_id), None)
+    own = turn.prefix_hashes
+    chain = [a for a in later if len(a.prefix_hashes) > len(own) and a.prefix_hashes[: len(own)] == own]
+    if not own or not chain:
+        return None
+    if any(b.prefix_hashes[: len(a.prefix_hashes)] != a.prefix_hashes for a, b in pairwise(chain)):
+        return None
+    return chain[0]
+
+
+def _answer_blocks(turn: Arrival, later: Arrival, block_size: int) -> tuple[int, ...]:
+    own = turn.prefix_hashes
+    if later.prefix_hashes[: len(own)] != own:
+        return ()
+    computed_blocks = (turn.prompt_tokens + turn.output_tokens - 1) // block_size
+    return later.prefix_hashes[len(own): computed_blocks]
 
 
 def extend_chain(prefix: tuple[int, ...], num_blocks: int, label: int) -> tuple[int, ...]:

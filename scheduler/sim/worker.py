@@ -116,6 +116,7 @@ class SimWorker:
 
     def _release(self, seq: SimSequence, now: float) -> None:
         seq.finished_at = now
+        self.cache.store(seq.arrival.output_hashes)  # the answer's full blocks: cached as the engine does
         self._free(seq)
 
     def _free(self, seq: SimSequence) -> None:
