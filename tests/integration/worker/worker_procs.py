@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
+from services.launcher.process import free_port, lost_port_race
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class WorkerExited(RuntimeError):
+    """The worker process exited before it was serving; the message carries its log's tail."""
 
 
 class WorkerProcess:
@@ -30,16 +28,20 @@ class WorkerProcess:
 
     def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path, *extra: str) -> None:
         self.name = name
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
-        self.args = [sys.executable, "-m", "services.worker", "--role", role, "--model", str(model_dir),
-                     "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                     "--worker-id", name, "--torch-threads", "1", *extra]
+        self._command = ("--role", role, "--model", str(model_dir), "--worker-id", name, "--torch-threads", "1",
+                         *extra)
+        self._pick_ports()
         self.proc: subprocess.Popen[bytes] | None = None
         self._stop_requested = False  # a second SIGTERM is not sent: the drain is already under way
         self._channel: grpc.Channel | None = None
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "services.worker", *self._command,
+                     "--port", str(self.port), "--metrics-port", str(self.metrics_port)]
 
     def start(self) -> WorkerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -48,14 +50,29 @@ class WorkerProcess:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         return self
 
-    def wait_serving(self, timeout_s: float = 120.0) -> WorkerProcess:
-        """Poll gRPC health until SERVING; raise with the log tail if the process dies or it times out."""
+    def wait_serving(self, timeout_s: float = 120.0, port_attempts: int = 3) -> WorkerProcess:
+        """Poll gRPC health until SERVING; raise with the log tail if the process dies or it times out.
+        A worker that lost the race for a port `free_port` picked (another socket took it before the
+        worker bound it: "address already in use") starts again on fresh ports, up to `port_attempts`
+        times in all."""
+        for attempt in range(port_attempts):
+            try:
+                return self._wait_serving(timeout_s)
+            except WorkerExited as e:
+                if not lost_port_race(e) or attempt == port_attempts - 1:
+                    raise
+                self._close_channel()
+                self._pick_ports()
+                self.start()
+        raise ValueError(f"port_attempts must be >= 1, got {port_attempts}")
+
+    def _wait_serving(self, timeout_s: float) -> WorkerProcess:
         give_up = time.monotonic() + timeout_s
         stub = health_pb2_grpc.HealthStub(self.channel)
         while time.monotonic() < give_up:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise WorkerExited(f"worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service="baton.v1.Worker"), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -95,11 +112,14 @@ class WorkerProcess:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
-    def request_stop(self) -> None:
-        """SIGTERM (graceful drain) once, without waiting; `stop()` then waits for the exit."""
+    def _close_channel(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+    def request_stop(self) -> None:
+        """SIGTERM (graceful drain) once, without waiting; `stop()` then waits for the exit."""
+        self._close_channel()
         if self.proc is not None and self.proc.poll() is None and not self._stop_requested:
             self._stop_requested = True
             self.proc.send_signal(signal.SIGTERM)
