@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import sys
+import time
 
 import pytest
 import worker_procs
@@ -34,3 +36,16 @@ def test_a_worker_that_fails_for_another_reason_is_not_restarted(default_model_d
             worker.wait_serving(timeout_s=60)
     finally:
         worker.stop()
+
+
+def test_a_worker_that_lost_a_port_race_but_stays_up_is_stopped_not_waited_out(default_model_dir, worker_log_dir):
+    # A tensor-parallel worker whose rank 0 lost its metrics port stayed up, its other ranks waiting on it.
+    worker = WorkerProcess("stuck-1", "both", default_model_dir, worker_log_dir)
+    worker.args = [sys.executable, "-c", "import time; print('OSError: [Errno 98] Address already in use', "
+                   "flush=True); time.sleep(120)"]
+    worker.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerExited, match="lost a port race"):
+        worker.wait_serving(timeout_s=60, port_attempts=1)
+    assert time.monotonic() - started < 30
+    assert worker.proc is not None and worker.proc.poll() is not None  # killed, with its process group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,7 +48,9 @@ class WorkerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._stop_requested = False
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+            # Its own process group: `_kill` then takes a tensor-parallel worker's rank processes with it.
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                         start_new_session=True)
         return self
 
     def wait_serving(self, timeout_s: float = 120.0, port_attempts: int = 3) -> WorkerProcess:
@@ -78,9 +81,19 @@ class WorkerProcess:
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return self
             except grpc.RpcError:
-                pass
+                if lost_port_race(RuntimeError(self.log_tail())):
+                    # A tensor-parallel worker whose rank 0 lost its port can stay up, its other ranks
+                    # waiting on the group: stop it rather than wait out the timeout.
+                    self._kill()
+                    raise WorkerExited(f"worker {self.name} lost a port race:\n{self.log_tail()}") from None
             time.sleep(0.2)
         raise TimeoutError(f"worker {self.name} not SERVING after {timeout_s} s:\n{self.log_tail()}")
+
+    def _kill(self) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
 
     @property
     def channel(self) -> grpc.Channel:
