@@ -42,8 +42,9 @@ _T = TypeVar("_T")
 _PORT_RACE_MARKERS = ("address already in use", "address in use", "eaddrinuse")
 
 
-def lost_port_race(error: BaseException) -> bool:
-    """Whether a child failed to start because its port was taken after `free_port()` picked it."""
+def lost_port_race(error: BaseException | str) -> bool:
+    """Whether a child failed to start because its port was taken after `free_port()` picked it, from its
+    start-up error or its log."""
     return any(marker in str(error).lower() for marker in _PORT_RACE_MARKERS)
 
 

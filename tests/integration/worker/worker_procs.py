@@ -81,7 +81,7 @@ class WorkerProcess:
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return self
             except grpc.RpcError:
-                if lost_port_race(RuntimeError(self.log_tail())):
+                if lost_port_race(self.log_tail()):
                     # A tensor-parallel worker whose rank 0 lost its port can stay up, its other ranks
                     # waiting on the group: stop it rather than wait out the timeout.
                     self._kill()
