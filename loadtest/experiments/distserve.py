@@ -85,6 +85,7 @@ from loadtest.experiments.distserve_plan import (
 )
 from loadtest.experiments.handoff_phases import PHASE_PREFIXES, phase_summary
 from loadtest.experiments.layouts import parse_layout
+from loadtest.experiments.product_stack import ProductStack
 from loadtest.experiments.run_metrics import SERVICE_PREFIXES, WORKER_PREFIXES, run_delta
 from loadtest.metrics import SLO
 
@@ -96,15 +97,16 @@ class DeadlineExceeded(BaseException):  # noqa: N818 - BaseException: asyncio re
 
 
 def bench(url: str, tokenizer: Path, dataset_args: tuple[str, ...], extra: list[str], out: Path,
-          request_timeout_s: float, slo: tuple[float, float]) -> int:
+          request_timeout_s: float, slo: tuple[float, float], api_key: str | None = None) -> int:
     """One `baton bench` invocation, in this process; returns its exit code."""
     from loadtest.cli import main as bench_main
 
-    argv = ["--base-url", url, "--tokenizer", str(tokenizer), "--ignore-eos", "--no-progress",
+    argv = [*(["--api-key", api_key] if api_key else []),
+            "--base-url", url, "--tokenizer", str(tokenizer), "--ignore-eos", "--no-progress",
             "--request-timeout", f"{request_timeout_s:g}", "--slo-ttft-ms", f"{slo[0]:g}",
             "--slo-tpot-ms", f"{slo[1]:g}", "--result-json", str(out), "--label", out.stem.split("__")[0],
             *dataset_args, *extra]
-    log.info("bench %s", " ".join(argv))
+    log.info("bench %s", " ".join(argv).replace(api_key, "bt-***") if api_key else " ".join(argv))
     return bench_main(argv)
 
 
@@ -114,20 +116,37 @@ def run_order(workloads: tuple[Workload, ...]) -> list[tuple[Workload, int]]:
     return [(w, i) for i in range(depth) for w in workloads if i < len(w.rates)]
 
 
+def run_label(layout: str, stack: str, stacks: list[str]) -> str:
+    """A run's name: the layout, with `+product` when the full product served it beside a bare run."""
+    return f"{layout}+{stack}" if stack != "bare" or len(stacks) > 1 else layout
+
+
 def run_configuration(config: str, plan: Plan, work: Path, deadline: float, configs_left: int,
-                      record: dict) -> None:
-    entry: dict = {"runs": [], "skipped": []}
+                      record: dict, layout: str | None = None, stack: str = "bare") -> None:
+    """One layout under one stack (`bare`: BATON_AUTH_MODE=none; `product`: auth, limits, safety, billing)."""
+    if stack == "product":
+        with ProductStack(work / "logs" / config) as product:
+            _run_configuration(config, plan, work, deadline, configs_left, record, layout, product)
+    else:
+        _run_configuration(config, plan, work, deadline, configs_left, record, layout, None)
+
+
+def _run_configuration(config: str, plan: Plan, work: Path, deadline: float, configs_left: int,
+                       record: dict, layout: str | None, product: ProductStack | None) -> None:
+    entry: dict = {"runs": [], "skipped": [], "stack": "bare" if product is None else "product"}
     record["configurations"][config] = entry
     share_end = time.monotonic() + (deadline - time.monotonic()) / configs_left
     slo = (plan.spec.slo_ttft_ms, plan.spec.slo_tpot_ms)
+    api_key = None if product is None else product.api_key
     log.warning("=== %s: starting (time share until +%.0f s)", config, share_end - time.monotonic())
-    with Cluster(config, plan.spec, work / "logs") as cluster:
+    with Cluster(config, plan.spec, work / "logs", layout,
+                 None if product is None else product.gateway_env) as cluster:
         entry["startup_s"] = cluster.startup_s
         entry["workers"] = {w.name: {"role": w.role, "gpus": list(w.gpus)} for w in cluster.plans}
         log.warning("%s: all processes ready in %.1f s", config, cluster.startup_s)
         for i, dataset in enumerate(plan.warmup):
             bench(cluster.url, plan.spec.model_dir, dataset, ["--seed", str(900 + i)],
-                  work / "warmup" / f"{config}__warmup{i}.json", plan.request_timeout_s, slo)
+                  work / "warmup" / f"{config}__warmup{i}.json", plan.request_timeout_s, slo, api_key)
         for workload, index in run_order(plan.workloads):
             rate = workload.rates[index]
             need = plan.duration_s + workload.drain_s + 3.0
@@ -147,7 +166,7 @@ def run_configuration(config: str, plan: Plan, work: Path, deadline: float, conf
             code = bench(cluster.url, plan.spec.model_dir, workload.args,
                          ["--num-prompts", str(num), "--request-rate", f"{rate:g}", "--seed", str(seed),
                           "--max-duration", f"{1.5 * plan.duration_s:g}"], work / "runs" / f"{name}.json",
-                         plan.request_timeout_s, slo)
+                         plan.request_timeout_s, slo, api_key)
             phases = phase_summary(counters, cluster.worker_counters(PHASE_PREFIXES, buckets=True))
             service_metrics = {**run_delta(services, cluster.service_counters(SERVICE_PREFIXES)),
                                **run_delta(engines, cluster.worker_counters(WORKER_PREFIXES, buckets=True))}
@@ -205,6 +224,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=["disagg", "colocated"], metavar="LAYOUT",
                    help="layouts, one after another: c<N> (co-located), <X>p<Y>d, disagg (= 1p1d), colocated (= c2); "
                         "4 GPUs: c4 1p3d 2p2d 3p1d")
+    p.add_argument("--stacks", nargs="+", choices=["bare", "product"], default=["bare"],
+                   help="what serves each layout: bare (BATON_AUTH_MODE=none, no safety: the engine's path) and/or "
+                        "product (API keys in Postgres, RPM+TPM limits in Redis, safety, billing through Kafka)")
     p.add_argument("--model-shape", choices=sorted(assets.SHAPES), default=None, help="GPU model (default 8b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (= GPUs) per worker")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -262,7 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def log_time_plan(plan: Plan, args: argparse.Namespace) -> None:
     prof = PROFILES["smoke" if args.smoke else args.model_shape]
     runs_s = sum(plan.duration_s + w.drain_s + 3.0 for w in plan.workloads for _ in w.rates)
-    share = args.deadline_s / len(args.configs)
+    share = args.deadline_s / (len(args.configs) * len(args.stacks))
     log.warning("time plan per configuration: ~%.0f s start + warm-up, ~%.0f s of runs; share %.0f s%s",
                 prof.startup_s, runs_s, share, " (top rates may be skipped)" if prof.startup_s + runs_s > share else "")
 
@@ -286,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                     "model_shape": None if args.smoke else args.model_shape, "tp": args.tp,
                     "gpus_per_worker": None if args.smoke else args.tp,
                     "gpus_total": None if args.smoke else max(lay.gpus(args.tp) for lay in args.layouts),
-                    "layout_gpus": {lay.name: lay.gpus(args.tp) for lay in args.layouts}, "num_blocks": args.num_blocks,
+                    "layout_gpus": {run_label(c, st, args.stacks): lay.gpus(args.tp)
+                                    for c, lay in zip(args.configs, args.layouts, strict=True) for st in args.stacks},
+                    "stacks": args.stacks, "num_blocks": args.num_blocks,
                     "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": 0.9},
                     "host": {"python": sys.version.split()[0], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
                     "configurations": {}, "errors": []}
@@ -312,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     log_time_plan(plan, args)
     rc = 0
     try:
-        for i, config in enumerate(args.configs):
+        targets = [(layout, stack) for layout in args.configs for stack in args.stacks]
+        for i, (layout, stack) in enumerate(targets):
+            config = run_label(layout, stack, args.stacks)
             try:
-                run_configuration(config, plan, work, deadline, len(args.configs) - i, record)
+                run_configuration(config, plan, work, deadline, len(targets) - i, record, layout, stack)
             except Exception as e:  # noqa: BLE001 - the other configuration may still run
                 record["errors"].append(f"{config}: {type(e).__name__}: {e}"[:4000])
                 log.error("%s failed: %s", config, e)

@@ -56,9 +56,14 @@ class ClusterSpec:
 class Cluster:
     """A context manager: entered = every process ready; `url` is the gateway's root."""
 
-    def __init__(self, config: str, spec: ClusterSpec, log_dir: Path) -> None:
+    def __init__(self, config: str, spec: ClusterSpec, log_dir: Path, layout: str | None = None,
+                 product_env: dict[str, str] | None = None) -> None:
+        """`config` names the run (its logs, the summary); `layout` the workers (default: `config`).
+        `product_env`: the gateway runs as the full product with it (loadtest/experiments/product_stack.py);
+        None: the bare path (`BATON_AUTH_MODE=none`, no safety, no billing)."""
         self.config = config
         self.spec = spec
+        self.product_env = product_env
         self.log_dir = log_dir
         self.processes: list[SupervisedProcess] = []
         self.port = free_port()
@@ -66,7 +71,7 @@ class Cluster:
         self.startup_s: float | None = None
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
         self.service_metrics_urls: dict[str, str] = {}  # "scheduler" / "gateway" -> its /metrics
-        self.plans = parse_layout(config).worker_plans(spec.tp)
+        self.plans = parse_layout(layout or config).worker_plans(spec.tp)
         self.tap_path = log_dir / f"{config}-scheduler_tap.json"  # written when the scheduler stops, if tapped
 
     def __enter__(self) -> Cluster:
@@ -122,9 +127,11 @@ class Cluster:
             process.wait_ready(_log_has(process, WORKER_READY), max(1.0, give_up - time.monotonic()))
         decode_capable = [a for plan in plans if plan.role != "prefill" for a in [workers[plan.name][1]]]
         slos = {tier: {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms} for tier in ("free", "plus", "enterprise")}
+        tenants = self.product_env if self.product_env is not None else {
+            "BATON_AUTH_MODE": "none", "BATON_ANONYMOUS_TIER": "enterprise"}
         gateway = self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1",
                                           "--port", str(self.port)], {
-            "BATON_AUTH_MODE": "none", "BATON_ANONYMOUS_TIER": "enterprise", "BATON_SCHEDULER_ADDRESS": address,
+            **tenants, "BATON_SCHEDULER_ADDRESS": address,
             "BATON_WORKER_ADDRESSES": json.dumps(decode_capable), "BATON_MODEL": str(s.model_dir),
             "BATON_SERVED_MODEL_NAME": s.model_name, "BATON_MAX_MODEL_LEN": _arg(s.engine_args, "--max-model-len"),
             "BATON_SLOS": json.dumps(slos), "BATON_DRAIN_TIMEOUT_S": "2", "BATON_LOG_LEVEL": "WARNING",
@@ -144,12 +151,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Gateway, workers, scheduler: the reverse of the start order."""
-        while self.processes:
-            process = self.processes.pop()
-            try:
-                process.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the others
-                process.kill()
+        stop_in_reverse(self.processes)
 
     def worker_counters(self, prefixes: tuple[str, ...] = METRIC_PREFIXES,
                         buckets: bool = False) -> dict[str, dict[str, float]]:
@@ -164,6 +166,16 @@ class Cluster:
 
     def log_tails(self, lines: int = 15) -> str:
         return "\n".join(f"--- {p.name}\n{p.log_tail(lines)}" for p in self.processes)
+
+
+def stop_in_reverse(processes: list[SupervisedProcess]) -> None:
+    """Stop (and forget) the processes, the last started first; one that will not stop is killed."""
+    while processes:
+        process = processes.pop()
+        try:
+            process.stop()
+        except Exception:  # noqa: BLE001 - keep stopping the others
+            process.kill()
 
 
 def _scrape(urls: dict[str, str], prefixes: tuple[str, ...], buckets: bool) -> dict[str, dict[str, float]]:

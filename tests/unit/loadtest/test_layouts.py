@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.experiments import distserve_assets
-from loadtest.experiments.distserve import parse_args
+from loadtest.experiments.distserve import parse_args, run_label
 from loadtest.experiments.distserve_cluster import Cluster
 from loadtest.experiments.distserve_plan import make_plan
 from loadtest.experiments.distserve_report import ranking
@@ -89,3 +89,19 @@ def test_a_tapped_run_starts_the_scheduler_tap_with_the_schedulers_flags(tmp_pat
     assert tap.parse_args(argv[3:]).policy == "goodput"
     untapped = Cluster("c1", make_plan(tmp_path, parse_args(["--smoke"])).spec, tmp_path / "logs")
     assert untapped.scheduler_argv(5000, 5001)[1:3] == ["-m", "scheduler.adapters"]
+
+
+def test_each_layout_runs_under_each_stack_with_its_own_label() -> None:
+    args = parse_args(["--smoke", "--configs", "c1", "--stacks", "bare", "product"])
+    labels = [run_label(c, s, args.stacks) for c in args.configs for s in args.stacks]
+    assert labels == ["c1+bare", "c1+product"]
+    assert run_label("c1", "bare", ["bare"]) == "c1"  # a bare-only run keeps the layout's own name
+
+
+def test_a_product_run_names_its_workers_by_layout_and_its_logs_by_label(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distserve_assets, "unpack_sharegpt", lambda dest: dest)
+    spec = make_plan(tmp_path, parse_args(["--smoke"])).spec
+    cluster = Cluster("c1+product", spec, tmp_path / "logs", "c1", {"BATON_SAFETY_ADDRESS": "127.0.0.1:1"})
+    assert [p.role for p in cluster.plans] == ["both"]
+    assert cluster.tap_path.name == "c1+product-scheduler_tap.json"
