@@ -23,7 +23,10 @@ StopField = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Strict types: a value of the wrong JSON type is a 400 naming the field, never coerced (`true` is
+    no max_tokens, `"yes"` no stream flag, `"1"` no number); an integer is still a valid number."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class _Body(_Strict):
@@ -174,6 +177,9 @@ class _GenerationFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     speculative: SpeculativeOptions | None = None
+    # vLLM extension: the end-of-sequence token does not end the generation (stop strings still do),
+    # so it runs to max_tokens; benchmarks use it to fix output lengths.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -202,7 +208,7 @@ class ChatCompletionRequest(_GenerationFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     # Baton extension: continue a stored conversation (history assembled server-side).
-    conversation_id: uuid.UUID | None = None
+    conversation_id: uuid.UUID | None = Field(default=None, strict=False)  # JSON spells it as a string
 
     @model_validator(mode="after")
     def _storable_in_conversation(self) -> ChatCompletionRequest:

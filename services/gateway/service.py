@@ -173,7 +173,8 @@ class CompletionService:
         return SamplingSpec(max_tokens=1, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                             stop=tuple(body.stop_list()), presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, logprobs=logprobs,
-                            num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None)
+                            num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
+                            ignore_eos=body.ignore_eos)
 
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:
