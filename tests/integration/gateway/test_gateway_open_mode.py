@@ -9,6 +9,7 @@ types, schemas that admit nothing, tool calls cut by max_tokens.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,44 @@ def test_a_reply_cut_by_max_tokens_with_tools_returns_what_was_billed(client: Op
     assert choice.message.content or choice.message.tool_calls  # never 24 tokens billed for nothing
     if not choice.message.tool_calls:
         assert choice.finish_reason == "length"
+
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
+                     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                                    "required": ["city"], "additionalProperties": False}}
+ASK_WEATHER = "What is the weather in Paris?"
+
+
+def test_responses_call_tools_as_chat_completions_do(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "input": ASK_WEATHER, "tools": [RESPONSES_WEATHER], "tool_choice": "required",
+              "temperature": 0, "max_output_tokens": 60}
+    reply = client.responses.create(**kwargs)  # type: ignore[call-overload]
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather"] and reply.status == "completed"
+    assert isinstance(json.loads(calls[0].arguments)["city"], str) and calls[0].call_id.startswith("call_")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ASK_WEATHER}], temperature=0, max_tokens=60,
+        tools=[{"type": "function", "function": {k: v for k, v in RESPONSES_WEATHER.items() if k != "type"}}],
+        tool_choice="required")
+    assert json.loads(calls[0].arguments) == json.loads(chat.choices[0].message.tool_calls[0].function.arguments)
+    events = list(client.responses.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert events[-1].response.output[0].arguments == calls[0].arguments  # type: ignore[union-attr]
+
+
+def test_responses_take_function_call_outputs_as_input(client: OpenAI) -> None:
+    reply = client.responses.create(model=MODEL, tools=[RESPONSES_WEATHER], tool_choice="none", temperature=0,  # type: ignore[list-item]
+                                    max_output_tokens=12, input=[
+        {"role": "user", "content": ASK_WEATHER},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature_c": 21}'}])
+    assert reply.output_text and [item.type for item in reply.output] == ["message"]
+
+
+def test_responses_refuse_tools_they_cannot_run(open_gateway: str) -> None:
+    reply = httpx.post(f"{open_gateway}/v1/responses", timeout=10, json={
+        "model": MODEL, "input": "Hi", "tools": [{"type": "web_search"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("tools.0")

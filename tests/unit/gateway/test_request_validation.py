@@ -25,7 +25,7 @@ def _refused(model: type, body: dict) -> tuple[str, str | None]:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", True), ("max_tokens", "16"), ("max_tokens", 16.0), ("stream", "yes"), ("stream", 1),
-    ("temperature", "0.5"), ("n", True), ("seed", "7"), ("logprobs", 1), ("top_logprobs", False),
+    ("temperature", "0.5"), ("temperature", True), ("n", True), ("seed", "7"), ("logprobs", 1), ("top_logprobs", False),
     ("ignore_eos", "true"), ("parallel_tool_calls", 0), ("presence_penalty", "1"),
 ])
 def test_chat_fields_of_the_wrong_type_are_refused_naming_the_field(field: str, value: object) -> None:
