@@ -177,9 +177,14 @@ class _GenerationFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     speculative: SpeculativeOptions | None = None
-    # vLLM extension: the end-of-sequence token does not end the generation (stop strings still do),
-    # so it runs to max_tokens; benchmarks use it to fix output lengths.
+    # vLLM's sampling extensions (the engine has them all; without these fields they were dropped):
+    # the end-of-sequence token does not end the generation (stop strings still do), so it runs to
+    # max_tokens (benchmarks use it to fix output lengths)
     ignore_eos: bool = False
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # 1: off (HF semantics)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(default=None, max_length=64)
 
     @field_validator("stop")
     @classmethod

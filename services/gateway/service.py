@@ -174,7 +174,9 @@ class CompletionService:
                             stop=tuple(body.stop_list()), presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, logprobs=logprobs,
                             num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
-                            ignore_eos=body.ignore_eos)
+                            ignore_eos=body.ignore_eos, top_k=max(0, body.top_k or 0), min_p=body.min_p or 0.0,
+                            repetition_penalty=body.repetition_penalty or 1.0,
+                            stop_token_ids=tuple(body.stop_token_ids or ()))
 
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:

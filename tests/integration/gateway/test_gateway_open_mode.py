@@ -124,16 +124,16 @@ def test_previous_response_id_is_feature_disabled(client: OpenAI) -> None:
 
 def test_ignore_eos_runs_to_max_tokens_and_stop_strings_still_stop(client: OpenAI) -> None:
     """vLLM's semantics: only the end-of-sequence token is ignored."""
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 64,
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32,
            "temperature": 0}
     plain = client.chat.completions.create(**ask)  # type: ignore[call-overload]
-    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 64
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 32
     ignoring = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
-    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 64
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 32
     assert ignoring.choices[0].message.content.startswith(plain.choices[0].message.content)
     stop = plain.choices[0].message.content.split()[-1]
     stopped = client.chat.completions.create(**ask, stop=[stop], extra_body={"ignore_eos": True})  # type: ignore[call-overload]
-    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 64
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 32
 
 
 def test_vllm_liveness_and_version_probes_answer(open_gateway: str) -> None:
@@ -246,3 +246,20 @@ def test_responses_refuse_tools_they_cannot_run(open_gateway: str) -> None:
     reply = httpx.post(f"{open_gateway}/v1/responses", timeout=10, json={
         "model": MODEL, "input": "Hi", "tools": [{"type": "web_search"}]})
     assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("tools.0")
+
+
+def test_vllm_top_k_and_stop_token_ids_are_honoured(client: OpenAI, default_model_dir: Path) -> None:
+    """top_k 1 samples the greedy answer whatever the temperature; a stop token id ends it where it first
+    appears (the engine had both; the gateway used to drop them)."""
+    from tokenization.tokenizer import Tokenizer
+
+    ask = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12}
+    greedy = client.completions.create(**ask, temperature=0, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    top1 = client.completions.create(**ask, temperature=1.5, seed=7,  # type: ignore[call-overload]
+                                     extra_body={"ignore_eos": True, "top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+    ids = Tokenizer.from_dir(default_model_dir).encode(greedy.choices[0].text, add_special_tokens=False)
+    stop_id = ids[len(ids) // 2]
+    stopped = client.completions.create(**ask, temperature=0, extra_body={"stop_token_ids": [stop_id]})  # type: ignore[call-overload]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens <= ids.index(stop_id) + 1

@@ -80,3 +80,18 @@ def test_what_the_openai_sdk_sends_still_passes() -> None:
     response = ResponsesRequest.model_validate(RESPONSE | {"max_output_tokens": 8, "temperature": 1, "top_p": 1,
                                                            "store": False, "metadata": {"k": "v"}})
     assert response.max_output_tokens == 8
+
+
+def test_vllm_sampling_extensions_reach_the_worker_request() -> None:
+    from services.gateway.generation import SamplingSpec
+
+    body = ChatCompletionRequest.model_validate(CHAT | {"ignore_eos": True, "top_k": -1, "min_p": 0.1,
+                                                        "repetition_penalty": 1.2, "stop_token_ids": [2, 7]})
+    assert (body.top_k, body.min_p, body.repetition_penalty, body.stop_token_ids) == (-1, 0.1, 1.2, [2, 7])
+    proto = SamplingSpec(8, ignore_eos=True, top_k=5, min_p=0.1, repetition_penalty=1.2,
+                         stop_token_ids=(2, 7)).to_proto()
+    assert proto.ignore_eos and proto.top_k == 5 and list(proto.stop_token_ids) == [2, 7]
+    assert abs(proto.min_p - 0.1) < 1e-6 and abs(proto.repetition_penalty - 1.2) < 1e-6
+    for bad in ({"top_k": -2}, {"min_p": 1.5}, {"repetition_penalty": 0}, {"stop_token_ids": [-1]},
+                {"stop_token_ids": ["2"]}):
+        assert _refused(ChatCompletionRequest, CHAT | bad)[1].startswith(next(iter(bad)))  # type: ignore[union-attr]
