@@ -33,6 +33,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
 from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
+from services.gateway.header_limit import header_limited_protocol
 from services.gateway.last_view import StaticWorkers
 from services.gateway.replicas import reuse_port_socket, run_replicas
 from services.gateway.routing import RouterClient
@@ -82,7 +83,8 @@ async def serve(host: str, port: int, config: GatewayConfig, gw: GatewaySettings
     app = create_app(deps, None if grpc_api is None else GrpcApiServer(deps, grpc_api), replica)
     settle_gc()  # fewer, cheaper collections on the loop every token crosses (scheduler/adapters/loop_watch.py)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, lifespan="on", log_level=gw.log_level.lower(), access_log=False,
+        app, host=host, port=port, http=header_limited_protocol(config.max_header_bytes), lifespan="on",
+        log_level=gw.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=int(max(1, config.drain_timeout_s)), timeout_keep_alive=30))
     await server.serve(sockets=None if replica is None else [reuse_port_socket(host, port)])
     if not server.started:  # e.g. the port was taken, or the lifespan failed (database unreachable)

@@ -97,6 +97,7 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0  # on shutdown, running streams get this long to finish
     max_migrations: int = 3  # retries + migrations of one choice whose worker was lost
     max_request_bytes: int = 8 * 1024 * 1024  # request bodies over this are refused (413) unread
+    max_header_bytes: int = 32 * 1024  # request heads (request line + headers) over this: 431
     extra_models: tuple[ServedModel, ...] = ()  # served besides `model` (BATON_EXTRA_MODELS)
 
     @property
@@ -118,4 +119,5 @@ class GatewayConfig:
                    default_max_tokens=gw.default_max_tokens, retention_days=gw.conversation_retention_days,
                    purge_interval_s=gw.purge_interval_s, usage_backlog_limit=int(baton.usage_max_pending * 0.9),
                    drain_timeout_s=gw.drain_timeout_s, max_request_bytes=gw.max_request_bytes,
+                   max_header_bytes=gw.max_header_bytes,
                    max_migrations=gw.max_migrations, extra_models=extra)

@@ -140,15 +140,38 @@ def baton_error_response(exc: BatonError) -> JSONResponse:
 
 
 def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
-    """The first problem of a failed validation, and the field it names (HTTP bodies and gRPC requests)."""
+    """The first problem of a failed validation, and the field it names (HTTP bodies and gRPC requests).
+
+    A field that takes several forms (`prompt`: text, texts, token ids...) is named as the field, and
+    the message says why each form failed, instead of naming pydantic's internal form tags."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    param = ".".join(loc) or None
+    param, forms = _param_of(first.get("loc", ()))
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{param or 'request'}: {first.get('msg', 'invalid')}{more}", param
+    if not forms:
+        return f"{param or 'request'}: {first.get('msg', 'invalid')}{more}", param
+    reasons = [f"as {'.'.join(form)}: {e.get('msg', 'invalid')}" for e in errors
+               for p, form in [_param_of(e.get("loc", ()))] if p == param and form]
+    return f"{param or 'request'}: no accepted form matches ({'; '.join(reasons[:6])})", param
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "set", "none"})
+
+
+def _is_form_tag(part: object) -> bool:
+    """pydantic's name for one member of a union (`str`, `list[int]`, `constrained-str`, `TextPart`)."""
+    if not isinstance(part, str):
+        return False
+    return part in _TYPE_TAGS or part[:1].isupper() or not part.replace("_", "a").isalnum()
+
+
+def _param_of(loc: tuple[int | str, ...] | list[int | str]) -> tuple[str | None, list[str]]:
+    """(the field's dotted name, the union form tags and the rest after the first tag)."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    cut = next((i for i, p in enumerate(parts) if _is_form_tag(p)), len(parts))
+    return ".".join(parts[:cut]) or None, parts[cut:]
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -58,6 +58,11 @@ class SamplingSpec:
     num_draft_tokens: int | None = None  # speculative decoding draft length; None: the worker's default
     guided: tuple[int, str] | None = None  # (worker_pb2.GuidedKind, spec): grammar-constrained output
     prior_output_tokens: int = 0  # a migration's prompt ends with this many tokens generated before
+    ignore_eos: bool = False  # the EOS token does not finish the generation (stop strings still do)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
 
     def to_proto(self) -> wpb.SamplingParams:
         params = wpb.SamplingParams(
@@ -65,7 +70,8 @@ class SamplingSpec:
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=self.top_p or 0.0, stop=list(self.stop),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            prior_output_tokens=self.prior_output_tokens)
+            prior_output_tokens=self.prior_output_tokens, ignore_eos=self.ignore_eos, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop_token_ids=list(self.stop_token_ids))
         if self.seed is not None:
             params.seed = self.seed % _SEED_MOD
         if self.logprobs is not None:

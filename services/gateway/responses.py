@@ -1,21 +1,29 @@
-"""`/v1/responses` (OpenAI's Responses API, text in and out) on top of the chat completion service.
+"""`/v1/responses` (OpenAI's Responses API: text and function tools) on top of the chat completion service.
 
 A response runs as a chat completion (same admission, safety, routing, billing): `instructions`
 becomes a leading system message, `input` (a string or a list of messages) the user turn(s), and with
 `previous_response_id` the stored turns of that response come first. `instructions` are not carried
-over to the next response, as OpenAI documents.
+over to the next response, as OpenAI documents. Function `tools` / `tool_choice` /
+`parallel_tool_calls` are the chat path's (tools.py: same prompt, grammar and parser): a call comes
+out as a `function_call` output item, and goes back in as a `function_call` input item with its
+`function_call_output` (an assistant turn with `tool_calls`, then a `tool` turn).
 
 Storage (`store`, default true) uses the conversation store: a response *is* a conversation whose id
 gives the response id (`resp_<uuid hex>`); it holds the whole history (copied from the previous
 response, then this input and the output), so any stored response can be continued, and deleting it
-never breaks another. In open mode (`BATON_AUTH_MODE=none`) there is no database: responses are
-served but not stored (`store: false` in the body), and `previous_response_id` is a 501.
+never breaks another. Calls and their outputs are stored as text spelled the way the model's tool
+family reads them (`storable_turns`), which is what the prompt holds anyway. In open mode
+(`BATON_AUTH_MODE=none`) there is no database: responses are served but not stored (`store: false` in
+the body), and `previous_response_id` is a 501.
 
 Streaming follows the documented event sequence: `response.created`, `response.in_progress`,
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
 `response.completed` (or `response.incomplete` when max_output_tokens cut it, `error` then
 `response.failed` when the worker failed mid-stream), each with a `sequence_number` counting from 0.
+The message item opens with its first text; each tool call is a `function_call` item streamed whole:
+`response.output_item.added`, `response.function_call_arguments.delta` / `.done`,
+`response.output_item.done` (a call-only answer has no message item).
 A failed response keeps no turns (continuing it starts afresh). Its conversation row is created only
 once the request is admitted, so a refused request (429, 400) leaves no empty response behind.
 
@@ -34,21 +42,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from services.common.errors import NotFoundError
 from services.gateway.auth import Principal
-from services.gateway.errors import BadRequestError, FeatureDisabledError
-from services.gateway.schemas import ChatCompletionRequest, ResponsesRequest
+from services.gateway.errors import BadRequestError, FeatureDisabledError, validation_message
+from services.gateway.response_draft import RESPONSE_ID_PREFIX, ResponseDraft, response_usage
+from services.gateway.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
 from services.gateway.service import ClientGone, CompletionService, JsonOutcome
 from services.gateway.streams import StreamOwner, StreamSource
+from services.gateway.tools import ToolFamily, family_for_template, history_messages
 
 Body = dict[str, Any]
-_PREFIX = "resp_"
+_PREFIX = RESPONSE_ID_PREFIX
 SETTLE_TIMEOUT_S = 10.0  # a cancelled response's last events are written within a step or two
 
 
@@ -64,79 +75,6 @@ def response_id_to_uuid(response_id: str) -> uuid.UUID:
         return uuid.UUID(hex=response_id.removeprefix(_PREFIX))
     except ValueError as e:
         raise BadRequestError(f"{response_id!r} is not a response id", "previous_response_id") from e
-
-
-@dataclass
-class ResponseDraft:
-    """One response as it is built; `body()` is the `response` object at any point."""
-
-    request: ResponsesRequest
-    response_id: str
-    stored: bool
-    created_at: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""
-    status: str = "in_progress"
-    usage: Body | None = None
-    incomplete: str | None = None
-    error: Body | None = None  # {"code", "message"} once the worker failed mid-stream
-
-    @property
-    def item_id(self) -> str:
-        return "msg_" + self.response_id.removeprefix(_PREFIX)
-
-    def part(self) -> Body:
-        return {"type": "output_text", "text": self.text, "annotations": []}
-
-    def item(self, status: str) -> Body:
-        content = [self.part()] if status == "completed" or self.text else []
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-    def body(self) -> Body:
-        r = self.request
-        done = self.status != "in_progress"
-        return {
-            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": self.status,
-            "model": r.model, "instructions": r.instructions, "previous_response_id": r.previous_response_id,
-            "store": self.stored, "output": [self.item("completed")] if done else [],
-            "usage": self.usage, "error": self.error, "metadata": r.metadata or {},
-            "incomplete_details": {"reason": self.incomplete} if self.incomplete else None,
-            "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
-        }
-
-    def absorb(self, chunk: Body) -> tuple[str, str | None]:
-        """Fold one chat completion chunk in: (its new text, its finish reason); an error chunk fails it."""
-        if "error" in chunk:
-            self.status = "failed"
-            self.error = {"code": chunk["error"].get("code") or "server_error",
-                          "message": chunk["error"].get("message") or ""}
-            return "", None
-        self.usage = _usage(chunk.get("usage")) or self.usage
-        text, finish = "", None
-        for choice in chunk.get("choices", []):
-            text += choice["delta"].get("content") or ""
-            finish = choice.get("finish_reason") or finish
-        self.text += text
-        return text, finish
-
-    def finish(self, finish_reason: str | None) -> None:
-        if self.status == "failed":
-            return
-        self.status = "incomplete" if finish_reason == "length" else "completed"
-        self.incomplete = "max_output_tokens" if finish_reason == "length" else None
-        if finish_reason == "content_filter":
-            self.status, self.incomplete = "incomplete", "content_filter"
-        if finish_reason == "abort":  # cancelled (or the gateway shut down under it)
-            self.status = "cancelled"
-
-
-def _usage(usage: Body | None) -> Body | None:
-    if usage is None:
-        return None
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens_details": {"reasoning_tokens": 0}}
 
 
 @dataclass
@@ -167,17 +105,18 @@ class ResponsesService:
         history = await self._history(body, principal, store_available)
         new = body.input_messages()
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        chat = ChatCompletionRequest.model_validate({
+        chat = _chat_request({
             "model": body.model, "messages": system + history + new, "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
-            "stream_options": {"include_usage": True} if body.stream else None, "user": body.user})
+            "stream_options": {"include_usage": True} if body.stream else None, "user": body.user,
+            **body.chat_tools()})
         response_id = _PREFIX + uuid.uuid4().hex  # the stream's id too: a cancel finds it by this id
         outcome = await self.completions.chat(chat, principal, client_gone, completion_id=response_id)
         draft = await self._draft(body, response_id, principal, stored=body.store and store_available)
         if isinstance(outcome, JsonOutcome):
             choice = outcome.body["choices"][0]  # type: ignore[index]
-            draft.text = choice["message"]["content"] or ""
-            draft.usage = _usage(outcome.body["usage"])  # type: ignore[arg-type]
+            draft.absorb_message(choice["message"])
+            draft.usage = response_usage(outcome.body["usage"])  # type: ignore[arg-type]
             draft.finish(choice["finish_reason"])
             await self._store(draft, principal, history + new)
             return draft.body()
@@ -259,7 +198,9 @@ class ResponsesService:
             return
         store = self.completions.tenancy.conversation_store()
         conversation_id = response_id_to_uuid(draft.response_id)
-        for message in [*turns, {"role": "assistant", "content": draft.text}]:
+        answer = {"role": "assistant", "content": draft.text or None, "tool_calls": draft.calls or None}
+        template = self.completions.models.get(draft.request.model).prompts.tokenizer.chat_template
+        for message in storable_turns([*turns, answer], family_for_template(template)):
             await store.append(principal.org_id, conversation_id, message["role"], message["content"])
 
     async def _events(self, draft: ResponseDraft, event_log: StreamSource, principal: Principal,
@@ -275,17 +216,9 @@ class ResponsesService:
 
     async def _render(self, draft: ResponseDraft, event_log: StreamSource, principal: Principal,
                       turns: list[Body]) -> AsyncIterator[str]:
-        seq = iter(range(1 << 62))
-
-        def event(kind: str, **fields: Any) -> str:
-            data = {"type": kind, "sequence_number": next(seq)} | fields
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        where = {"item_id": draft.item_id, "output_index": 0}
-        yield event("response.created", response=draft.body())
-        yield event("response.in_progress", response=draft.body())
-        yield event("response.output_item.added", output_index=0, item=draft.item("in_progress"))
-        yield event("response.content_part.added", **where, content_index=0, part=draft.part())
+        events = _EventWriter(draft)
+        yield events.write("response.created", response=draft.body())
+        yield events.write("response.in_progress", response=draft.body())
         finish = None
         event_log.attach()
         completed = False
@@ -294,21 +227,97 @@ class ResponsesService:
                 if item is None or item.data == "[DONE]":
                     continue
                 chunk = json.loads(item.data)
+                calls_before = len(draft.calls)
                 delta, finish_now = draft.absorb(chunk)
                 finish = finish_now or finish
                 if draft.error is not None and "error" in chunk:
-                    yield event("error", **draft.error, param=None)
-                if delta:
-                    yield event("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
+                    yield events.write("error", **draft.error, param=None)
+                for text in events.text_delta(delta):
+                    yield text
+                for index in range(calls_before, len(draft.calls)):
+                    for text in events.call(index):
+                        yield text
             completed = True
         finally:
             event_log.detach(disconnected=not completed, resumable=False)  # no event ids: nobody resumes it
         draft.finish(finish)
-        yield event("response.output_text.done", **where, content_index=0, text=draft.text, logprobs=[])
-        yield event("response.content_part.done", **where, content_index=0, part=draft.part())
-        yield event("response.output_item.done", output_index=0, item=draft.item("completed"))
+        for text in events.message_done():
+            yield text
         await self._store(draft, principal, turns)
-        yield event(_TERMINAL.get(draft.status, "response.incomplete"), response=draft.body())
+        yield events.write(_TERMINAL.get(draft.status, "response.incomplete"), response=draft.body())
+
+
+class _EventWriter:
+    """The streamed `response.*` events of one draft, numbered from 0. The message item opens with its
+    first text (or at the end, empty, when there was neither text nor a call); each tool call is one
+    `function_call` item, whole: added, its arguments in one delta, done."""
+
+    def __init__(self, draft: ResponseDraft) -> None:
+        self.draft = draft
+        self.seq = 0
+        self.message_open = False
+
+    def write(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq} | fields
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _where(self) -> Body:
+        return {"item_id": self.draft.item_id, "output_index": self.draft.message_index()}
+
+    def text_delta(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        out = [] if self.message_open else self._open_message()
+        return [*out, self.write("response.output_text.delta", **self._where(), content_index=0, delta=delta,
+                                 logprobs=[])]
+
+    def _open_message(self) -> list[str]:
+        self.message_open = True
+        draft = self.draft
+        return [self.write("response.output_item.added", output_index=draft.message_index(),
+                           item=draft.item("in_progress") | {"content": []}),
+                self.write("response.content_part.added", **self._where(), content_index=0,
+                           part=draft.part() | {"text": ""})]
+
+    def call(self, index: int) -> list[str]:
+        draft = self.draft
+        item, where = draft.call_item(index), {"item_id": draft.call_item(index)["id"],
+                                               "output_index": draft.call_index(index)}
+        return [self.write("response.output_item.added", output_index=where["output_index"],
+                           item=draft.call_item(index, "in_progress")),
+                self.write("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                self.write("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+                self.write("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def message_done(self) -> list[str]:
+        draft = self.draft
+        if not self.message_open and not draft.has_message:
+            return []
+        out = [] if self.message_open else self._open_message()
+        where = self._where()
+        return [*out, self.write("response.output_text.done", **where, content_index=0, text=draft.text, logprobs=[]),
+                self.write("response.content_part.done", **where, content_index=0, part=draft.part()),
+                self.write("response.output_item.done", output_index=where["output_index"],
+                           item=draft.item("completed"))]
+
+
+def _chat_request(fields: Body) -> ChatCompletionRequest:
+    """The chat completion a response runs as; what the response's own schema let through but the chat
+    schema refuses (a tool description too long for it, say) is a 400 as well, never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise BadRequestError(message, param) from e
+
+
+def storable_turns(messages: list[Body], family: ToolFamily) -> list[Body]:
+    """Chat messages as conversation rows (role + text): tool calls and results spelled as the model's
+    tool family reads them, which is what they become in the prompt anyway, so a continued response
+    sees the same prompt. (Llama 3's `ipython` turn is stored as a `tool` turn and read back as one.)"""
+    spelled = history_messages([ChatMessage.model_validate(m) for m in messages], family)
+    return [{"role": "tool" if m["role"] == "ipython" else m["role"], "content": m["content"]} for m in spelled]
 
 
 _TERMINAL = {"completed": "response.completed", "failed": "response.failed", "cancelled": "response.cancelled"}

@@ -23,7 +23,10 @@ StopField = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Strict types: a value of the wrong JSON type is a 400 naming the field, never coerced (`true` is
+    no max_tokens, `"yes"` no stream flag, `"1"` no number); an integer is still a valid number."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class _Body(_Strict):
@@ -174,6 +177,14 @@ class _GenerationFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     speculative: SpeculativeOptions | None = None
+    # vLLM's sampling extensions (the engine has them all; without these fields they were dropped):
+    # the end-of-sequence token does not end the generation (stop strings still do), so it runs to
+    # max_tokens (benchmarks use it to fix output lengths)
+    ignore_eos: bool = False
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # 1: off (HF semantics)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(default=None, max_length=64)
 
     @field_validator("stop")
     @classmethod
@@ -202,7 +213,7 @@ class ChatCompletionRequest(_GenerationFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     # Baton extension: continue a stored conversation (history assembled server-side).
-    conversation_id: uuid.UUID | None = None
+    conversation_id: uuid.UUID | None = Field(default=None, strict=False)  # JSON spells it as a string
 
     @model_validator(mode="after")
     def _storable_in_conversation(self) -> ChatCompletionRequest:
@@ -286,11 +297,48 @@ class InputMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionCallItem(_Strict):
+    """An earlier output's call, sent back as input (with its `FunctionCallOutputItem`)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=_FUNCTION_NAME)
+    arguments: str = "{}"  # JSON text
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class ResponsesTool(_Strict):
+    """A function tool, as the Responses API spells it (flat: no `function` object around it)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=4096)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def for_chat(self) -> dict[str, Any]:
+        function = {"name": self.name, "description": self.description or "", "strict": self.strict}
+        return {"type": "function", "function": function | ({"parameters": self.parameters} if self.parameters else {})}
+
+
+class ResponsesNamedToolChoice(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+
+
 class ResponsesRequest(_Body):
-    """`POST /v1/responses` (text only): tools, files and images are not accepted here."""
+    """`POST /v1/responses`: text and function tools (as in chat completions); no files or images."""
 
     model: str = Field(min_length=1, max_length=256)
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, max_length=100)
     store: bool = True
@@ -300,8 +348,34 @@ class ResponsesRequest(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=256)
+    tools: list[ResponsesTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def input_messages(self) -> list[dict[str, str]]:
+    def input_messages(self) -> list[dict[str, Any]]:
+        """`input` as chat messages: a run of function calls is one assistant turn with `tool_calls`, an
+        output a `tool` turn."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]
+        out: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+        return out
+
+    def chat_tools(self) -> dict[str, Any]:
+        """`tools`, `tool_choice` and `parallel_tool_calls` as a chat completion takes them."""
+        choice = self.tool_choice
+        if isinstance(choice, ResponsesNamedToolChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}  # type: ignore[assignment]
+        return {"tools": [t.for_chat() for t in self.tools] if self.tools else None, "tool_choice": choice,
+                "parallel_tool_calls": self.parallel_tool_calls}

@@ -173,7 +173,10 @@ class CompletionService:
         return SamplingSpec(max_tokens=1, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                             stop=tuple(body.stop_list()), presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, logprobs=logprobs,
-                            num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None)
+                            num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
+                            ignore_eos=body.ignore_eos, top_k=max(0, body.top_k or 0), min_p=body.min_p or 0.0,
+                            repetition_penalty=body.repetition_penalty or 1.0,
+                            stop_token_ids=tuple(body.stop_token_ids or ()))
 
     async def _history(self, principal: Principal, conversation_id: uuid.UUID | None) -> list[TemplateMessage]:
         if conversation_id is None:

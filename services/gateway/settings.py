@@ -69,6 +69,7 @@ class GatewaySettings(BaseSettings):
     max_migrations: int = Field(default=3, ge=0)  # a choice's worker lost: re-placed at most this often
     drain_timeout_s: float = Field(default=30.0, ge=0)
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # larger bodies: 413 before parsing
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # larger request heads: 431 (header_limit.py)
     conversation_retention_days: int = Field(default=30, ge=0)
     purge_interval_s: float = Field(default=3600.0, gt=0)
 

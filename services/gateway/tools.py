@@ -137,7 +137,9 @@ class ToolCallParser:
     """One choice's output, fed as it streams: text until it is clearly tool calls, then calls.
 
     `feed` returns the content to pass on now and the calls completed so far (hermes calls complete at
-    their closing tag; llama3 calls at the end of the output).
+    their closing tag; llama3 calls at the end of the output). At the end, whatever did not parse as a
+    call (a call cut off by max_tokens or a stop string) comes back as content: the client gets every
+    token it is billed for, as vLLM does when its tool parser fails.
     """
 
     family: ToolFamily
@@ -164,35 +166,46 @@ class ToolCallParser:
                 return "", []
         found = self._extract(final)
         self.calls.extend(found)
-        return "", found
+        if not final:
+            return "", found
+        unparsed, self.buffer = self.buffer, ""
+        return (unparsed if unparsed.strip() else ""), found
 
     def _extract(self, final: bool) -> list[ToolCall]:
         if self.family is ToolFamily.HERMES:
             return self._extract_hermes(final)
         if not final:
             return []
-        text, self.buffer = self.buffer.strip().removeprefix("<|python_tag|>"), ""
-        return [c for c in (_call_from(obj, "parameters") for obj in _json_objects(text)) if c is not None]
+        text = self.buffer.strip().removeprefix("<|python_tag|>")
+        objects, end = _json_objects(text)
+        if objects:
+            self.buffer = text[end:]
+        return [c for c in (_call_from(obj, "parameters") for obj in objects) if c is not None]
 
     def _extract_hermes(self, final: bool) -> list[ToolCall]:
         found: list[ToolCall] = []
         while (end := self.buffer.find("</tool_call>")) >= 0:
             body = self.buffer[:end].strip().removeprefix("<tool_call>")
             self.buffer = self.buffer[end + len("</tool_call>"):]
-            found.extend(c for c in (_call_from(o, "arguments") for o in _json_objects(body)) if c is not None)
+            found.extend(c for c in (_call_from(o, "arguments") for o in _json_objects(body)[0]) if c is not None)
         if final and self.buffer.strip().startswith("<tool_call>"):  # cut off by max_tokens
-            body, self.buffer = self.buffer.strip().removeprefix("<tool_call>"), ""
-            found.extend(c for c in (_call_from(o, "arguments") for o in _json_objects(body)) if c is not None)
+            body = self.buffer.strip().removeprefix("<tool_call>")
+            objects, end = _json_objects(body)
+            calls = [c for c in (_call_from(o, "arguments") for o in objects) if c is not None]
+            if calls and not body[end:].strip():  # a whole call that only missed its closing tag
+                self.buffer = ""
+                found.extend(calls)
         return found
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output: (content or None, calls)."""
         content, calls = self.feed(text, final=True)
-        return (content or None) if not self.calls else None, calls
+        return content or None, calls
 
 
-def _json_objects(text: str) -> list[Any]:
-    decoder, out, i = json.JSONDecoder(), [], 0
+def _json_objects(text: str) -> tuple[list[Any], int]:
+    """The JSON objects at the start of `text` (separated by whitespace or `;`), and where they end."""
+    decoder, out, i, end = json.JSONDecoder(), [], 0, 0
     while i < len(text):
         while i < len(text) and text[i] in " \t\r\n;":
             i += 1
@@ -203,7 +216,8 @@ def _json_objects(text: str) -> list[Any]:
         except json.JSONDecodeError:
             break
         out.append(obj)
-    return out
+        end = i
+    return out, end
 
 
 def _call_from(obj: Any, args_key: str) -> ToolCall | None:

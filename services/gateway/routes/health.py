@@ -1,5 +1,11 @@
 """`/healthz` (the process is up), `/readyz` (DB, Redis -- when the gateway has them -- and a worker
-answer) and Prometheus `/metrics`."""
+answer) and Prometheus `/metrics`.
+
+vLLM's probes too, which its clients and benchmark tools (guidellm, vLLM's own `benchmark_serving`)
+ask before they start: `/health` and `/ping` (GET or POST, as SageMaker sends it) answer 200 with an
+empty body when a decode worker answers (vLLM: when the engine is alive) and 503 when none does or the
+gateway drains; `/version` answers `{"version": ...}`. None needs an API key, as in vLLM.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -63,6 +69,25 @@ async def readyz(deps: Deps) -> JSONResponse:
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
                         status_code=200 if ready else 503)
+
+
+@router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
+async def health(deps: Deps) -> Response:
+    """vLLM's liveness probe: 200 (no body) while a decode worker answers, 503 otherwise."""
+    if deps.draining:
+        return Response(status_code=503)
+    _, worker = await _check("worker", _any_worker(deps))
+    if worker != "ok":
+        log.info("/health: %s", worker)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version(request: Request) -> dict[str, str]:
+    return {"version": request.app.version}
 
 
 @router.get("/metrics")

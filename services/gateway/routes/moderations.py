@@ -42,7 +42,7 @@ TO_OPENAI: dict[str, tuple[str, ...]] = {
 
 
 class ModerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # as the other bodies (schemas.py)
 
     input: Annotated[str, Field(max_length=MAX_INPUT_CHARS)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_INPUT_CHARS)]], Field(min_length=1, max_length=MAX_INPUTS)]

@@ -152,3 +152,32 @@ def test_refused_request_stores_no_response(stack: GatewayStack, tenant: Tenant,
     client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     with stack.http(tenant.key) as http:
         assert [c["title"] for c in http.get("/v1/conversations").json()["data"]] == ["response"]
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_stored_call_and_its_output_continue_as_the_same_chat_would(client: OpenAI) -> None:
+    """The stored turns (a call spelled as the model reads it) give the continued response the prompt of
+    the equivalent chat completion, token for token."""
+    ask = "What is the weather in Paris?"
+    first = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+                                    temperature=0, max_output_tokens=60)
+    call = next(item for item in first.output if item.type == "function_call")
+    result = '{"temperature_c": 21}'
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[WEATHER], tool_choice="none", temperature=0,  # type: ignore[list-item]
+        max_output_tokens=8, input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}])
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],  # type: ignore[misc]
+        messages=[{"role": "user", "content": ask},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.call_id, "type": "function",
+                       "function": {"name": call.name, "arguments": call.arguments}}]},  # type: ignore[union-attr]
+                  {"role": "tool", "tool_call_id": call.call_id, "content": result}])  # type: ignore[union-attr]
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == (chat.choices[0].message.content or "")
