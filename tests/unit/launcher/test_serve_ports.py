@@ -4,10 +4,8 @@ starts, naming the flag to change."""
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +21,6 @@ def _options(*argv: str) -> ServeOptions:
     parser = argparse.ArgumentParser()
     register_serve_command(parser.add_subparsers())
     return options_from_args(parser.parse_args(["serve", *argv]))
-
-
-@pytest.fixture
-def listener() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
 
 
 def test_the_grpc_port_follows_the_gateway_port() -> None:
@@ -50,29 +40,29 @@ def test_bad_port_choices_are_refused(argv: tuple[str, ...], message: str) -> No
         _options(*argv)
 
 
-def test_a_listening_port_is_in_use_and_a_closed_one_is_not(listener: int) -> None:
-    assert port_in_use("127.0.0.1", listener)
-    assert port_in_use("0.0.0.0", listener)  # all addresses include the one taken
+def test_a_listening_port_is_in_use_and_a_closed_one_is_not(taken_port: int) -> None:
+    assert port_in_use("127.0.0.1", taken_port)
+    assert port_in_use("0.0.0.0", taken_port)  # all addresses include the one taken
     assert not port_in_use("127.0.0.1", free_port())
 
 
 @pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
-def test_a_taken_port_is_named_by_its_flag(listener: int, flag: str) -> None:
+def test_a_taken_port_is_named_by_its_flag(taken_port: int, flag: str) -> None:
     other = free_port()
-    argv = ("--port", str(listener), "--grpc-port", str(other)) if flag == "--port" else (
-        "--port", str(other), "--grpc-port", str(listener))
-    expected = f"port {listener} on 127.0.0.1 \\({flag}\\) is in use.*choose another {flag}"
+    argv = ("--port", str(taken_port), "--grpc-port", str(other)) if flag == "--port" else (
+        "--port", str(other), "--grpc-port", str(taken_port))
+    expected = f"port {taken_port} on 127.0.0.1 \\({flag}\\) is in use.*choose another {flag}"
     with pytest.raises(PortInUseError, match=expected):
         check_gateway_ports(_options(*argv))
 
 
-def test_serve_on_a_taken_port_exits_2_before_starting_anything(listener: int, tmp_path: Path,
+def test_serve_on_a_taken_port_exits_2_before_starting_anything(taken_port: int, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a run dir would be made
     started = time.monotonic()
-    code = serve(_options("--port", str(free_port()), "--grpc-port", str(listener)), BatonSettings(), None)
+    code = serve(_options("--port", str(free_port()), "--grpc-port", str(taken_port)), BatonSettings(), None)
     assert code == 2
     assert time.monotonic() - started < 5  # nothing was started, nothing waited for
-    assert f"port {listener} on 127.0.0.1 (--grpc-port) is in use" in capsys.readouterr().err
+    assert f"port {taken_port} on 127.0.0.1 (--grpc-port) is in use" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no run dir, no infrastructure

@@ -7,11 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +24,6 @@ def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Run dirs and the run index go here, not into the machine's temp dir."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path
-
-
-@pytest.fixture
-def listener() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
 
 
 def _status(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -80,13 +70,13 @@ def test_a_run_file_whose_serve_is_gone_exits_3(tmp_path: Path, capsys: pytest.C
 
 
 def test_a_component_that_does_not_answer_makes_the_cluster_unhealthy(
-        listener: int, capsys: pytest.CaptureFixture[str]) -> None:
+        taken_port: int, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = RunDir(None)
     run_dir.publish(18125)
     closed = free_port()
     run_dir.write_run_file({"state": "ready", "gateway": "http://127.0.0.1:18125", "grpc": None,
                             "pids": {"redis": os.getpid(), "kafka": os.getpid()},
-                            "endpoints": {"redis": {"tcp": listener}, "kafka": {"tcp": closed}}})
+                            "endpoints": {"redis": {"tcp": taken_port}, "kafka": {"tcp": closed}}})
     try:
         code, out, _ = _status(capsys, "--port", "18125", "--json")
         status = json.loads(out)
