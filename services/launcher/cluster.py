@@ -6,12 +6,13 @@ address and the decode worker's prefill peer stay valid; workers re-register wit
 scheduler). While the prefill worker is down the decode worker prefills locally (its
 `prefill_unavailable` fallback), so the cluster keeps serving.
 
-Ports: each child's ports are picked here once and kept; the gateway's requested ports are reserved
-(`reserve_port`) so no child is ever handed them. Every child serves Prometheus metrics: the gateway on
-its HTTP port, every other child on a port of its own (`--metrics-port`, the billing consumer's
-`BATON_BILLING_METRICS_PORT`). `served` says what each child serves on which port (the run file's
-`endpoints`, rundir.py), `ports` the same flat ("<child>", "<child>-metrics", "gateway-grpc"), as fault
-injection reads it.
+Ports: each child's ports are picked here once and kept (picked again only when the child lost one
+before binding it, e.g. to another `baton serve` starting at the same time: `retry_lost_port_race`);
+the gateway's requested ports are reserved (`reserve_port`) so no child is ever handed them. Every
+child serves Prometheus metrics: the gateway on its HTTP port, every other child on a port of its own
+(`--metrics-port`, the billing consumer's `BATON_BILLING_METRICS_PORT`). `served` says what each child
+serves on which port (the run file's `endpoints`, rundir.py), `ports` the same flat ("<child>",
+"<child>-metrics", "gateway-grpc"), as fault injection reads it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from services.common.settings import Tier
 from services.launcher.infra import InfraEndpoints
 from services.launcher.models import ModelSpec
-from services.launcher.process import free_port
+from services.launcher.process import free_port, retry_lost_port_race
 from services.launcher.rundir import Endpoint
 from services.launcher.supervisor import (
     ChildSpec,
@@ -97,11 +98,11 @@ class LocalCluster:
                 "print(r(sys.argv[1])[0])", source], 600)
 
     def start(self) -> None:
-        scheduler = self._start_scheduler() if self.options.scheduler else None
+        scheduler = retry_lost_port_race(self._start_scheduler) if self.options.scheduler else None
         models = self.options.models or (None,)
         decode = [self._start_workers(scheduler, spec, first=i == 0) for i, spec in enumerate(models)][0]
-        safety = self._start_safety() if self.options.safety else None
-        self._start_billing()
+        safety = retry_lost_port_race(self._start_safety) if self.options.safety else None
+        retry_lost_port_race(self._start_billing)
         self._start_gateway(scheduler, decode, safety)
 
     def _port(self, child: str, endpoint: Endpoint, port: int | None = None) -> int:
@@ -151,9 +152,10 @@ class LocalCluster:
     def _start_workers(self, scheduler: str | None, spec: ModelSpec | None, first: bool) -> str:
         """One model's workers; the decode-capable worker's address."""
         if self.options.workers_role == "both":
-            return self._worker("both", scheduler, [], spec, first)
-        prefill = self._worker("prefill", scheduler, [], spec, first)
-        return self._worker("decode", scheduler, ["--prefill-peers", prefill], spec, first)
+            return retry_lost_port_race(lambda: self._worker("both", scheduler, [], spec, first))
+        prefill = retry_lost_port_race(lambda: self._worker("prefill", scheduler, [], spec, first))
+        peers = ["--prefill-peers", prefill]
+        return retry_lost_port_race(lambda: self._worker("decode", scheduler, peers, spec, first))
 
     def _start_safety(self) -> str:
         port, metrics = self._port("safety", Endpoint.GRPC), self._port("safety", Endpoint.METRICS)

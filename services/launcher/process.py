@@ -68,9 +68,15 @@ def lost_port_race(error: BaseException | str) -> bool:
 def start_on_free_port(start: Callable[[int], _T], attempts: int = 3) -> _T:
     """`start(port)` on a port `free_port()` picks, again on a fresh one when the child lost a bind race
     (any process's outgoing connection can take the picked port first); other failures raise at once."""
+    return retry_lost_port_race(lambda: start(free_port()), attempts)
+
+
+def retry_lost_port_race(start: Callable[[], _T], attempts: int = 3) -> _T:
+    """`start()`, which picks its child's ports itself, again while the child lost one of them to another
+    process before binding it (`lost_port_race`); other failures raise at once."""
     for attempt in range(attempts):
         try:
-            return start(free_port())
+            return start()
         except InfraStartError as e:
             if not lost_port_race(e) or attempt == attempts - 1:
                 raise

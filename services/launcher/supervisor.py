@@ -151,12 +151,18 @@ class Supervisor:
         return {**{c.spec.name: c.restarts for c in self._children}, **{s.name: s.restarts for s in self._services}}
 
     def start(self, spec: ChildSpec) -> SupervisedProcess:
-        """Start `spec` and wait until ready; on failure raise InfraStartError with its log tail."""
+        """Start `spec` and wait until ready; on failure raise InfraStartError with its log tail (the child
+        is then stopped and no longer supervised: the caller may start it again, e.g. on other ports)."""
         process = self._process(spec)
-        self._children.append(_Child(spec, process))  # recorded first: a stop that interrupts start() finds it
-        process.start()
+        child = _Child(spec, process)
+        self._children.append(child)  # recorded first: a stop that interrupts start() finds it
         started = time.monotonic()
-        process.wait_ready(lambda: spec.ready(process), spec.ready_timeout_s)
+        try:
+            process.start()
+            process.wait_ready(lambda: spec.ready(process), spec.ready_timeout_s)
+        except InfraStartError:
+            self._children.remove(child)
+            raise
         log.info("%s ready in %.1fs (pid %s)", spec.name, time.monotonic() - started, process.pid)
         self._changed()
         return process
