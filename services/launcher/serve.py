@@ -255,7 +255,8 @@ def _install_signal_handlers() -> _Flag:
 
 def _announce(options: ServeOptions, issued: str | None, log_dir: Path, run_dir: RunDir) -> None:
     lines = [f"Baton is ready: {options.gateway_url}  (chat page at /, OpenAI API at /v1)",
-             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}"]
+             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}",
+             f"status: baton status --port {options.port}"]
     if options.grpc_target:
         lines.insert(1, f"gRPC API: {options.grpc_target}  (baton api chat \"Hello\"; services.client.BatonClient)")
     if issued:

@@ -162,6 +162,7 @@ class Supervisor:
             process.wait_ready(lambda: spec.ready(process), spec.ready_timeout_s)
         except InfraStartError:
             self._children.remove(child)
+            self._stop(child)  # with whatever it left in its process group
             raise
         log.info("%s ready in %.1fs (pid %s)", spec.name, time.monotonic() - started, process.pid)
         self._changed()
