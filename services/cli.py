@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_chat(sub)
-    args_in = sys.argv[1:] if argv is None else argv
-    chosen = [args_in[0]] if args_in and args_in[0] in _COMMANDS else list(_COMMANDS)
+    first = next(iter(sys.argv[1:] if argv is None else argv), "")
+    chosen = [first] if first in _COMMANDS else [] if first in sub.choices else list(_COMMANDS)
     for command in chosen:
         module, register = _COMMANDS[command]
         getattr(importlib.import_module(module), register)(sub)
