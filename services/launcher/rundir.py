@@ -79,7 +79,11 @@ class RunDir:
 
     def write_run_file(self, content: dict[str, object]) -> None:
         tmp = self.path / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"serve_pid": os.getpid(), **content}, indent=1))
+        tmp.unlink(missing_ok=True)
+        # Owner-only: it holds the infrastructure URLs (with their credentials), and the run dir can be
+        # traversed by others (the embedded Postgres's user must).
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(json.dumps({"serve_pid": os.getpid(), **content}, indent=1))
         tmp.replace(self.run_file)  # atomic: a reader never sees half a file
 
     def publish(self, port: int) -> None:

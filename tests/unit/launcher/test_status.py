@@ -42,6 +42,7 @@ def test_the_run_file_is_linked_by_port_until_the_run_dir_closes() -> None:
     link = indexed_run_file(18123)
     assert link.resolve() == run_dir.run_file.resolve()
     assert json.loads(link.read_text())["serve_pid"] == os.getpid()
+    assert run_dir.run_file.stat().st_mode & 0o777 == 0o600  # it names the infrastructure's credentials
     later = RunDir(None)  # a later run on the same port (the first one was SIGKILLed, say) takes the link over
     later.publish(18123)
     run_dir.close()
