@@ -121,7 +121,7 @@ def check_gateway_ports(options: ServeOptions) -> None:
     flags = {"--port": options.port, "--grpc-port": options.grpc_port}
     for flag, port in flags.items():
         if port is not None and port_in_use(options.host, port):
-            other = f"; `baton status --port {options.port}` shows a cluster there" if flag == "--port" else ""
+            other = f" (`baton status --port {port}` says if by a Baton cluster)" if flag == "--port" else ""
             raise PortInUseError(f"port {port} on {options.host} ({flag}) is in use{other}; "
                                  f"choose another {flag}" + (" or --no-grpc" if flag == "--grpc-port" else ""))
 
