@@ -6,6 +6,7 @@ Environment variables are read here (and in each service's main) only, never dee
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -13,33 +14,34 @@ import uuid
 
 from engine.errors import EngineError
 
+# Each command's module and the function that registers it. Only the chosen command's module is imported
+# (all of them for `baton --help`): the worker's pulls in torch, seconds of start-up and of exit that
+# `baton serve` (which never imports torch itself) or `baton status` must not pay.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "admin": ("services.gateway.admin", "register_admin_commands"),
+    "scheduler": ("scheduler.adapters.main", "register_scheduler_command"),
+    "bench": ("loadtest.cli", "register_bench_command"),
+    "safety": ("services.safety.main", "register_safety_command"),
+    "worker": ("services.worker.main", "register_worker_command"),
+    "profile": ("services.profiler.main", "register_profile_command"),
+    "plan": ("scheduler.adapters.plan_main", "register_plan_command"),
+    "serve": ("services.launcher.serve", "register_serve_command"),
+    "status": ("services.launcher.status", "register_status_command"),
+    "ray": ("services.launcher.ray_main", "register_ray_command"),
+    "api": ("services.client.cli", "register_api_command"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_chat(sub)
-    from loadtest.cli import register_bench_command
-    from scheduler.adapters.main import register_scheduler_command
-    from scheduler.adapters.plan_main import register_plan_command
-    from services.client.cli import register_api_command
-    from services.gateway.admin import register_admin_commands
-    from services.launcher.ray_main import register_ray_command
-    from services.launcher.serve import register_serve_command
-    from services.profiler.main import register_profile_command
-    from services.safety.main import register_safety_command
-    from services.worker.main import register_worker_command
-
-    register_admin_commands(sub)
-    register_scheduler_command(sub)
-    register_bench_command(sub)
-    register_safety_command(sub)
-    register_worker_command(sub)
-    register_profile_command(sub)
-    register_plan_command(sub)
-    register_serve_command(sub)
-    register_ray_command(sub)
-    register_api_command(sub)
+    first = next(iter(sys.argv[1:] if argv is None else argv), "")
+    chosen = [first] if first in _COMMANDS else [] if first in sub.choices else list(_COMMANDS)
+    for command in chosen:
+        module, register = _COMMANDS[command]
+        getattr(importlib.import_module(module), register)(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -6,9 +6,13 @@ address and the decode worker's prefill peer stay valid; workers re-register wit
 scheduler). While the prefill worker is down the decode worker prefills locally (its
 `prefill_unavailable` fallback), so the cluster keeps serving.
 
-Ports: each child's ports are picked here once and kept; the gateway's requested port is reserved
-(`reserve_port`) so no child is ever handed it. Each worker gets its own Prometheus port
-(`--metrics-port`), the billing consumer too; `ports` lists them all for the run file.
+Ports: each child's ports are picked here once and kept (picked again only when the child lost one
+before binding it, e.g. to another `baton serve` starting at the same time: `retry_lost_port_race`);
+the gateway's requested ports are reserved (`reserve_port`) so no child is ever handed them. Every
+child serves Prometheus metrics: the gateway on its HTTP port, every other child on a port of its own
+(`--metrics-port`, the billing consumer's `BATON_BILLING_METRICS_PORT`). `served` says what each child
+serves on which port (the run file's `endpoints`, rundir.py), `ports` the same flat ("<child>",
+"<child>-metrics", "gateway-grpc"), as fault injection reads it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 from services.common.settings import Tier
 from services.launcher.infra import InfraEndpoints
 from services.launcher.models import ModelSpec
-from services.launcher.process import free_port
+from services.launcher.process import free_port, retry_lost_port_race
+from services.launcher.rundir import Endpoint
 from services.launcher.supervisor import (
     ChildSpec,
     ReadyCheck,
@@ -81,7 +86,8 @@ class LocalCluster:
         self.python = sys.executable
         self.infra_env = {"BATON_DATABASE_URL": endpoints.database_url, "BATON_REDIS_URL": endpoints.redis_url,
                           "BATON_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap}
-        self.ports: dict[str, int] = {}  # "<child>" and "<child>-metrics" -> port
+        self.ports: dict[str, int] = {}  # "<child>", "<child>-metrics" and "gateway-grpc" -> port
+        self.served: dict[str, dict[Endpoint, int]] = {}  # child -> what it serves on which port
 
     def prepare_model(self) -> None:
         """Prepare the built-in models once (in a child: the launcher itself never imports torch)."""
@@ -92,16 +98,28 @@ class LocalCluster:
                 "print(r(sys.argv[1])[0])", source], 600)
 
     def start(self) -> None:
-        scheduler = self._start_scheduler() if self.options.scheduler else None
+        scheduler = retry_lost_port_race(self._start_scheduler) if self.options.scheduler else None
         models = self.options.models or (None,)
         decode = [self._start_workers(scheduler, spec, first=i == 0) for i, spec in enumerate(models)][0]
-        safety = self._start_safety() if self.options.safety else None
-        self._start_billing()
+        safety = retry_lost_port_race(self._start_safety) if self.options.safety else None
+        retry_lost_port_race(self._start_billing)
         self._start_gateway(scheduler, decode, safety)
 
-    def _port(self, name: str) -> int:
-        self.ports[name] = free_port()
-        return self.ports[name]
+    def _port(self, child: str, endpoint: Endpoint, port: int | None = None) -> int:
+        """Record (and pick, unless given) the port `child` serves `endpoint` on."""
+        port = free_port() if port is None else port
+        self.served.setdefault(child, {})[endpoint] = port
+        suffix = {Endpoint.METRICS: "-metrics", Endpoint.GRPC: "-grpc" if child == "gateway" else ""}
+        self.ports[child + suffix.get(endpoint, "")] = port
+        return port
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every child's Prometheus endpoint, for the run file (and a scrape config)."""
+        urls = {child: f"http://127.0.0.1:{ports[Endpoint.METRICS]}/metrics"
+                for child, ports in self.served.items() if Endpoint.METRICS in ports}
+        if "gateway" in self.served:
+            urls["gateway"] = f"{self.options.gateway_url}/metrics"
+        return urls
 
     def _spec(self, name: str, argv: list[str], ready: ReadyCheck, env: dict[str, str] | None = None,
               ready_timeout_s: float = 120.0, stop_timeout_s: float = 20.0) -> ChildSpec:
@@ -109,16 +127,17 @@ class LocalCluster:
                          stop_timeout_s=stop_timeout_s, restart=self.restart)
 
     def _start_scheduler(self) -> str:
-        port = self._port("scheduler")
+        port, metrics = self._port("scheduler", Endpoint.GRPC), self._port("scheduler", Endpoint.METRICS)
         self.supervisor.start(self._spec("scheduler", [self.python, "-m", "scheduler.adapters", "--host",
-                                                       "127.0.0.1", "--port", str(port)], listening(port)))
+                                                       "127.0.0.1", "--port", str(port), "--metrics-port",
+                                                       str(metrics)], listening(port)))
         return f"127.0.0.1:{port}"
 
     def _worker(self, role: str, scheduler: str | None, extra: list[str], spec: ModelSpec | None = None,
                 first: bool = True) -> str:
         # The default model's workers keep the plain names (run.json, fault injection); others carry theirs.
         name = f"worker-{role}" if first or spec is None else f"worker-{spec.served_name}-{role}"
-        port, metrics = self._port(name), self._port(f"{name}-metrics")
+        port, metrics = self._port(name, Endpoint.GRPC), self._port(name, Endpoint.METRICS)
         argv = [self.python, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(metrics), "--torch-threads", str(self.options.worker_threads), *extra]
         if spec is not None:
@@ -133,18 +152,20 @@ class LocalCluster:
     def _start_workers(self, scheduler: str | None, spec: ModelSpec | None, first: bool) -> str:
         """One model's workers; the decode-capable worker's address."""
         if self.options.workers_role == "both":
-            return self._worker("both", scheduler, [], spec, first)
-        prefill = self._worker("prefill", scheduler, [], spec, first)
-        return self._worker("decode", scheduler, ["--prefill-peers", prefill], spec, first)
+            return retry_lost_port_race(lambda: self._worker("both", scheduler, [], spec, first))
+        prefill = retry_lost_port_race(lambda: self._worker("prefill", scheduler, [], spec, first))
+        peers = ["--prefill-peers", prefill]
+        return retry_lost_port_race(lambda: self._worker("decode", scheduler, peers, spec, first))
 
     def _start_safety(self) -> str:
-        port = self._port("safety")
+        port, metrics = self._port("safety", Endpoint.GRPC), self._port("safety", Endpoint.METRICS)
         self.supervisor.start(self._spec("safety", [self.python, "-m", "services.safety", "--host", "127.0.0.1",
-                                                    "--port", str(port)], listening(port)))
+                                                    "--port", str(port), "--metrics-port", str(metrics)],
+                                         listening(port)))
         return f"127.0.0.1:{port}"
 
     def _start_billing(self) -> None:
-        env = {**self.infra_env, "BATON_BILLING_METRICS_PORT": str(self._port("billing-metrics"))}
+        env = {**self.infra_env, "BATON_BILLING_METRICS_PORT": str(self._port("billing", Endpoint.METRICS))}
         if "BATON_KAFKA_CONSUMER_CONFIG" not in os.environ:
             env["BATON_KAFKA_CONSUMER_CONFIG"] = json.dumps(FAST_GROUP_RECOVERY)
         self.supervisor.start(self._spec("billing", [self.python, "-m", "services.billing"], log_line(BILLING_READY),
@@ -165,12 +186,11 @@ class LocalCluster:
             env["BATON_EXTRA_MODELS"] = json.dumps({s.served_name: s.source for s in o.models[1:]})
         if self.usage_spool_dir is not None:
             env["BATON_USAGE_SPOOL_DIR"] = str(self.usage_spool_dir)
-        self.ports["gateway"] = o.port
+        self._port("gateway", Endpoint.HTTP, o.port)
         argv = [self.python, "-m", "services.gateway", "--host", o.host, "--port", str(o.port),
                 "--processes", str(o.gateway_processes)]
         if o.grpc_port is not None:
-            self.ports["gateway-grpc"] = o.grpc_port
-            argv += ["--grpc-port", str(o.grpc_port)]
+            argv += ["--grpc-port", str(self._port("gateway", Endpoint.GRPC, o.grpc_port))]
         self.supervisor.start(self._spec(
             "gateway", argv,
             http_ok(f"{o.gateway_url}/readyz"), env=env, stop_timeout_s=40))

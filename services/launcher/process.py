@@ -11,11 +11,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from services.common.errors import InfraStartError
+from services.common.errors import ConfigError, InfraStartError
 from services.common.lifetime import die_with_parent
 
 _RESERVED_PORTS: set[int] = set()
@@ -25,6 +25,23 @@ def reserve_port(port: int) -> None:
     """Never hand `port` out from `free_port()` in this process (e.g. the gateway's requested port,
     which is only bound once the gateway starts, after every other child has picked its ports)."""
     _RESERVED_PORTS.add(port)
+
+
+class PortInUseError(ConfigError):
+    """A port the user chose is taken (found before anything was started)."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not bind `host:port` now (something listens there, on that address or on
+    all addresses). Binds with SO_REUSEADDR as servers do, so a port left in TIME_WAIT counts as free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def free_port() -> int:
@@ -51,9 +68,15 @@ def lost_port_race(error: BaseException | str) -> bool:
 def start_on_free_port(start: Callable[[int], _T], attempts: int = 3) -> _T:
     """`start(port)` on a port `free_port()` picks, again on a fresh one when the child lost a bind race
     (any process's outgoing connection can take the picked port first); other failures raise at once."""
+    return retry_lost_port_race(lambda: start(free_port()), attempts)
+
+
+def retry_lost_port_race(start: Callable[[], _T], attempts: int = 3) -> _T:
+    """`start()`, which picks its child's ports itself, again while the child lost one of them to another
+    process before binding it (`lost_port_race`); other failures raise at once."""
     for attempt in range(attempts):
         try:
-            return start(free_port())
+            return start()
         except InfraStartError as e:
             if not lost_port_race(e) or attempt == attempts - 1:
                 raise
@@ -94,7 +117,7 @@ class SupervisedProcess:
         assert self._proc is None or self._proc.poll() is not None, f"{self.name} already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._stop_requested = False
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, _signals_held():
             self.log_offset = log.tell()
             try:
                 self._proc = subprocess.Popen(
@@ -102,7 +125,7 @@ class SupervisedProcess:
                     env=self.env, cwd=self.cwd, user=self.user, group=_group_of(self.user),
                     extra_groups=[] if self.user else None,
                     start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop children in order
-                    preexec_fn=die_with_parent(os.getpid()))
+                    preexec_fn=_child_setup(os.getpid()))
             except OSError as e:
                 raise InfraStartError(f"{self.name}: cannot execute {self.argv[0]}: {e}") from e
 
@@ -123,15 +146,16 @@ class SupervisedProcess:
                                       f"log {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.05)
 
-    def stop(self) -> int | None:
-        """Graceful stop, then SIGKILL after the timeout. Returns the exit code (None if never started)."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """Graceful stop, then SIGKILL after `timeout_s` (default: `stop_timeout_s`). Returns the exit code
+        (None if never started)."""
         proc = self._proc
         if proc is None:
             return None
         if proc.poll() is None:
             self.request_stop()
             try:
-                proc.wait(self.stop_timeout_s)
+                proc.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -191,6 +215,33 @@ class SupervisedProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM wait until the child is started and recorded: `baton serve` turns them into an
+    exception that unwinds start-up, and one raised inside Popen (after the fork, before `_proc` is set)
+    would leave a child nobody stops. Held signals are delivered right after, on this thread."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    """The child's `preexec_fn`: it inherits the signal mask, so it unblocks what `_signals_held` blocked
+    (or it would never see its stop signal), and dies with its parent."""
+    die = die_with_parent(parent_pid)
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
+        die()
+
+    return preexec
 
 
 def _listening_inodes(port: int) -> set[str]:

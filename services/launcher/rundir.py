@@ -5,14 +5,20 @@ a normal return, an exception, Ctrl-C and SIGTERM (serve turns both into an unwi
 SIGKILL cannot be caught, so each start also removes the temp dirs of earlier runs whose `serve.pid`
 names a process that is gone (the children died with their parent: process.py's parent-death signal).
 
-The run file (`run.json`) says what runs now: the serve pid, the gateway URL, and every child's and
-embedded service's pid and ports, rewritten after each (re)start. Fault injection (loadtest/faults.py)
-reads it to learn which pids it may kill.
+The run file (`run.json`) says what runs now: the serve pid, its `state` (`RunState`), the gateway URL,
+every child's and embedded service's pid, what each serves on which port (`endpoints`: component ->
+`Endpoint` -> port), every Prometheus endpoint (`metrics`), rewritten after each (re)start. Fault
+injection (loadtest/faults.py) reads its pids; `baton status` (status.py) probes its endpoints.
+
+Finding it: `publish(port)` links it as `serve-<port>.json` in a per-user index dir under the temp dir
+(`run_index_dir`), so `baton status --port P` finds the cluster whose gateway is on P without knowing
+the run dir; the link goes when the run dir is closed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -26,6 +32,32 @@ TEMP_PREFIX = "baton-serve-"
 RUN_FILE = "run.json"
 PID_FILE = "serve.pid"
 _YOUNG_S = 120.0  # a temp dir without a pid file may be a serve that is just starting
+INDEX_PREFIX = "baton-runs-"
+
+
+class RunState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"  # every child started and ready; the gateway URL was printed
+    STOPPING = "stopping"
+
+
+class Endpoint(enum.StrEnum):
+    """What a component serves on a port (how `baton status` probes it)."""
+
+    GRPC = "grpc"  # gRPC with the standard health service (grpc.health.v1)
+    HTTP = "http"  # the gateway's HTTP API: /healthz, /readyz, /metrics
+    METRICS = "metrics"  # Prometheus /metrics
+    TCP = "tcp"  # embedded infrastructure (Postgres, Redis, the broker, its store): a listening socket
+
+
+def run_index_dir(tmp_root: Path | None = None) -> Path:
+    """Where running clusters' run files are linked by gateway port: beside the temp run dirs, per user."""
+    return (tmp_root or Path(tempfile.gettempdir())) / f"{INDEX_PREFIX}{os.getuid()}"
+
+
+def indexed_run_file(port: int, tmp_root: Path | None = None) -> Path:
+    """The link to the run file of the `baton serve` whose gateway is on `port` (it may be dangling)."""
+    return run_index_dir(tmp_root) / f"serve-{port}.json"
 
 
 class RunDir:
@@ -39,6 +71,7 @@ class RunDir:
             self.path = data_dir
             self.path.mkdir(parents=True, exist_ok=True)
         (self.path / PID_FILE).write_text(str(os.getpid()))
+        self._index_link: Path | None = None
 
     @property
     def run_file(self) -> Path:
@@ -46,10 +79,34 @@ class RunDir:
 
     def write_run_file(self, content: dict[str, object]) -> None:
         tmp = self.path / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"serve_pid": os.getpid(), **content}, indent=1))
+        tmp.unlink(missing_ok=True)
+        # Owner-only: it holds the infrastructure URLs (with their credentials), and the run dir can be
+        # traversed by others (the embedded Postgres's user must).
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(json.dumps({"serve_pid": os.getpid(), **content}, indent=1))
         tmp.replace(self.run_file)  # atomic: a reader never sees half a file
 
+    def publish(self, port: int) -> None:
+        """Link the run file as `serve-<port>.json` in the index dir (replacing a stale link)."""
+        index = run_index_dir()
+        index.mkdir(mode=0o700, exist_ok=True)
+        if index.stat().st_uid != os.getuid():  # someone else's dir in a shared /tmp: never follow it
+            log.warning("%s is not ours; `baton status --port %d` will not find this run", index, port)
+            return
+        link, tmp = indexed_run_file(port), index / f".serve-{port}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(self.run_file)
+        tmp.replace(link)  # atomic, like the run file itself
+        self._index_link = link
+
+    def _unpublish(self) -> None:
+        link = self._index_link
+        with contextlib.suppress(OSError):
+            if link is not None and os.readlink(link) == str(self.run_file):  # not a later run's link
+                link.unlink()
+
     def close(self) -> None:
+        self._unpublish()
         if self.temporary:
             shutil.rmtree(self.path, ignore_errors=True)
         else:

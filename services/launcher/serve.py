@@ -4,14 +4,22 @@ Start order (each waits for the previous to be ready): Postgres, Redis and the K
 (embedded unless BATON_DATABASE_URL / BATON_REDIS_URL / BATON_KAFKA_BOOTSTRAP are set), the schema
 and the first API key, the scheduler, one prefill and one decode worker (or one `both` worker with
 `--workers-role both`), safety, the billing consumer, and the gateway on `--host:--port`
-(127.0.0.1:8000). Prints the URL (and a newly created key, once) when everything is ready.
+(127.0.0.1:8000) with its internal gRPC API on `--grpc-port` (default: the next port). Prints the URL
+(and a newly created key, once) when everything is ready.
+
+Ports: the two the user picks are checked before anything starts (a taken one fails at once, naming
+the flag to change); every other port is picked free, so several clusters run side by side with
+different `--port`s.
 
 Supervision: a child (or embedded Postgres/Redis/broker) that dies is restarted with backoff on the
 same ports while the rest keep serving (supervisor.py, cluster.py); its log tail is printed. The run
-file `<run dir>/run.json` lists the live pids and ports (fault injection reads it).
+file `<run dir>/run.json` lists the live pids, ports and metrics endpoints (fault injection and
+`baton status` read it; rundir.py says how `baton status --port` finds it).
 
-Ctrl-C / SIGTERM stop everything in reverse order: the gateway stops taking requests and drains its
-streams, then its outbox relay publishes the usage rows left (services/billing/relay.py); then the
+Ctrl-C / SIGTERM during start-up stop what was started at once (`ABORT_GRACE_S`: nothing serves yet,
+so nothing needs draining). Once ready, they stop everything in reverse order: the gateway stops
+taking requests and drains its streams, then its outbox relay publishes the usage rows left
+(services/billing/relay.py); then the
 billing consumer drains the topic into the ledger; infrastructure (broker, Redis, Postgres) goes last.
 Usage not yet billed at that point stays in the outbox table (or the usage spool under the run dir)
 and is published by the next run's gateway when `--data-dir` keeps them. The run
@@ -46,15 +54,17 @@ from services.gateway.db.api_keys import ApiKeyStore
 from services.gateway.db.migrations import migrate_gateway
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
-from services.launcher.infra import EmbeddedInfra, InfraConfig
+from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
 from services.launcher.models import ModelSpec, check_unique
-from services.launcher.process import reserve_port
-from services.launcher.rundir import RunDir
+from services.launcher.process import PortInUseError, port_in_use, reserve_port
+from services.launcher.rundir import Endpoint, RunDir, RunState
 from services.launcher.supervisor import Supervisor
 
 log = logging.getLogger("services.launcher.serve")
 LOCAL_ORG = "local"
 _KEY_RE = re.compile(r"^bt-[A-Za-z0-9_-]{43}$")
+# Ctrl-C during start-up: each child gets its stop signal, and this long to exit before SIGKILL.
+ABORT_GRACE_S = 1.0
 __all__ = ["WORKER_READY", "ServeOptions", "register_serve_command", "serve"]
 
 
@@ -80,7 +90,8 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     p.add_argument("--no-safety", action="store_true", help="do not start the safety service (unchecked!)")
     p.add_argument("--no-scheduler", action="store_true", help="route statically instead of via the scheduler")
-    p.add_argument("--grpc-port", type=int, default=8001, help="the gateway's internal gRPC API port")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="the gateway's internal gRPC API port (default: --port + 1)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the internal gRPC API")
     p.add_argument("--gateway-processes", type=int, default=1,
                    help="gateway processes sharing its port (one event loop streams ~7-8k tokens/s)")
@@ -91,12 +102,28 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     models = check_unique(tuple(ModelSpec.parse(m) for m in args.model or ()))
     if len(models) > 1 and args.no_scheduler:
         raise ConfigError("several --model need the scheduler: it routes each model to its own workers")
+    grpc_port = None if args.no_grpc else args.port + 1 if args.grpc_port is None else args.grpc_port
+    for flag, port in (("--port", args.port), ("--grpc-port", grpc_port)):
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"{flag} {port}: a port is 1..65535")
+    if grpc_port == args.port:
+        raise ConfigError(f"--grpc-port {grpc_port} is the gateway's --port; give each its own")
     return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, models=models,
                         data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
                         num_blocks=args.num_blocks, safety=not args.no_safety,
                         scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"),
-                        grpc_port=None if args.no_grpc else args.grpc_port,
-                        gateway_processes=args.gateway_processes)
+                        grpc_port=grpc_port, gateway_processes=args.gateway_processes)
+
+
+def check_gateway_ports(options: ServeOptions) -> None:
+    """Fail before anything starts when a port the user chose is taken (e.g. by another `baton serve`):
+    found only when the gateway binds it, it would cost every other child's start-up first."""
+    flags = {"--port": options.port, "--grpc-port": options.grpc_port}
+    for flag, port in flags.items():
+        if port is not None and port_in_use(options.host, port):
+            other = f" (`baton status --port {port}` says if by a Baton cluster)" if flag == "--port" else ""
+            raise PortInUseError(f"port {port} on {options.host} ({flag}) is in use{other}; "
+                                 f"choose another {flag}" + (" or --no-grpc" if flag == "--grpc-port" else ""))
 
 
 def _has_module(name: str) -> bool:
@@ -124,6 +151,11 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
 def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -> int:
     """Run until a signal (exit 0) or a child's death (exit 1); start failures exit 2."""
+    try:
+        check_gateway_ports(options)
+    except PortInUseError as e:
+        print(f"baton serve: error: {e}", file=sys.stderr)
+        return 2
     for port in (options.port, options.grpc_port):  # no child is ever handed the gateway's ports
         if port is not None:
             reserve_port(port)
@@ -131,18 +163,20 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
     run_dir = RunDir(options.data_dir)
     infra = EmbeddedInfra(InfraConfig.from_settings(settings, run_dir.path / "infra"))
     supervisor = Supervisor(run_dir.path / "logs", cwd=Path.cwd())
+    run_file = _RunFile(options, run_dir, infra, supervisor)
     try:
-        endpoints = infra.start()
+        run_dir.publish(options.port)
+        run_file.write()
+        run_file.infra_endpoints = endpoints = infra.start()
         issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
-        cluster = LocalCluster(options, endpoints, supervisor, usage_spool_dir=run_dir.path / "usage-spool")
-        supervisor.on_change = lambda s: run_dir.write_run_file(
-            {"gateway": options.gateway_url, "pids": s.pids(), "ports": cluster.ports, "restarts": s.restarts(),
-             "database_url": endpoints.database_url, "redis_url": endpoints.redis_url,
-             "kafka_bootstrap": endpoints.kafka_bootstrap})
+        run_file.cluster = cluster = LocalCluster(options, endpoints, supervisor,
+                                                  usage_spool_dir=run_dir.path / "usage-spool")
+        supervisor.on_change = lambda s: run_file.write()
         for name, service in infra.embedded_by_name().items():
             supervisor.watch_service(name, service)
         cluster.prepare_model()
         cluster.start()
+        run_file.write(RunState.READY)
         _announce(options, issued, supervisor.log_dir, run_dir)
         dead = supervisor.watch(lambda: stopping.is_set)
         if dead is not None:
@@ -158,10 +192,42 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
         stopping.set()
         print("baton serve: stopping...", file=sys.stderr, flush=True)
         try:
-            supervisor.stop_all()
+            ready = run_file.state is RunState.READY
+            run_file.write(RunState.STOPPING)
+            supervisor.stop_all(grace_s=None if ready else ABORT_GRACE_S)
             infra.stop()
         finally:
             run_dir.close()
+
+
+class _RunFile:
+    """What `<run dir>/run.json` says (rundir.py), rewritten as the cluster starts, changes and stops."""
+
+    def __init__(self, options: ServeOptions, run_dir: RunDir, infra: EmbeddedInfra, supervisor: Supervisor) -> None:
+        self.options, self.run_dir, self.infra, self.supervisor = options, run_dir, infra, supervisor
+        self.state = RunState.STARTING
+        self.infra_endpoints: InfraEndpoints | None = None
+        self.cluster: LocalCluster | None = None
+
+    def write(self, state: RunState | None = None) -> None:
+        self.state = state or self.state
+        s, cluster = self.supervisor, self.cluster
+        ports = {name: service.port for name, service in self.infra.embedded_by_name().items()
+                 if service.pid is not None}  # started once: a restart keeps the port
+        content: dict[str, object] = {
+            "state": self.state.value, "gateway": self.options.gateway_url, "grpc": self.options.grpc_target,
+            "pids": s.pids(), "restarts": s.restarts(), "ports": {**ports, **(cluster.ports if cluster else {})},
+            "endpoints": {**{name: {Endpoint.TCP: port} for name, port in ports.items()},
+                          **(cluster.served if cluster else {})},
+            "metrics": cluster.metrics_urls() if cluster else {}}
+        if self.infra_endpoints is not None:
+            infra = self.infra_endpoints
+            content |= {"database_url": infra.database_url, "redis_url": infra.redis_url,
+                        "kafka_bootstrap": infra.kafka_bootstrap}
+        try:
+            self.run_dir.write_run_file(content)
+        except OSError as e:
+            log.warning("cannot write the run file %s: %s", self.run_dir.run_file, e)
 
 
 class _Flag:
@@ -189,7 +255,8 @@ def _install_signal_handlers() -> _Flag:
 
 def _announce(options: ServeOptions, issued: str | None, log_dir: Path, run_dir: RunDir) -> None:
     lines = [f"Baton is ready: {options.gateway_url}  (chat page at /, OpenAI API at /v1)",
-             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}"]
+             f"logs: {log_dir}", f"run file (pids, ports): {run_dir.run_file}",
+             f"status: baton status --port {options.port}"]
     if options.grpc_target:
         lines.insert(1, f"gRPC API: {options.grpc_target}  (baton api chat \"Hello\"; services.client.BatonClient)")
     if issued:

@@ -151,12 +151,19 @@ class Supervisor:
         return {**{c.spec.name: c.restarts for c in self._children}, **{s.name: s.restarts for s in self._services}}
 
     def start(self, spec: ChildSpec) -> SupervisedProcess:
-        """Start `spec` and wait until ready; on failure raise InfraStartError with its log tail."""
+        """Start `spec` and wait until ready; on failure raise InfraStartError with its log tail (the child
+        is then stopped and no longer supervised: the caller may start it again, e.g. on other ports)."""
         process = self._process(spec)
-        process.start()
-        self._children.append(_Child(spec, process))
+        child = _Child(spec, process)
+        self._children.append(child)  # recorded first: a stop that interrupts start() finds it
         started = time.monotonic()
-        process.wait_ready(lambda: spec.ready(process), spec.ready_timeout_s)
+        try:
+            process.start()
+            process.wait_ready(lambda: spec.ready(process), spec.ready_timeout_s)
+        except InfraStartError:
+            self._children.remove(child)
+            self._stop(child)  # with whatever it left in its process group
+            raise
         log.info("%s ready in %.1fs (pid %s)", spec.name, time.monotonic() - started, process.pid)
         self._changed()
         return process
@@ -276,10 +283,17 @@ class Supervisor:
             except OSError as e:
                 log.warning("supervisor on_change failed: %s", e)
 
-    def stop_all(self) -> None:
+    def stop_all(self, grace_s: float | None = None) -> None:
         """Stop every child, the last started first (gateway before workers before infrastructure).
-        Watched services are the caller's to stop (after this)."""
+        Watched services are the caller's to stop (after this).
+
+        `grace_s`: instead, every child gets its graceful signal at once and what is left after `grace_s`
+        is SIGKILLed -- for an interrupted start-up, where nothing serves yet, so there is nothing to
+        drain in order, and a child still loading (or one that ignores its signal until it serves, as
+        the gateway does) must not hold Ctrl-C up for its whole `stop_timeout_s`."""
         self._services.clear()
+        if grace_s is not None:
+            self._stop_together(list(reversed(self._children)), grace_s)
         while self._children:
             self._stop(self._children.pop())
 
@@ -287,16 +301,19 @@ class Supervisor:
         """Stop these children together: each gets its graceful signal at once, then each is waited for
         (within its own `stop_timeout_s`). Only for peers that no other child needs while it stops (e.g.
         extra gateways in front of one worker): the total is the slowest one's shutdown, not the sum."""
-        peers = [c for c in self._children if c.spec.name in names]
-        for c in peers:
+        self._stop_together([c for c in self._children if c.spec.name in names])
+
+    def _stop_together(self, children: list[_Child], grace_s: float | None = None) -> None:
+        for c in children:
             self._children.remove(c)
             c.process.request_stop()
-        for c in peers:
-            self._stop(c)
+        deadline = None if grace_s is None else time.monotonic() + grace_s
+        for c in children:
+            self._stop(c, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     @staticmethod
-    def _stop(c: _Child) -> None:
-        code = c.process.stop()
+    def _stop(c: _Child, timeout_s: float | None = None) -> None:
+        code = c.process.stop(timeout_s)
         if c.process.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.process.pid, signal.SIGKILL)  # whatever the child left in its group

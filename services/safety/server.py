@@ -86,7 +86,7 @@ class SafetyServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            start_http_server(self.config.metrics_port)
+            start_http_server(self.config.metrics_port, addr=self.config.host)  # as private as its gRPC port
         log.info("safety service on %s:%d", self.config.host, self.port)
         return self.port
 

@@ -1,9 +1,10 @@
-"""`baton serve`: one command brings up scheduler, worker, safety, billing and the gateway; SIGTERM
-stops every child. Uses the session's Postgres/Redis/broker through BATON_* URLs (the embedded path
-is covered by the infra tests)."""
+"""`baton serve`: one command brings up scheduler, worker, safety, billing and the gateway; two run side
+by side on one machine; `baton status` shows each; SIGTERM stops every child. Uses the session's
+Postgres/Redis/broker through BATON_* URLs (the embedded path is covered by the infra tests)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,13 +12,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from unittest.mock import ANY
 
+import httpx
 from openai import OpenAI
 
 from services.client import BatonClient, Sampling
 from services.gateway.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
-from services.launcher.process import free_port
+from services.launcher.process import free_port, port_in_use
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.tansu import EmbeddedKafka
 from tests.support.gateway_stack import MODEL
@@ -49,36 +52,80 @@ def _wait_for(log: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: 
         time.sleep(0.2)
 
 
-def test_serve_runs_the_cluster_and_stops_every_child(tmp_path: Path, postgres: EmbeddedPostgres,
-                                                      redis_server: EmbeddedRedis, kafka_broker: EmbeddedKafka,
-                                                      default_model_dir: Path) -> None:
-    key, port, grpc_port = generate_api_key(), free_port(), free_port()
-    env = {**os.environ, "BATON_API_KEY": key, "BATON_DATABASE_URL": postgres.create_database("baton_serve"),
-           "BATON_REDIS_URL": redis_server.url, "BATON_KAFKA_BOOTSTRAP": kafka_broker.url,
-           "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}", "BATON_SERVED_MODEL_NAME": MODEL}
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--port", str(port), "--workers-role", "both",
-                                 "--model", str(default_model_dir), "--num-blocks", "128",
-                                 "--grpc-port", str(grpc_port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+def _port_pair() -> int:
+    """A free port whose next port is free too (`baton serve --port P` puts its gRPC API on P + 1)."""
+    while port_in_use("127.0.0.1", (port := free_port()) + 1):
+        pass
+    return port
+
+
+def _start_serve(tmp_path: Path, name: str, env: dict[str, str], *argv: str) -> subprocess.Popen[bytes]:
+    with open(tmp_path / f"{name}.log", "wb") as out:
+        return subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--workers-role", "both", "--num-blocks", "128",
+                                 *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _status(env: dict[str, str], port: int) -> tuple[int, dict]:
+    result = subprocess.run([sys.executable, "-m", "services.cli", "status", "--port", str(port), "--json"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_two_clusters_serve_side_by_side_and_stop_every_child(tmp_path: Path, postgres: EmbeddedPostgres,
+                                                              redis_server: EmbeddedRedis, kafka_broker: EmbeddedKafka,
+                                                              default_model_dir: Path) -> None:
+    """Cluster A is the full default (scheduler, worker, safety, billing, gateway), B the lightest (no
+    scheduler, no safety); both on their --port and the gRPC API on the next port (no --grpc-port).
+    `baton status` shows each one's components, pids, probes, metrics ports and model."""
+    key, port, other = generate_api_key(), _port_pair(), _port_pair()
+    env = {**os.environ, "BATON_API_KEY": key, "BATON_REDIS_URL": redis_server.url,
+           "BATON_KAFKA_BOOTSTRAP": kafka_broker.url, "BATON_SERVED_MODEL_NAME": MODEL, "TMPDIR": str(tmp_path)}
+    env_a = {**env, "BATON_DATABASE_URL": postgres.create_database("baton_serve"),
+             "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}"}
+    env_b = {**env, "BATON_DATABASE_URL": postgres.create_database("baton_serve_b"),
+             "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}"}
+    proc = _start_serve(tmp_path, "a", env_a, "--port", str(port), "--model", str(default_model_dir))
+    proc_b = _start_serve(tmp_path, "b", env_b, "--port", str(other), "--model", str(default_model_dir),
+                          "--no-safety", "--no-scheduler")
+    log = tmp_path / "a.log"
     try:
-        _wait_for(log, f"Baton is ready: http://127.0.0.1:{port}", proc, 180)
+        _wait_for(log, f"Baton is ready: http://127.0.0.1:{port}", proc, 300)
+        _wait_for(tmp_path / "b.log", f"Baton is ready: http://127.0.0.1:{other}", proc_b, 300)
         assert "API key (shown once" not in log.read_text()  # BATON_API_KEY was registered instead
         children = _children(proc.pid)
         assert len(children) == 5  # scheduler, worker, safety, billing consumer, gateway
-        reply = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4)
-        assert reply.choices[0].finish_reason in ("stop", "length", "content_filter")
-        assert f"gRPC API: 127.0.0.1:{grpc_port}" in log.read_text()
-        with BatonClient(f"127.0.0.1:{grpc_port}", key, model=MODEL) as client:  # the internal API, same key
+        assert len(_children(proc_b.pid)) == 3  # worker, billing consumer, gateway
+        for p in (port, other):
+            reply = OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4)
+            assert reply.choices[0].finish_reason in ("stop", "length", "content_filter")
+        assert f"gRPC API: 127.0.0.1:{port + 1}" in log.read_text()
+        with BatonClient(f"127.0.0.1:{port + 1}", key, model=MODEL) as client:  # the internal API, same key
             assert client.chat("Name a colour.", sampling=Sampling(max_tokens=4)).usage is not None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        _check_status(env, port, children, ("scheduler", "worker-both", "safety", "billing", "gateway"))
+        _check_status(env, other, _children(proc_b.pid), ("worker-both", "billing", "gateway"))
+        for p in (proc, proc_b):
+            p.send_signal(signal.SIGTERM)
+        assert (proc.wait(timeout=90), proc_b.wait(timeout=90)) == (0, 0)
         assert not any(_is_live(pid) for pid in children)
+        assert _status(env, port) == (3, {"running": False, "error": ANY})
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, proc_b):
+            if p.poll() is None:
+                p.kill()
+
+
+def _check_status(env: dict[str, str], port: int, children: list[int], names: tuple[str, ...]) -> None:
+    code, status = _status(env, port)
+    assert (code, status["state"], status["healthy"]) == (0, "ready", True), status
+    components = {c["name"]: c for c in status["components"]}
+    assert set(names) <= set(components)
+    assert {components[n]["pid"] for n in names} == set(children)
+    assert components["worker-both"]["model"] == MODEL
+    assert components["gateway"]["ports"] == {"http": port, "grpc": port + 1}
+    for name in names:  # every child serves Prometheus metrics, and run.json lists where
+        assert any(p["check"] == "metrics" and p["ok"] for p in components[name]["probes"]), components[name]
+        assert "baton_" in httpx.get(status["metrics"][name], timeout=10).text, name
 
 
 def _is_live(pid: int) -> bool:

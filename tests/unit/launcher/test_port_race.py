@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 from services.common.errors import InfraStartError
-from services.launcher.process import lost_port_race, start_on_free_port
+from services.launcher import process
+from services.launcher.process import lost_port_race, retry_lost_port_race, start_on_free_port
+from services.launcher.supervisor import ChildSpec, Supervisor, log_line
 
 
 def _listen(port: int) -> socket.socket:
@@ -65,3 +69,28 @@ def test_start_failures_are_raised(log: str, calls: int) -> None:
 ])
 def test_port_race_is_told_from_the_log(message: str, raced: bool) -> None:
     assert lost_port_race(InfraStartError(message)) is raced
+
+
+# A service stand-in: binds the port it is given (exits with "address already in use" if it is taken).
+BINDING_CHILD = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
+                 "print('READY', flush=True); time.sleep(60)")
+
+
+def test_a_supervised_child_that_lost_its_port_is_started_again_on_fresh_ports(
+        tmp_path: Path, taken_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `baton serve` starts each child (cluster.py): another cluster may take a port between the pick
+    and the bind; the failed start leaves nothing supervised, and the next start picks fresh ports."""
+    handed = iter([taken_port])
+    real_free_port = process.free_port
+    monkeypatch.setattr(process, "free_port", lambda: next(handed, None) or real_free_port())
+    picked: list[int] = []
+    with Supervisor(tmp_path / "logs") as supervisor:
+        def start() -> int:
+            picked.append(process.free_port())
+            supervisor.start(ChildSpec("scheduler", [sys.executable, "-c", BINDING_CHILD, str(picked[-1])],
+                                       log_line("READY"), ready_timeout_s=20))
+            return picked[-1]
+
+        port = retry_lost_port_race(start)
+        assert picked == [taken_port, port] and port != taken_port
+        assert [(spec.name, p.listens_on(port)) for spec, p in supervisor.children] == [("scheduler", True)]

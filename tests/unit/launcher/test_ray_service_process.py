@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -14,15 +13,6 @@ from services.launcher.ray_cluster import PortTakenError, Readiness, ServiceProc
 CHILD = ("import socket, sys, time; s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(); "
          "print('READY', flush=True); time.sleep(60)")
 READY = Readiness(log_marker="READY", timeout_s=20.0)
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A port another process holds (this one), as after losing the race between finding and binding it."""
-    with socket.socket() as holder:
-        holder.bind(("0.0.0.0", 0))
-        holder.listen()
-        yield int(holder.getsockname()[1])
 
 
 def _ports_from(first: list[int]) -> Callable[[], int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -114,3 +115,36 @@ def test_peers_all_get_their_signal_before_any_is_waited_for(tmp_path: Path) -> 
     assert [spec.name for spec, process in supervisor.children if process.alive()] == ["worker"]
     supervisor.stop_all()
     assert record.read_text().split()[4:] == ["signalled:worker", "exited:worker"]
+
+
+# A child that ignores SIGTERM, as a child still loading (or the gateway before it serves) may.
+DEAF_CHILD = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('READY', flush=True); "
+              "time.sleep(300)")
+
+
+def test_an_interrupted_start_up_kills_every_child_within_the_grace(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    processes = [supervisor.start(ChildSpec(name, [sys.executable, "-c", DEAF_CHILD], log_line("READY"),
+                                            ready_timeout_s=20, stop_timeout_s=30))
+                 for name in ("scheduler", "worker", "gateway")]
+    started = time.monotonic()
+    supervisor.stop_all(grace_s=0.5)
+    assert time.monotonic() - started < 5  # one grace for all, not 3 x 30 s of stop timeouts
+    assert [p.exit_code() for p in processes] == [-9, -9, -9]
+    assert supervisor.children == []
+
+
+def _blocked_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+
+
+def test_a_child_starts_with_its_stop_signals_unblocked(tmp_path: Path) -> None:
+    """The launcher holds SIGINT/SIGTERM while it forks a child; the child must not inherit that."""
+    with Supervisor(tmp_path / "logs") as supervisor:
+        process = supervisor.start(_spec("worker", tmp_path / "order"))
+        assert process.pid is not None
+        stop_signals = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+        assert _blocked_signals(process.pid) & stop_signals == 0
+        assert _blocked_signals(os.getpid()) & stop_signals == 0  # and the launcher holds them no longer
+        assert process.stop() == 0  # it got SIGTERM and ran its handler
