@@ -127,8 +127,8 @@ class EmbeddingClassifier:
         self.head = head
 
     @classmethod
-    def load(cls, head_path: Path = HEAD_PATH) -> EmbeddingClassifier:
-        return cls(SentenceEncoder(), EmbeddingHead.load(head_path))
+    def load(cls, head_path: Path = HEAD_PATH, encoder_threads: int = 2) -> EmbeddingClassifier:
+        return cls(SentenceEncoder(threads=encoder_threads), EmbeddingHead.load(head_path))
 
     @property
     def refuse_threshold(self) -> float:
