@@ -63,7 +63,9 @@ def default_model_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class _Layer:
+class EncoderLayer:
+    """One encoder layer's float32 weights, matrices transposed for x @ w."""
+
     qkv_w: F32  # [384, 3*384] (transposed for x @ w)
     qkv_b: F32
     out_w: F32
@@ -134,11 +136,11 @@ class SentenceEncoder:
             self._run_layers = OnnxEncoderLayers(self._layers, DIM, self.HEADS, threads)
 
     @staticmethod
-    def _layer(w: dict[str, F32], p: str) -> _Layer:
+    def _layer(w: dict[str, F32], p: str) -> EncoderLayer:
         att = p + "attention."
         qkv_w = np.concatenate([w[f"{att}self.{n}.weight"].T for n in ("query", "key", "value")], axis=1)
         qkv_b = np.concatenate([w[f"{att}self.{n}.bias"] for n in ("query", "key", "value")])
-        return _Layer(
+        return EncoderLayer(
             np.ascontiguousarray(qkv_w), qkv_b, np.ascontiguousarray(w[f"{att}output.dense.weight"].T),
             w[f"{att}output.dense.bias"], w[f"{att}output.LayerNorm.weight"], w[f"{att}output.LayerNorm.bias"],
             np.ascontiguousarray(w[p + "intermediate.dense.weight"].T), w[p + "intermediate.dense.bias"],
@@ -180,7 +182,7 @@ class SentenceEncoder:
             x = self._encoder_layer(x, layer, bias)
         return x
 
-    def _encoder_layer(self, x: F32, layer: _Layer, bias: F32) -> F32:
+    def _encoder_layer(self, x: F32, layer: EncoderLayer, bias: F32) -> F32:
         n, length, _ = x.shape
         heads, head_dim = self.HEADS, DIM // self.HEADS
         qkv = (x @ layer.qkv_w + layer.qkv_b).reshape(n, length, 3, heads, head_dim)

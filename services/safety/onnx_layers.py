@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -31,26 +31,11 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import onnx
 
+    from services.safety.encoder import EncoderLayer
+
 F32 = npt.NDArray[np.float32]
 _IR_VERSION = 9  # the newest IR version every onnxruntime >= 1.16 loads
 _OPSET = 17      # LayerNormalization is a standard operator from opset 17
-
-
-class EncoderLayerWeights(Protocol):
-    """One encoder layer's float32 weights, matrices transposed for x @ w (`encoder._Layer`)."""
-
-    qkv_w: F32
-    qkv_b: F32
-    out_w: F32
-    out_b: F32
-    ln1_g: F32
-    ln1_b: F32
-    up_w: F32
-    up_b: F32
-    down_w: F32
-    down_b: F32
-    ln2_g: F32
-    ln2_b: F32
 
 
 class _GraphBuilder:
@@ -78,17 +63,19 @@ class _GraphBuilder:
         self.initializers.append(self._to_tensor(value if value.flags.c_contiguous else value.copy(order="C"), name))
         return name
 
-    def node(self, op: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
+    def node(self, op: str, inputs: Sequence[str], output: str, **attrs: int | float | list[int]) -> str:
         from onnx import helper
 
-        self.nodes.append(helper.make_node(op, list(inputs), [output], name=output, **attrs))
+        node = helper.make_node(op, list(inputs), [output], name=output)
+        node.attribute.extend(helper.make_attribute(key, value) for key, value in attrs.items())
+        self.nodes.append(node)
         return output
 
     def linear(self, p: str, x: str, name: str, w: F32, b: F32) -> str:
         product = self.node("MatMul", [x, self.const(f"{p}{name}_w", w)], f"{p}{name}_mm")
         return self.node("Add", [product, self.const(f"{p}{name}_b", b)], f"{p}{name}")
 
-    def attention(self, p: str, x: str, layer: EncoderLayerWeights) -> str:
+    def attention(self, p: str, x: str, layer: EncoderLayer) -> str:
         qkv = self.node("Reshape", [self.linear(p, x, "qkv", layer.qkv_w, layer.qkv_b), "qkv_shape"], p + "qkv5")
         heads_first = self.node("Transpose", [qkv], p + "qkvT", perm=[2, 0, 3, 1, 4])  # [3, n, H, L, d]
         q, k, v = (self.node("Gather", [heads_first, f"index{j}"], f"{p}qkv{j}", axis=0) for j in range(3))
@@ -108,7 +95,7 @@ class _GraphBuilder:
         return self.node("Mul", [self.node("Mul", [x, "half"], p + "gelu_half"),
                                  self.node("Add", [erf, "one"], p + "gelu_add")], p + "gelu")
 
-    def encoder_layer(self, i: int, x: str, layer: EncoderLayerWeights) -> str:
+    def encoder_layer(self, i: int, x: str, layer: EncoderLayer) -> str:
         """BERT's post-LN layer, as `SentenceEncoder._encoder_layer` computes it."""
         p = f"layer{i}_"
         attended = self.linear(p, self.attention(p, x, layer), "out", layer.out_w, layer.out_b)
@@ -118,7 +105,7 @@ class _GraphBuilder:
         return self.layer_norm(p, self.node("Add", [x, down], p + "res2"), "ln2", layer.ln2_g, layer.ln2_b)
 
 
-def build_encoder_graph(layers: Sequence[EncoderLayerWeights], dim: int, heads: int) -> onnx.ModelProto:
+def build_encoder_graph(layers: Sequence[EncoderLayer], dim: int, heads: int) -> onnx.ModelProto:
     """The encoder layers as an ONNX model: inputs x [n, L, dim], bias [n, 1, 1, L]; output y [n, L, dim]."""
     from onnx import TensorProto, helper
 
@@ -138,7 +125,7 @@ def build_encoder_graph(layers: Sequence[EncoderLayerWeights], dim: int, heads: 
 class OnnxEncoderLayers:
     """`layers(x, bias)`: the encoder layers' output for embedded tokens `x` under attention `bias`."""
 
-    def __init__(self, layers: Sequence[EncoderLayerWeights], dim: int, heads: int, threads: int) -> None:
+    def __init__(self, layers: Sequence[EncoderLayer], dim: int, heads: int, threads: int) -> None:
         import onnxruntime as ort
 
         if threads < 1:

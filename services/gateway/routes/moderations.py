@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.gateway.deps import CurrentPrincipal, Deps
 from services.gateway.errors import BadRequestError
 from services.gateway.safety_gate import InputDecision, SafetyVerdict, check_length_or_400
-from services.safety.limits import MAX_INPUT_CHARS
 
 router = APIRouter(tags=["moderations"])
 
@@ -49,8 +48,8 @@ TO_OPENAI: dict[str, tuple[str, ...]] = {
 class ModerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    input: Annotated[str, Field(max_length=MAX_INPUT_CHARS)] | Annotated[
-        list[Annotated[str, Field(max_length=MAX_INPUT_CHARS)]], Field(min_length=1, max_length=MAX_INPUTS)]
+    # Length is checked on all inputs together (`check_length_or_400`: 400 `input_too_long`).
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
     model: str | None = None  # accepted and echoed as Baton's one moderation model
 
 
