@@ -26,12 +26,12 @@ import hashlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.errors import DependencyUnavailableError
+from services.common.lru import BoundedLru
 from services.gateway.errors import BadRequestError
 from services.safety.limits import MAX_INPUT_CHARS, InputTooLongError, check_length
 
@@ -114,7 +114,7 @@ class VerdictCache:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, bytes], SafetyVerdict] = OrderedDict()
+        self._verdicts: BoundedLru[tuple[str, bytes], SafetyVerdict] = BoundedLru(max_entries)
         self.hits = self.misses = 0
 
     @staticmethod
@@ -122,22 +122,18 @@ class VerdictCache:
         return org_id, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
     def get(self, key: tuple[str, bytes]) -> SafetyVerdict | None:
-        verdict = self._entries.get(key)
+        verdict = self._verdicts.get(key)
         if verdict is None:
             self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
+        else:
+            self.hits += 1
         return verdict
 
     def put(self, key: tuple[str, bytes], verdict: SafetyVerdict) -> None:
-        self._entries[key] = verdict
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._verdicts.put(key, verdict)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._verdicts)
 
 
 class SafetyGate:
