@@ -104,3 +104,11 @@ def test_moderations_during_a_safety_outage_is_a_503_with_retry_after(outage_url
     with _http(outage_url, tenant) as http:
         r = http.post("/v1/moderations", json={"input": "Name three colours."})
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+
+
+def test_a_streamed_response_carries_the_check_time_in_its_head(judged_url: str, tenant: Tenant) -> None:
+    with _http(judged_url, tenant) as http, http.stream("POST", "/v1/chat/completions",
+                                                        json=_chat("Name three colours.", stream=True)) as r:
+        body = "".join(r.iter_text())
+    assert r.status_code == 200 and TIMING.match(r.headers["server-timing"])
+    assert body.rstrip().endswith("data: [DONE]")
