@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from scheduler.adapters.loop_watch import LAG_BUCKETS_S
 from services.gateway.replicas import METRICS_DIR_ENV
+from services.safety.limits import LATENCY_BUCKETS_S, size_bucket
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -42,6 +43,9 @@ class GatewayMetrics:
                               multiprocess_mode="livesum")
         self.refusals = Counter("baton_gateway_refusals", "Requests refused before generating, by reason",
                                 ["reason"], registry=r)
+        self.safety_check = Histogram("baton_gateway_safety_check_seconds", "Time a request waited for its input "
+                                      "safety check, by the size of the new text (le_100_words, le_1k_words, "
+                                      "le_5k_words, le_max)", ["size"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.replays = Counter("baton_gateway_stream_resumes", "Last-Event-ID stream resumes", registry=r)
         self.migrations = Counter("baton_request_migrations", "Generations whose worker was lost, by what the "
                                   "gateway did: retried, migrated, limit_exceeded, no_worker", ["outcome"], registry=r)
@@ -68,6 +72,9 @@ class GatewayMetrics:
         if ttft_s is not None:
             self.ttft.labels(model).observe(ttft_s)
         self.e2e.labels(model).observe(e2e_s)
+
+    def observe_safety_check(self, seconds: float, chars: int) -> None:
+        self.safety_check.labels(size_bucket(chars)).observe(seconds)
 
     def register_extra(self, collector: Collector) -> None:
         """A collector of this process's own state (e.g. the billing outbox's backlog)."""

@@ -1,8 +1,8 @@
 """`CompletionRunner`: safety pre-check, placement, the n generations, and everything at the end.
 
 Order for one request (the HTTP layer has authenticated, tokenized and admitted it already):
-1. `precheck`: the safety pre-filter on every text the model will read (all roles, stored history);
-   a refusal means no worker is called.
+1. `precheck`: the safety pre-filter on every text the model will read (all roles, stored history),
+   completed before anything else: a refusal or an outage means no scheduler or worker call.
 2. `place`: one routing decision per choice (each choice is its own request to the scheduler). A
    REJECT is a 503 with Retry-After, and releases the choices already placed.
 3. `Generation.run`: the choices stream concurrently; each delta goes through the safety output
@@ -37,7 +37,7 @@ from services.gateway.migration import Attempt, MigrationOutcome, MigrationPolic
 from services.gateway.output_gate import OutputGate
 from services.gateway.routing import RouterClient, RouteSource, RoutingDecision
 from services.gateway.run_state import ChoiceEvent, ChoiceSpec, ChoiceState, GenerationPlan
-from services.gateway.safety_gate import InputDecision, SafetyGate, SafetyVerdict
+from services.gateway.safety_gate import UNAVAILABLE_TIER, InputDecision, SafetyGate, SafetyVerdict
 from services.gateway.tracing import tracer
 
 if TYPE_CHECKING:
@@ -115,23 +115,20 @@ class CompletionRunner:
             slo=self.slos[plan.principal.tier], max_tokens=attempt.sampling.max_tokens, model=plan.model,
             conversation_id=str(plan.conversation_id) if plan.conversation_id else None)
 
-    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False,
-              screening: asyncio.Future[InputDecision] | None = None) -> Generation:
-        return Generation(self, plan, decisions, watch, screening)
+    def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False) -> Generation:
+        return Generation(self, plan, decisions, watch)
 
 
 class Generation:
     """The running choices of one plan. `run` once, then `finish` once (also after errors)."""
 
     def __init__(self, runner: CompletionRunner, plan: GenerationPlan, decisions: list[RoutingDecision],
-                 watch: bool = False, screening: asyncio.Future[InputDecision] | None = None) -> None:
-        """`screening`: an input check still running (see `CompletionService._serve`): the workers
-        prefill meanwhile, and no choice emits anything, or is billed, until it has answered."""
+                 watch: bool = False) -> None:
+        """`plan`'s input check has passed (`CompletionService._screen`) before a Generation exists."""
         self.runner = runner
         self.plan = plan
         self.decisions = decisions
         self.watch = watch  # the prompt scored in the safety classifier's uncertain band
-        self.screening = screening
         self.states = [ChoiceState(spec) for spec in plan.choices]
         self._usage_recorded = False
         # n > 1: choices of one prompt on one worker share a call, so the prompt is prefilled once.
@@ -212,10 +209,8 @@ class Generation:
                     messages += 1
                     if attempt.continuation is not None:
                         delta = attempt.continuation.translate(delta)
-                    if not out.screened:  # the first response: prefill is done; nothing goes out unchecked
-                        out.screened = True
-                        if await self._refused_late(state, emit):
-                            return
+                    if not out.opened:  # the first response: open the output filter (once per choice)
+                        out.opened = True
                         if self.runner.safety is not None:
                             out.gate = OutputGate(await self.runner.safety.open_output_filter(
                                 plan.principal.org_id, spec.request_id, self.watch))
@@ -277,27 +272,12 @@ class Generation:
             return True
         return False
 
-    async def _refused_late(self, state: ChoiceState, emit: Emit | None) -> bool:
-        """Wait for a still-running input check; True when it refused (the choice then ends with
-        `content_filter` before any text and is not billed; the caller aborts the worker stream).
-        An outage raises SafetyUnavailableError (the choice fails with a 503-coded error)."""
-        if self.screening is None:
-            return False
-        decision = await asyncio.shield(self.screening)  # shared by the choices: one must not cancel it
-        self.watch = self.watch or decision.watch
-        if decision.refusal is None:
-            return False
-        if state.spec.index == 0:
-            self.runner.metrics.refusals.labels("input_filter").inc()
-        state.refusal = f"the request was refused by the content policy ({decision.refusal.category or 'unsafe'})"
-        state.finish("content_filter")
-        if emit is not None:
-            emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))
-        return True
-
     def _halt(self, state: ChoiceState, verdict: SafetyVerdict, emit: Emit | None) -> None:
         self.runner.metrics.refusals.labels("output_filter").inc()
-        state.refusal = f"the output was stopped by the content policy ({verdict.category or 'unsafe'})"
+        if verdict.tier == UNAVAILABLE_TIER:  # output configured to fail closed, and the check failed
+            state.refusal = "the output was stopped: the safety service could not check it"
+        else:
+            state.refusal = f"the output was stopped by the content policy ({verdict.category or 'unsafe'})"
         state.finish("content_filter")
         if emit is not None:
             emit(ChoiceEvent(state.spec.index, "", (), (), "content_filter", state.refusal))
@@ -371,11 +351,11 @@ class Generation:
 
 @dataclass
 class _Output:
-    """A choice's output side, kept across its attempts: the input check is awaited and the safety
-    filter opened once, at the first response of whichever worker answers first."""
+    """A choice's output side, kept across its attempts: the safety filter is opened once, at the
+    first response of whichever worker answers first."""
 
     gate: OutputGate = field(default_factory=lambda: OutputGate(None))
-    screened: bool = False
+    opened: bool = False
 
 
 def _capped(sampling: SamplingSpec, decision: RoutingDecision) -> SamplingSpec:

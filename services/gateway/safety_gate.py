@@ -9,9 +9,14 @@
   cached. The new messages are also checked joined together, so a request split over several
   messages is read as the model reads it;
 - input: a refusal with tier "unavailable" is an outage, not a content decision: a retryable 503
-  (`SafetyUnavailableError`), never `content_filter`. The client fails input closed by default.
+  with Retry-After (`SafetyUnavailableError`), never `content_filter`. The client fails input closed
+  by default. The check completes before placement and before any worker call
+  (`CompletionService._serve`), so the 503 is the HTTP answer, never an in-stream error;
+- a text longer than `limits.MAX_INPUT_CHARS` is a 400 (`SafetyInputTooLongError`) before any call;
 - any unexpected exception of the client (a bug) is also a 503: an unchecked prompt never reaches a
   worker. Output filtering follows the client's own fail mode (open by default: see its docstring).
+- `InputDecision.seconds` is the time the request waited for its checks (reported to the client in
+  a `Server-Timing: safety;dur=<ms>` header and in `baton_gateway_safety_check_seconds{size}`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.errors import UpstreamError
+from services.common.errors import DependencyUnavailableError
+from services.common.lru import BoundedLru
+from services.gateway.errors import BadRequestError
+from services.safety.limits import MAX_INPUT_CHARS, InputTooLongError, check_length
 
 log = logging.getLogger(__name__)
 UNAVAILABLE_TIER = "unavailable"
@@ -63,9 +71,20 @@ class SafetyClientLike(Protocol):
     async def open_output_filter(self, org_id: str, request_id: str, watch: bool = False) -> OutputFilter: ...
 
 
-class SafetyUnavailableError(UpstreamError):
-    http_status = 503
+class SafetyUnavailableError(DependencyUnavailableError):
+    """The safety service did not answer: 503 with Retry-After (the check is retryable)."""
+
     code = "safety_unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 2.0) -> None:
+        super().__init__(message, retry_after_s)
+
+
+class SafetyInputTooLongError(BadRequestError):
+    """A text longer than the safety check judges (`limits.MAX_INPUT_CHARS`): 400 before any work."""
+
+    def __init__(self, error: InputTooLongError, param: str) -> None:
+        super().__init__(str(error), param, "input_too_long")
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,19 @@ class InputDecision:
 
     refusal: SafetyVerdict | None
     watch: bool = False
+    seconds: float = 0.0  # how long the request waited for its checks
+
+    def timing_headers(self) -> dict[str, str]:
+        """The check's time as a W3C Server-Timing metric (browsers' dev tools and curl -i show it)."""
+        return {"server-timing": f"safety;dur={self.seconds * 1000:.1f}"}
+
+
+def check_length_or_400(text: str, param: str = "messages") -> None:
+    """Raise SafetyInputTooLongError when `text` is too long to judge."""
+    try:
+        check_length(text, MAX_INPUT_CHARS)
+    except InputTooLongError as e:
+        raise SafetyInputTooLongError(e, param) from e
 
 
 class VerdictCache:
@@ -82,7 +114,7 @@ class VerdictCache:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, bytes], SafetyVerdict] = OrderedDict()
+        self._verdicts: BoundedLru[tuple[str, bytes], SafetyVerdict] = BoundedLru(max_entries)
         self.hits = self.misses = 0
 
     @staticmethod
@@ -90,22 +122,18 @@ class VerdictCache:
         return org_id, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
     def get(self, key: tuple[str, bytes]) -> SafetyVerdict | None:
-        verdict = self._entries.get(key)
+        verdict = self._verdicts.get(key)
         if verdict is None:
             self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
+        else:
+            self.hits += 1
         return verdict
 
     def put(self, key: tuple[str, bytes], verdict: SafetyVerdict) -> None:
-        self._entries[key] = verdict
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._verdicts.put(key, verdict)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._verdicts)
 
 
 class SafetyGate:
@@ -113,8 +141,11 @@ class SafetyGate:
         self._client = client
         self.cache = cache or VerdictCache()
 
-    async def check_input(self, org_id: uuid.UUID, text: str, request_id: str) -> SafetyVerdict:
-        """The verdict on one text; raises SafetyUnavailableError when it could not be checked."""
+    async def check_input(self, org_id: uuid.UUID, text: str, request_id: str, param: str = "messages"
+                          ) -> SafetyVerdict:
+        """The verdict on one text; raises SafetyUnavailableError when it could not be checked and
+        SafetyInputTooLongError (naming `param`) when it is too long to judge."""
+        check_length_or_400(text, param)
         key = VerdictCache.key(str(org_id), text)
         cached = self.cache.get(key)
         if cached is not None:
@@ -139,9 +170,12 @@ class SafetyGate:
         if len([t for t in new if t.strip()]) > 1:
             texts.append(joined)
         unique = list(dict.fromkeys(texts))
+        for text in unique:  # every length first: a 400 never waits on the others' checks
+            check_length_or_400(text)
+        start = time.perf_counter()
         verdicts = await asyncio.gather(*(self.check_input(org_id, t, request_id) for t in unique))
         refusal = next((v for v in verdicts if not v.allowed), None)
-        return InputDecision(refusal, watch=any(v.watch for v in verdicts))
+        return InputDecision(refusal, watch=any(v.watch for v in verdicts), seconds=time.perf_counter() - start)
 
     async def open_output_filter(self, org_id: uuid.UUID, request_id: str, watch: bool = False) -> OutputFilter:
         try:

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from services.gateway.tenancy import TenantServices
 
 log = logging.getLogger(__name__)
-SCREEN_HEAD_START_S = 0.005
 ClientGone = Callable[[], Awaitable[None]]
 
 
@@ -87,6 +86,11 @@ class _Request:
     safety_history: tuple[str, ...] = ()  # a continued conversation's stored turns (checked too, cached)
     tools: ToolPlan | None = None  # chat with callable tools: output parsed into tool_calls
     model: str = ""  # the served model's name, as the request asked
+
+    @property
+    def safety_chars(self) -> int:
+        """The characters of the new texts the input check reads (the size label of its latency)."""
+        return sum(len(t) for t in self.safety_texts)
 
 
 class CompletionService:
@@ -219,14 +223,17 @@ class CompletionService:
         plan = self._plan(request, principal, lease, started_at, completion_id)
         headers = plan.lease.headers()
         try:
-            screened, screening, decisions = await self._screen_and_place(plan, request)
-            refusal = screened.refusal if screened is not None else None
+            screened = await self._screen(plan, request)
+            if self.runner.safety is not None:
+                headers = {**headers, **screened.timing_headers()}
+            decisions = [] if screened.refusal is not None else await self.runner.place(plan)
             plan = await self._answered_by(plan, decisions)
         except BaseException:
             await self.rate_limiter.reconcile(plan.lease, 0)
             raise
+        refusal = screened.refusal
         formatter = self._formatter(request, plan)
-        generation = self.runner.start(plan, decisions, screened.watch if screened is not None else False, screening)
+        generation = self.runner.start(plan, decisions, screened.watch)
         if refusal is not None:
             await self.rate_limiter.reconcile(plan.lease, 0)
             for state in generation.states:
@@ -240,32 +247,23 @@ class CompletionService:
             return self._stream(plan, generation, formatter, request.include_usage, headers)
         return await self._collect(generation, formatter, request.want_logprobs, client_gone, headers)
 
-    async def _screen_and_place(self, plan: GenerationPlan, request: _Request
-                                ) -> tuple[InputDecision | None, asyncio.Future[InputDecision] | None,
-                                           list[RoutingDecision]]:
-        """The input check and placement, overlapped so that the check costs no TTFT.
+    async def _screen(self, plan: GenerationPlan, request: _Request) -> InputDecision:
+        """The input check, completed before placement and before any worker call.
 
-        The check gets `SCREEN_HEAD_START_S` to itself: pattern-tier refusals and cached verdicts answer
-        within it, and such a refusal calls no worker at all. A check still running then (a classifier
-        pass, ~10-30 ms on a CPU) runs alongside placement and prefill; the generation holds every
-        choice's first output until it answers (`Generation._refused_late`), so nothing unchecked is
-        sent. The price of a late refusal is an aborted prefill (its KV freed, nothing billed).
-        Returns (decision if already known, the pending check otherwise, placements).
+        Why not overlapped with prefill, as it was (to hide the check's 10-30 ms from TTFT): a prompt
+        that safety has not cleared then ran its prefill anyway, and a check that missed its deadline
+        surfaced as an in-stream error of a request already admitted. A 1,000-word prompt's check took
+        longer than its prefill, so the overlap bought nothing there and cost 7 s of worker time per
+        refused or failed check. Now the check's time is added to TTFT, in full and visibly
+        (`Server-Timing: safety;dur=`), an outage is a 503 with Retry-After before any stream opens,
+        and a refused prompt costs no scheduler slot and no GPU time. Overlapping the check with the
+        scheduler call alone (which costs no worker time) was not kept: that call takes ~1 ms, and a
+        refused prompt would have held a slot of a saturated cluster meanwhile.
         """
-        screening = asyncio.ensure_future(
-            self.runner.precheck(plan, request.safety_history, request.safety_texts))
-        try:
-            await asyncio.wait({screening}, timeout=SCREEN_HEAD_START_S)
-            if screening.done() and screening.result().refusal is not None:
-                return screening.result(), None, []
-            decisions = await self.runner.place(plan)
-        except BaseException:
-            screening.cancel()
-            raise
-        if screening.done():
-            return screening.result(), None, decisions
-        screening.add_done_callback(lambda f: f.cancelled() or f.exception())  # an unread outage: no warning
-        return None, screening, decisions
+        decision = await self.runner.precheck(plan, request.safety_history, request.safety_texts)
+        if self.runner.safety is not None:
+            self.runner.metrics.observe_safety_check(decision.seconds, request.safety_chars)
+        return decision
 
     async def _answered_by(self, plan: GenerationPlan, decisions: list[RoutingDecision]) -> GenerationPlan:
         """The plan as its workers will answer it: the model a degraded placement switched to (the

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from services.common.lru import BoundedLru
 from services.safety.categories import LEARNED_CATEGORIES, SAFE_LABEL, Category
 from services.safety.encoder import DIM, SentenceEncoder
 
@@ -119,16 +120,43 @@ class EmbeddingHead:
                        str(f["train_digest"]))
 
 
-class EmbeddingClassifier:
-    """Thread-safe (read-only state); `predict_many` batches texts through one encoder pass."""
+class SegmentCache:
+    """LRU of class probabilities by SHA-256 of a segment's text (~150 bytes an entry); thread-safe.
 
-    def __init__(self, encoder: SentenceEncoder, head: EmbeddingHead) -> None:
+    Why: the gateway checks a request's new messages one by one and also joined (a harm split across
+    messages), and the joined text's segments are those of its messages again, so without this a
+    5,000-word prompt sent with a system prompt was judged twice. Probabilities depend on the text
+    alone (policies apply after), so entries are shared by every organisation.
+    """
+
+    def __init__(self, max_entries: int = 50_000) -> None:
+        self._rows: BoundedLru[bytes, npt.NDArray[np.float32]] = BoundedLru(max_entries)
+
+    @staticmethod
+    def key(text: str) -> bytes:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, key: bytes) -> npt.NDArray[np.float32] | None:
+        return self._rows.get(key)
+
+    def put(self, key: bytes, row: npt.NDArray[np.float32]) -> None:
+        self._rows.put(key, row)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class EmbeddingClassifier:
+    """Thread-safe (read-only state, a locked cache); `predict_many` batches texts through one encoder pass."""
+
+    def __init__(self, encoder: SentenceEncoder, head: EmbeddingHead, cache: SegmentCache | None = None) -> None:
         self.encoder = encoder
         self.head = head
+        self.cache = cache if cache is not None else SegmentCache()
 
     @classmethod
-    def load(cls, head_path: Path = HEAD_PATH) -> EmbeddingClassifier:
-        return cls(SentenceEncoder(), EmbeddingHead.load(head_path))
+    def load(cls, head_path: Path = HEAD_PATH, encoder_threads: int = 2) -> EmbeddingClassifier:
+        return cls(SentenceEncoder(threads=encoder_threads), EmbeddingHead.load(head_path))
 
     @property
     def refuse_threshold(self) -> float:
@@ -139,9 +167,21 @@ class EmbeddingClassifier:
         return self.head.watch_threshold
 
     def predict_many(self, texts: Sequence[str]) -> list[dict[Category, float]]:
-        """p(category | text) for each learned category, one dict per text."""
-        probs = self.head.probabilities(self.encoder.embed(list(texts)))
-        return [{c: float(p) for c, p in zip(LEARNED_CATEGORIES, row[1:], strict=True)} for row in probs]
+        """p(category | text) for each learned category, one dict per text; texts seen before (in
+        `cache`) cost a lookup, the others one batched encoder pass."""
+        keys = [SegmentCache.key(t) for t in texts]
+        known: dict[bytes, npt.NDArray[np.float32]] = {}
+        for key in keys:
+            row = self.cache.get(key)
+            if row is not None:
+                known[key] = row
+        missing = {key: text for key, text in zip(keys, texts, strict=True) if key not in known}  # deduplicated
+        if missing:
+            computed = self.head.probabilities(self.encoder.embed(list(missing.values())))
+            for key, row in zip(missing, computed, strict=True):
+                known[key] = row
+                self.cache.put(key, row)
+        return [{c: float(p) for c, p in zip(LEARNED_CATEGORIES, known[key][1:], strict=True)} for key in keys]
 
     def predict(self, text: str) -> dict[Category, float]:
         return self.predict_many([text])[0]

@@ -16,14 +16,21 @@ decision (answer a refused prompt with a retryable 503, not `content_filter`). D
   retry; admitting unchecked prompts during an outage is exactly what an attacker would wait for.
 * output: fail-OPEN. The prompt already passed the (fail-closed) input check; the GPU work is spent;
   halting every in-flight generation on a safety-service blip would turn a partial outage into a
-  total one. After its first failure a stream stops calling the service (`degraded`), so an outage
-  costs each stream one timeout, not one per token. Organisations that must never see unchecked
-  output set `output_fail_mode=FailMode.CLOSED`.
+  total one. Organisations that must never see unchecked output set `output_fail_mode=FailMode.CLOSED`
+  (the gateway then ends the choice with `content_filter`, saying the check was unavailable).
 
-`timeout_s` (default 1 s) bounds each call; the service's work is a few milliseconds (one sentence-
-encoder pass; tens for a long text), so the timeout leaves room for queueing under load and fires
-on an outage. The gateway never waits on output verdicts for its first token (`OutputGate`). Every failure is counted in
-`baton_safety_client_failures_total{direction,fail_mode,reason}`.
+Deadlines scale with the text (`deadline_s`: `timeout_s`, 2 s by default, plus `per_1k_chars_s` per
+1,000 characters), so a 5,000-word prompt is judged, not timed out (see `limits.py`). A text longer
+than `limits.MAX_INPUT_CHARS` raises `InputTooLongError` before any call.
+
+Output, mid-stream: a service that fails (an RPC error, the stream ended) puts the stream in the fail
+mode at once. A verdict that is only late is waited for `late_waits` more deadlines (the gateway holds
+back the tokens past its unchecked allowance meanwhile), since under CPU contention a healthy service
+can be slow: only then is the stream put in the fail mode. After that a stream stops calling the
+service (`degraded`), so an outage costs each stream one deadline, not one per token. Late verdicts
+are counted in `baton_safety_client_late_verdicts_total`; every failure in
+`baton_safety_client_failures_total{direction,fail_mode,reason}`. The gateway never waits on output
+verdicts for its first token (`OutputGate`).
 """
 
 from __future__ import annotations
@@ -39,12 +46,15 @@ from prometheus_client import Counter
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.common.tracing import client_interceptors
 from services.safety.categories import SafetyVerdict, Tier
+from services.safety.limits import check_length
 from services.safety.wire import verdict_from_pb
 
 log = logging.getLogger(__name__)
 
 CLIENT_FAILURES = Counter("baton_safety_client_failures", "Safety calls that failed and fell back to the fail mode",
                           ["direction", "fail_mode", "reason"])
+LATE_VERDICTS = Counter("baton_safety_client_late_verdicts", "Output verdicts that missed one deadline and were "
+                        "waited for again")
 
 
 class FailMode(StrEnum):
@@ -54,13 +64,19 @@ class FailMode(StrEnum):
 
 @dataclass(frozen=True)
 class SafetyClientConfig:
-    timeout_s: float = 1.0
+    timeout_s: float = 2.0        # the deadline of an empty text
+    per_1k_chars_s: float = 1.0   # added per 1,000 characters of the text judged
+    late_waits: int = 1           # output: deadlines a late (not failed) verdict is waited for again
     input_fail_mode: FailMode = FailMode.CLOSED
     output_fail_mode: FailMode = FailMode.OPEN
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.per_1k_chars_s < 0 or self.late_waits < 0:
+            raise ValueError(f"need timeout_s > 0, per_1k_chars_s >= 0, late_waits >= 0: {self}")
+
+    def deadline_s(self, chars: int) -> float:
+        """How long a verdict on a text of `chars` characters is waited for."""
+        return self.timeout_s + self.per_1k_chars_s * chars / 1000
 
 
 def unavailable_verdict(mode: FailMode) -> SafetyVerdict:
@@ -106,13 +122,27 @@ class OutputFilter:
         if self._first is not None:
             chunk.MergeFrom(self._first)
             self._first = None
+        exchange = asyncio.ensure_future(self._exchange(chunk))
         try:
-            async with asyncio.timeout(self._config.timeout_s):
-                verdict = await self._exchange(chunk)
+            verdict = await self._await_verdict(exchange, self._config.deadline_s(len(delta)))
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
             self._degrade(mode, _reason(e))
             return self._remember(unavailable_verdict(mode))
         return self._remember(verdict)
+
+    async def _await_verdict(self, exchange: asyncio.Future[SafetyVerdict], deadline_s: float) -> SafetyVerdict:
+        """The exchange's verdict; a late one is waited for `late_waits` more deadlines (the chunk is
+        not sent again: the stream answers in order). Raises TimeoutError when it never came."""
+        try:
+            for wait in range(1 + self._config.late_waits):
+                done, _ = await asyncio.wait({exchange}, timeout=deadline_s)
+                if done:
+                    return exchange.result()
+                if wait < self._config.late_waits:
+                    LATE_VERDICTS.inc()
+            raise TimeoutError(f"no verdict within {1 + self._config.late_waits} x {deadline_s:.1f} s")
+        finally:
+            exchange.cancel()  # no-op when done; else the read is abandoned (the stream is degraded)
 
     async def _exchange(self, chunk: safety_pb2.OutputChunk) -> SafetyVerdict:
         try:
@@ -143,7 +173,7 @@ class OutputFilter:
         if self._call.done():
             return
         try:
-            async with asyncio.timeout(self._config.timeout_s):
+            async with asyncio.timeout(self._config.deadline_s(0)):
                 await self._finish()
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             self._call.cancel()  # InvalidStateError: the call ended meanwhile (see `_exchange`)
@@ -173,11 +203,13 @@ class SafetyClient:
 
     async def check_input(self, org_id: str, text: str, request_id: str = "") -> SafetyVerdict:
         """The verdict on a prompt; allowed=False with tier "pattern"/"classifier": refuse it
-        (finish_reason `content_filter`); tier "unavailable": the service did not answer."""
+        (finish_reason `content_filter`); tier "unavailable": the service did not answer.
+        Raises InputTooLongError (no call) for a text longer than `limits.MAX_INPUT_CHARS`."""
+        check_length(text)
         request = safety_pb2.CheckInputRequest(org_id=org_id, text=text, request_id=request_id)
         mode = self.config.input_fail_mode
         try:
-            response = await self._safety().CheckInput(request, timeout=self.config.timeout_s)
+            response = await self._safety().CheckInput(request, timeout=self.config.deadline_s(len(text)))
         except grpc.aio.AioRpcError as e:
             CLIENT_FAILURES.labels("input", mode.value, _reason(e)).inc()
             log.warning("safety check_input unavailable (%s): failing %s", _reason(e), mode.value)

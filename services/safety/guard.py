@@ -88,7 +88,8 @@ class GuardModelTier:
     def __init__(self, config: GuardConfig, client: httpx.AsyncClient | None = None) -> None:
         self.config = config
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._client = client or httpx.AsyncClient(base_url=config.url, headers=headers)
+        # httpx's own 5 s default would cut a call short of a longer budget (seen as "late" under CI load).
+        self._client = client or httpx.AsyncClient(base_url=config.url, headers=headers, timeout=config.budget_s)
 
     async def judge(self, text: str) -> GuardAnswer | None:
         """The guard's answer within the budget, or None (late, failed or off-format)."""

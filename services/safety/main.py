@@ -26,8 +26,8 @@ log = logging.getLogger("services.safety")
 
 
 class SafetySettings(BaseSettings):
-    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`, and the optional guard
-    model: `_GUARD_URL`, `_GUARD_MODEL`, `_GUARD_API_KEY`, `_GUARD_BUDGET_MS`."""
+    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`, `_ENCODER_THREADS`, and the
+    optional guard model: `_GUARD_URL`, `_GUARD_MODEL`, `_GUARD_API_KEY`, `_GUARD_BUDGET_MS`."""
 
     model_config = SettingsConfigDict(env_prefix="BATON_SAFETY_", extra="ignore", frozen=True)
 
@@ -36,6 +36,7 @@ class SafetySettings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     policy_file: Path | None = None
     grace_s: float = Field(default=5.0, ge=0)
+    encoder_threads: int = Field(default=2, ge=1)
     guard_url: str | None = None
     guard_model: str | None = None
     guard_api_key: str = ""
@@ -70,6 +71,7 @@ def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetySer
         metrics_port=settings.metrics_port if args.metrics_port is None else args.metrics_port,
         policy_path=settings.policy_file if args.policy is None else args.policy,
         grace_s=settings.grace_s if args.grace_s is None else args.grace_s,
+        encoder_threads=settings.encoder_threads,
         guard=_guard_config(args, settings),
     )
 

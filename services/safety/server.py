@@ -40,6 +40,7 @@ class SafetyServerConfig:
     metrics_port: int | None = None
     policy_path: Path | None = None  # None: the built-in default policy for every organisation
     head_path: Path = HEAD_PATH
+    encoder_threads: int = 2    # ONNX Runtime intra-op threads of the sentence encoder
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
     guard: GuardConfig | None = None  # None: no guard-model tier
@@ -59,7 +60,7 @@ def build_checker(config: SafetyServerConfig) -> SafetyChecker:
     """Load the policy file and the classifier (raises ConfigError on a bad policy)."""
     limit_blas_threads()
     policies = PolicyBook.from_file(config.policy_path) if config.policy_path else PolicyBook()
-    return SafetyChecker(policies, PatternTier(), EmbeddingClassifier.load(config.head_path))
+    return SafetyChecker(policies, PatternTier(), EmbeddingClassifier.load(config.head_path, config.encoder_threads))
 
 
 class SafetyServer:

@@ -6,9 +6,13 @@ per delta, in order; the server ends the stream after a halting verdict. A strea
 sliding window (a few hundred characters), so thousands can be open at once.
 
 The classifier tier (a sentence-encoder forward pass, milliseconds) runs in worker threads, never on
-the event loop: numpy releases the GIL in its matmuls, and the loop keeps answering pattern-tier
-verdicts of other streams meanwhile. Input checks and output windows have a thread each, so a prompt's
-check never queues behind the output windows of every running stream.
+the event loop: the encoder releases the GIL, and the loop keeps answering pattern-tier verdicts of
+other streams meanwhile. Three pools, so that no check queues behind a longer kind of work: short input
+texts (two threads), long input texts (over `limits.LONG_TEXT_CHARS`: one thread; a 5,000-word prompt
+is seconds of CPU, and before this split every short prompt's check behind it missed its 1 s deadline
+and failed closed), and output windows (one thread). A text over `limits.MAX_INPUT_CHARS` is refused
+with INVALID_ARGUMENT before any work. Input check time by text size is in
+`baton_safety_input_check_seconds{size}`.
 
 Texts are never logged, only request ids, categories and tiers.
 """
@@ -27,7 +31,8 @@ from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.safety.categories import Category, Direction, SafetyVerdict, Tier
 from services.safety.checker import SafetyChecker, decide
 from services.safety.guard import GuardModelTier
-from services.safety.metrics import ACTIVE_STREAMS, RPC_LATENCY, record_verdict
+from services.safety.limits import LONG_TEXT_CHARS, MAX_INPUT_CHARS, size_bucket
+from services.safety.metrics import ACTIVE_STREAMS, INPUT_CHECK_SECONDS, RPC_LATENCY, record_verdict
 from services.safety.stream_filter import OutputStreamFilter, StreamFilterConfig
 from services.safety.wire import verdict_to_pb
 
@@ -43,17 +48,25 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         self._checker = checker
         self._guard = guard
         self._stream_config = stream_config or StreamFilterConfig()
-        self._input_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-input")
+        self._input_pool = ThreadPoolExecutor(2, thread_name_prefix="safety-input")
+        self._long_input_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-long-input")
         self._output_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-output")
 
     async def CheckInput(self, request: safety_pb2.CheckInputRequest,
                          context: grpc.aio.ServicerContext) -> safety_pb2.Verdict:
         start = time.perf_counter()
+        chars = len(request.text)
+        if chars > MAX_INPUT_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the text has {chars} characters; at most {MAX_INPUT_CHARS} are judged")
+        pool = self._long_input_pool if chars > LONG_TEXT_CHARS else self._input_pool
         verdict = await asyncio.get_running_loop().run_in_executor(
-            self._input_pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
+            pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
         if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Tier.NONE:
             verdict = await self._ask_guard(request.org_id, request.text) or verdict
-        _CHECK_LATENCY.observe(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        _CHECK_LATENCY.observe(elapsed)
+        INPUT_CHECK_SECONDS.labels(size_bucket(chars)).observe(elapsed)
         record_verdict(Direction.INPUT, verdict.allowed, verdict.category, verdict.tier)
         if verdict.category is not None or verdict.watch:
             log.info("input %s org=%s request=%s category=%s tier=%s score=%.2f",

@@ -114,13 +114,18 @@ class GatewayStack:
     def start_pattern_safety(self, policy_dir: Path) -> str:
         """A safety service whose thresholds are 1.0, so only the deterministic pattern tier fires (the
         classifier's scores never reach 1.0); stopped with the stack. Its address."""
-        policy = policy_dir / "policy.json"
-        policy.write_text(json.dumps({"default": {"categories": {
-            c: {"threshold": 1.0, "input": c != "pii"} for c in SAFETY_CATEGORIES}}}))
+        return self.start_safety(policy_dir, {"default": {"categories": {
+            c: {"threshold": 1.0, "input": c != "pii"} for c in SAFETY_CATEGORIES}}})
+
+    def start_safety(self, policy_dir: Path, policy: dict[str, object] | None = None) -> str:
+        """A safety service with `policy` (None: the built-in default policy); stopped with the stack."""
+        argv = [sys.executable, "-m", "services.safety", "--host", "127.0.0.1"]
+        if policy is not None:
+            (policy_dir / "policy.json").write_text(json.dumps(policy))
+            argv += ["--policy", str(policy_dir / "policy.json")]
         port = free_port()
-        self.supervisor.start(ChildSpec(
-            f"safety-{port}", [sys.executable, "-m", "services.safety", "--host", "127.0.0.1", "--port", str(port),
-                               "--policy", str(policy)], listening(port), ready_timeout_s=60))
+        self.supervisor.start(ChildSpec(f"safety-{port}", [*argv, "--port", str(port)], listening(port),
+                                        ready_timeout_s=60))
         return f"127.0.0.1:{port}"
 
     def log_tail(self, name: str = "gateway", lines: int = 40) -> str:

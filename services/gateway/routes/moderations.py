@@ -11,27 +11,31 @@ Scores are the classifier's probabilities; a pattern-tier hit scores 1.0. The ot
 (the "/threatening", "/intent", "/instructions", "/graphic" refinements, "illicit/violent") are
 reported false with score 0: Baton does not detect them separately. `flagged` is true when a
 category crossed the organisation's threshold, whether its policy blocks or only flags it.
-503 when the safety service is down; 400 `feature_disabled` on a gateway run without one.
+503 with Retry-After when the safety service is down; 400 `feature_disabled` on a gateway run
+without one. Inputs may be as long as the safety service judges (`limits.MAX_INPUT_CHARS`, 64,000
+characters, ~10,000 words, for all the inputs of one request together): a longer request is a 400
+`input_too_long`. The check's time is in the `Server-Timing: safety;dur=<ms>` header and in
+`baton_gateway_safety_check_seconds{size}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.deps import CurrentPrincipal, Deps
 from services.gateway.errors import BadRequestError
-from services.gateway.safety_gate import SafetyVerdict
+from services.gateway.safety_gate import InputDecision, SafetyVerdict, check_length_or_400
 
 router = APIRouter(tags=["moderations"])
 
 MODEL = "baton-safety-minilm"
 MAX_INPUTS = 32
-MAX_INPUT_CHARS = 32_000
 OPENAI_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit",
                      "illicit/violent", "self-harm", "self-harm/intent", "self-harm/instructions", "sexual",
                      "sexual/minors", "violence", "violence/graphic")
@@ -44,8 +48,8 @@ TO_OPENAI: dict[str, tuple[str, ...]] = {
 class ModerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # as the other bodies (schemas.py)
 
-    input: Annotated[str, Field(max_length=MAX_INPUT_CHARS)] | Annotated[
-        list[Annotated[str, Field(max_length=MAX_INPUT_CHARS)]], Field(min_length=1, max_length=MAX_INPUTS)]
+    # Length is checked on all inputs together (`check_length_or_400`: 400 `input_too_long`).
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
     model: str | None = None  # accepted and echoed as Baton's one moderation model
 
 
@@ -65,12 +69,19 @@ def moderation_result(verdict: SafetyVerdict) -> dict[str, object]:
 
 
 @router.post("/v1/moderations")
-async def create_moderation(body: ModerationRequest, principal: CurrentPrincipal, deps: Deps) -> dict[str, object]:
+async def create_moderation(body: ModerationRequest, principal: CurrentPrincipal, deps: Deps,
+                            response: Response) -> dict[str, object]:
     if deps.safety is None:
         raise BadRequestError("moderation needs the safety service (BATON_SAFETY_ADDRESS) on this gateway",
                               "input", "feature_disabled")
     texts = [body.input] if isinstance(body.input, str) else body.input
+    check_length_or_400("".join(texts), "input")  # all inputs together: one request's judging time is bounded
     request_id = "modr-" + secrets.token_urlsafe(18)
-    verdicts = await asyncio.gather(*(deps.safety.check_input(principal.org_id, t, request_id) for t in texts))
+    start = time.perf_counter()
+    verdicts = await asyncio.gather(*(deps.safety.check_input(principal.org_id, t, request_id, "input")
+                                      for t in texts))
+    seconds = time.perf_counter() - start
+    response.headers.update(InputDecision(None, seconds=seconds).timing_headers())
+    deps.metrics.observe_safety_check(seconds, sum(len(t) for t in texts))
     results = [moderation_result(v) for v in verdicts]
     return {"id": request_id, "model": MODEL, "results": results}

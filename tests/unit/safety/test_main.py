@@ -30,3 +30,10 @@ def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) 
     config = config_from(args, SafetySettings())
     assert (config.port, config.policy_path, config.metrics_port) == (50071, Path("p.yaml"), None)
     assert args.func.__name__ == "run_safety_command"
+
+
+def test_encoder_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_SAFETY_ENCODER_THREADS", "4")
+    assert config_from(_parse(["safety"]), SafetySettings()).encoder_threads == 4
+    monkeypatch.delenv("BATON_SAFETY_ENCODER_THREADS")
+    assert config_from(_parse(["safety"]), SafetySettings()).encoder_threads == 2
