@@ -60,6 +60,9 @@ class Reason(StrEnum):
     TOO_LARGE = "request_exceeds_worker_kv_capacity"
     QUEUE_FULL = "admission_queue_full"
     QUEUE_TIMEOUT = "admission_queue_timeout"
+    # Its admission wait ran out with no placement meeting its targets; a worker with a free slot and
+    # KV room serves it anyway, slower than its targets (core/progress.py).
+    SERVED_PAST_TARGETS = "served_past_slo_targets"
 
 
 class WorkerFailure(StrEnum):
