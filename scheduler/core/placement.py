@@ -179,7 +179,8 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
     running = running_batch(decode)
-    others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
+    others = running + request.num_choices - 1  # its sibling choices decode beside it
+    others = others if decode.max_num_seqs is None else min(others, decode.max_num_seqs - 1)
     now_step = _tpot_at(cost, decode, request, others)
     stretch = step_stretch(decode, cost, now_step)  # the prompts arriving in its life, at its step now
     step = _tpot_at(cost, decode, request, life_batch(decode, others, request.max_tokens, now_step * stretch))
@@ -276,7 +277,7 @@ def evaluate(
         ttft += side.running_step_s
         wait = side.slot_wait_s + remote.backlog_s
     tpot = side.step_s * side.stretch
-    blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - side.cached_blocks
+    blocks_needed = math.ceil((prompt + request.output_tokens) / decode.block_size) - side.cached_blocks
     return Placement(
         decode, prefill, side.cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot,
         stretch_tpot_s=tpot - side.step_s, wait_s=wait,

@@ -37,12 +37,19 @@ def progress_decision(
     meet now (`breaks_running_targets`). None when no worker qualifies."""
     candidates = [
         p for p in candidate_placements(request, view, rule or DisaggregationRule())
-        if p.fits and p.decode.slot_queue == 0.0 and (may_break_targets or not breaks_running_targets(p, view))
+        if p.fits and _free_slots(p.decode, request.num_choices)
+        and (may_break_targets or not breaks_running_targets(p, view))
     ]
     if not candidates:
         return None
     best = min(candidates, key=lambda p: p.ttft_s + p.tpot_s * request.max_tokens)
     return best.decision(request, DecisionKind.ROUTE, Reason.SERVED_PAST_TARGETS), best
+
+
+def _free_slots(decode: WorkerLoad, wanted: int) -> bool:
+    """Whether `wanted` sequences can start decoding on the worker now (unknown slots: unlimited)."""
+    slots = decode.max_num_seqs
+    return slots is None or decode.decode_batch + wanted <= slots
 
 
 def breaks_running_targets(placement: Placement, view: ClusterView) -> bool:

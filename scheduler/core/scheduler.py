@@ -282,11 +282,11 @@ class Scheduler:
         assert decision.decode_worker_id is not None  # placed decisions always name one
         decode_id, prefill_id = decision.decode_worker_id, decision.prefill_worker_id
         max_tokens = decision.max_tokens or request.max_tokens
-        prompt = request.num_prompt_tokens
+        prompt, choices = request.num_prompt_tokens, request.num_choices
         block_size = self._registry.snapshot(decode_id).block_size
-        blocks = math.ceil((prompt + max_tokens) / block_size) - decision.cached_blocks
+        blocks = math.ceil((prompt + max_tokens * choices) / block_size) - decision.cached_blocks
         decode_share = Reservation(
-            decode_seqs=1, context_tokens=prompt + max_tokens // 2, blocks=max(blocks, 0)
+            decode_seqs=choices, context_tokens=(prompt + max_tokens // 2) * choices, blocks=max(blocks, 0)
         )
         prefill_id = prefill_id or decode_id
         prefill_cached = self._prefix.match(prefill_id, request.prefix_hashes)
@@ -316,7 +316,7 @@ def _reject_if_too_large(request: RequestSummary, view: ClusterView) -> RouteDec
     workers = view.decode_workers(request.model)
     if not workers:
         return None  # the policy answers NO_WORKERS with a retry hint
-    tokens = request.num_prompt_tokens + request.max_tokens
+    tokens = request.num_prompt_tokens + request.output_tokens
     if any(math.ceil(tokens / w.block_size) <= w.snapshot.total_blocks for w in workers):
         return None
     return reject(request, Reason.TOO_LARGE, None)

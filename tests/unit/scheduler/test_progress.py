@@ -98,3 +98,25 @@ def test_retry_after_stays_within_its_bounds(make_request, make_load, make_view)
     assert first_finish_s(idle, make_view([idle]), 64) == 0.0
     assert capacity_eta_s(request, make_view([idle])) == MIN_RETRY_AFTER_S
     assert capacity_eta_s(request, make_view([])) == MAX_RETRY_AFTER_S
+
+
+def test_the_choices_of_one_prompt_are_placed_and_charged_together(make_snapshot, make_request) -> None:
+    scheduler = Scheduler(GoodputPolicy(), SchedulerConfig(default_profile=CPU))
+    scheduler.register(make_snapshot("w", max_num_seqs=64, free_blocks=1000, total_blocks=1000), now=0.0)
+    pair = replace(make_request("pair", prompt=64, tier=Tier.FREE, slo=SLO(ttft_ms=5000, tpot_ms=1000),
+                                max_tokens=64), num_choices=3)
+    decision = scheduler.route(pair, now=0.0)
+    assert (decision.kind, decision.decode_worker_id) == (DecisionKind.ROUTE, "w")
+    [load] = scheduler.worker_loads(now=0.0)
+    assert load.decode_batch == 3  # three sequences decode
+    assert load.free_blocks == 1000 - (64 + 3 * 64) // 16  # one prompt, three answers
+
+
+def test_choices_that_could_never_fit_together_are_refused_as_too_large(make_snapshot, make_request) -> None:
+    scheduler = Scheduler(GoodputPolicy(), SchedulerConfig(default_profile=CPU))
+    scheduler.register(make_snapshot("w", free_blocks=20, total_blocks=20), now=0.0)  # 320 tokens
+    one = make_request("one", prompt=64, max_tokens=200)
+    assert scheduler.route(one, now=0.0).is_placed
+    scheduler.on_finished("one", now=0.0)
+    decision = scheduler.route(replace(one, request_id="two", num_choices=2), now=0.0)
+    assert (decision.kind, decision.reason) == (DecisionKind.REJECT, Reason.TOO_LARGE)
