@@ -60,6 +60,9 @@ class Reason(StrEnum):
     TOO_LARGE = "request_exceeds_worker_kv_capacity"
     QUEUE_FULL = "admission_queue_full"
     QUEUE_TIMEOUT = "admission_queue_timeout"
+    # Its admission wait ran out with no placement meeting its targets; a worker with a free slot and
+    # KV room serves it anyway, slower than its targets (core/progress.py).
+    SERVED_PAST_TARGETS = "served_past_slo_targets"
 
 
 class WorkerFailure(StrEnum):
@@ -149,13 +152,21 @@ class RequestSummary:
     conversation_id: str | None = None
     # Seconds already spent in the scheduler's admission queue; counts against the TTFT target.
     waited_s: float = 0.0
+    # Choices of the prompt placed together (the OpenAI `n`): one prefill, `num_choices` decoding
+    # sequences of up to `max_tokens` each, on one decode worker, answered by one decision.
+    num_choices: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_prompt_tokens <= 0 or self.max_tokens <= 0:
+        if self.num_prompt_tokens <= 0 or self.max_tokens <= 0 or self.num_choices <= 0:
             raise ValueError(
-                f"request {self.request_id}: num_prompt_tokens and max_tokens must be positive, got "
-                f"{self.num_prompt_tokens} and {self.max_tokens}"
+                f"request {self.request_id}: num_prompt_tokens, max_tokens and num_choices must be positive, "
+                f"got {self.num_prompt_tokens}, {self.max_tokens} and {self.num_choices}"
             )
+
+    @property
+    def output_tokens(self) -> int:
+        """The most tokens its choices may generate together."""
+        return self.max_tokens * self.num_choices
 
 
 @dataclass(frozen=True)

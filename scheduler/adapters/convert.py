@@ -153,6 +153,7 @@ def summary_from_proto(request: pb.RouteRequest) -> RequestSummary:
             max_tokens=request.max_tokens,
             model=request.model,
             conversation_id=request.conversation_id or None,
+            num_choices=max(request.num_choices, 1),
         )
     except InvalidMessageError:
         raise
@@ -170,6 +171,7 @@ def summary_to_proto(summary: RequestSummary) -> pb.RouteRequest:
         max_tokens=summary.max_tokens,
         conversation_id=summary.conversation_id or "",
         model=summary.model,
+        num_choices=summary.num_choices,
     )
 
 

@@ -44,9 +44,10 @@ class SchedulerServiceConfig:
     policy: str = "goodput"
     profile_path: str | None = None  # see profiles.py for the file's two forms
     metrics_port: int | None = None  # None: no /metrics server; 0: any free port
-    # Silence after which a worker is dead and never routed to. 10 s, not 3: a busy CPU `both`
-    # worker's heartbeat waits for engine step boundaries (1-2 s steps under load), and each false
-    # death resets its cost model and prefix index (docs/benchmarks.md, scheduler policies).
+    # Silence after which a worker is dead and never routed to. Workers heartbeat from a thread of their
+    # own, whatever their steps take (services/worker/heartbeat.py), so this bounds a stalled process,
+    # not a long step; 10 s, not 3, because each false death resets the worker's cost model and prefix
+    # index (docs/operations.md, "Heartbeats and liveness").
     heartbeat_timeout_s: float = 10.0
     drain_grace_s: float = 5.0
     # Goodput policy under overload: serve these tiers with max_tokens x this fraction before

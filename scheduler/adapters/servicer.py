@@ -230,7 +230,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 return await waiter
         except TimeoutError:
             self._core.on_finished(request_id, self._clock.now())
-            decision = reject(summary, Reason.QUEUE_TIMEOUT, self._core.config.overload_retry_after_s)
+            decision = reject(summary, Reason.QUEUE_TIMEOUT, self._core.retry_after_s(summary, self._clock.now()))
             self._metrics.observe_decision(decision)
             return decision
         except asyncio.CancelledError:

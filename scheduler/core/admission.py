@@ -11,8 +11,9 @@ free request, whose looser targets fit a busier cluster, would take the capacity
 request is waiting for, and enterprise would be served last exactly when it matters.
 
 Each tier has a maximum wait, and by default a request also leaves when its own TTFT target has
-passed: it can no longer count towards goodput, and serving it late would take capacity from
-requests that still can — under sustained overload that is how everything ends up late.
+passed: it can no longer count towards goodput, and holding it longer would take capacity from
+requests that still can. Leaving the queue is not a refusal: a request whose wait ran out is served
+where a worker can still make progress, and refused only when none can (core/progress.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class AdmissionConfig:
     max_queue_s: Mapping[Tier, float] = field(default_factory=_default_max_queue_s)
     max_depth: int = 1024  # per tier; a full tier rejects new arrivals at once
     expire_at_ttft_target: bool = True  # False: wait the full tier maximum even past the TTFT target
+    # When a request's wait runs out it is served where a worker can still make progress (a free slot
+    # and KV room) rather than refused: a slow answer beats a 503 (core/progress.py). These tiers are
+    # served so even where that pushes running requests past a TPOT target they meet; the others only
+    # where it does not. `serve_when_expired=False`: every expired request is refused.
+    serve_when_expired: bool = True
+    serve_past_running_targets: frozenset[Tier] = frozenset({Tier.ENTERPRISE})
 
     def __post_init__(self) -> None:
         for name, table in (("tier_weights", self.tier_weights), ("max_queue_s", self.max_queue_s)):

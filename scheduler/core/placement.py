@@ -23,7 +23,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.core.batch_forecast import batch_context, life_batch, running_batch, slot_wait_s, step_stretch
+from scheduler.core.batch_forecast import (
+    batch_context,
+    life_batch,
+    mean_remaining_tokens,
+    running_batch,
+    slot_wait_s,
+    step_stretch,
+)
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel
 from scheduler.core.prefill_load import prefill_chunks
@@ -172,7 +179,8 @@ def decode_side(request: RequestSummary, view: ClusterView, decode: WorkerLoad) 
     cost = view.cost(decode.worker_id)
     cached_blocks = view.cached_blocks(decode.worker_id, request.prefix_hashes)
     running = running_batch(decode)
-    others = running if decode.max_num_seqs is None else min(running, decode.max_num_seqs - 1)
+    others = running + request.num_choices - 1  # its sibling choices decode beside it
+    others = others if decode.max_num_seqs is None else min(others, decode.max_num_seqs - 1)
     now_step = _tpot_at(cost, decode, request, others)
     stretch = step_stretch(decode, cost, now_step)  # the prompts arriving in its life, at its step now
     step = _tpot_at(cost, decode, request, life_batch(decode, others, request.max_tokens, now_step * stretch))
@@ -249,7 +257,9 @@ def evaluate(
             ttft = side.slot_wait_s + backlog + sliced
         if side.running:
             added_tpot = local_interference_s(
-                decode_cost, compute_tokens, side.cached_tokens, request.max_tokens, side.running_step_s)
+                decode_cost, compute_tokens, side.cached_tokens,
+                running_tokens_left(decode, side.running, side.running_step_s, request.max_tokens),
+                side.running_step_s)
         wait = side.slot_wait_s + backlog
     else:
         if remote is None:
@@ -267,7 +277,7 @@ def evaluate(
         ttft += side.running_step_s
         wait = side.slot_wait_s + remote.backlog_s
     tpot = side.step_s * side.stretch
-    blocks_needed = math.ceil((prompt + request.max_tokens) / decode.block_size) - side.cached_blocks
+    blocks_needed = math.ceil((prompt + request.output_tokens) / decode.block_size) - side.cached_blocks
     return Placement(
         decode, prefill, side.cached_blocks, compute_tokens, max(blocks_needed, 0), ttft, tpot, added_tpot,
         stretch_tpot_s=tpot - side.step_s, wait_s=wait,
@@ -290,17 +300,31 @@ def sliced_prefill_s(decode: WorkerLoad, side: DecodeSide, new_tokens: int) -> f
 
 
 def local_interference_s(
-    cost: CostModel, new_tokens: int, cached: int, max_tokens: int, running_step_s: float
+    cost: CostModel, new_tokens: int, cached: int, tokens_left: float, running_step_s: float
 ) -> float:
     """TPOT added to each running sequence when `new_tokens` are prefilled on their decode worker.
 
     Chunked prefill folds the prompt into the batch's steps, so the running sequences wait once for
     what it adds to their step (`CostModel.prefill_added_s`: the prefill, less the part of the decode
-    step that a mixed step does not pay); spread over the tokens they still have to generate (taken
-    as half of `max_tokens`, the only length known) that is their TPOT rise. The prefill's fixed part
-    counts too: on a CPU the fitted prefill cost is nearly all fixed part.
+    step that a mixed step does not pay); spread over the `tokens_left` they still have to generate
+    (`running_tokens_left`) that is their TPOT rise. The prefill's fixed part counts too: on a CPU the
+    fitted prefill cost is nearly all fixed part.
     """
-    return cost.prefill_added_s(new_tokens, cached, running_step_s) / max(max_tokens // 2, 1)
+    return cost.prefill_added_s(new_tokens, cached, running_step_s) / max(tokens_left, 1.0)
+
+
+def running_tokens_left(decode: WorkerLoad, running: int, running_step_s: float, max_tokens: int) -> float:
+    """The tokens the running sequences still have to generate, on average: what the worker reported
+    (`mean_remaining_tokens`), else half the newcomer's `max_tokens` (the only length known then).
+
+    The newcomer's own length is the wrong divisor when the worker says how long its sequences still
+    run: on a default `baton serve` on CPU a 2-token request beside a 200-token stream was priced as
+    adding its whole ~0.22-s prefill to every token of that stream (TPOT 0.38 s against a 0.25-s
+    target, where the stream's 180 tokens left spread it to ~1 ms), and it waited in the admission
+    queue until its TTFT target passed and got a 503 (docs/benchmarks.md, "Admission on a default
+    `baton serve`")."""
+    reported = mean_remaining_tokens(decode, running, running_step_s) if running_step_s > 0 else None
+    return max(max_tokens // 2, 1) if reported is None else reported
 
 
 def _tpot_at(cost: CostModel, decode: WorkerLoad, request: RequestSummary, others: float) -> float:

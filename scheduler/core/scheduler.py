@@ -25,6 +25,7 @@ from scheduler.core.fleet_signals import FleetSignal, fleet_signals
 from scheduler.core.placement import cached_tokens
 from scheduler.core.policies.base import Policy, reject
 from scheduler.core.prefix_index import PrefixIndex
+from scheduler.core.progress import capacity_eta_s, progress_decision
 from scheduler.core.registry import RateWindow, Reservation, WorkerRegistry
 from scheduler.core.role_switch import RoleSwitches
 from scheduler.types import (
@@ -53,7 +54,6 @@ class SchedulerConfig:
     default_profile: WorkerProfile = field(default_factory=WorkerProfile)  # for unprofiled workers
     cost_window: int = 512  # samples per fit: the last few seconds of steps
     max_conversations: int = 100_000  # conversation -> worker entries kept (LRU)
-    overload_retry_after_s: float = 2.0  # retry hint when the queue is full or a wait ran out
     # Placements' prefill compute is averaged over about this long to forecast the prefills a decoding
     # request will share its worker with (prefill_load.py): a few request lifetimes; and over at
     # least `prefill_min_window_s` at the start of a busy period.
@@ -205,10 +205,7 @@ class Scheduler:
         expired = self._queue.pop_expired(now)
         if expired:
             self._version += 1  # new heads of line have not been tried yet
-        decisions = [
-            reject(entry.request, Reason.QUEUE_TIMEOUT, self.config.overload_retry_after_s)
-            for entry in expired
-        ]
+        decisions = [self._past_wait(entry.request, entry.enqueued_at, now) for entry in expired]
         if self._version == self._tick_version:
             return decisions
         self._tick_version = self._version
@@ -224,6 +221,11 @@ class Scheduler:
                 self._commit(request, decision, now)
             decisions.append(decision)
         return decisions
+
+    def retry_after_s(self, request: RequestSummary, now: float) -> float:
+        """When capacity for `request` is forecast back (core/progress.py): the Retry-After of a refusal."""
+        self._expire(now)
+        return capacity_eta_s(request, self._view(now))
 
     def on_finished(self, request_id: str, now: float) -> None:
         """The request finished, failed or was cancelled: release its hold on the cluster."""
@@ -256,9 +258,22 @@ class Scheduler:
         loads = self._registry.routable_loads(now, self._switches.worker_ids())
         return ClusterView(loads, self._costs, self._prefix, self._conversations)
 
+    def _past_wait(self, request: RequestSummary, enqueued_at: float, now: float) -> RouteDecision:
+        """A queued request whose wait ran out: served where a worker can make progress (core/progress.py,
+        `AdmissionConfig.serve_when_expired`), else refused until capacity is forecast back."""
+        view = self._view(now)
+        admission = self.config.admission
+        if admission.serve_when_expired:
+            waited = replace(request, waited_s=request.waited_s + now - enqueued_at)
+            served = progress_decision(waited, view, request.tier in admission.serve_past_running_targets)
+            if served is not None:
+                self._commit(waited, served[0], now)
+                return served[0]
+        return reject(request, Reason.QUEUE_TIMEOUT, capacity_eta_s(request, view))
+
     def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:
         if not self._queue.push(request, now):
-            return reject(request, Reason.QUEUE_FULL, self.config.overload_retry_after_s)
+            return reject(request, Reason.QUEUE_FULL, capacity_eta_s(request, self._view(now)))
         self._version += 1  # a request queued behind others has not been tried yet
         return RouteDecision(request_id=request.request_id, kind=DecisionKind.QUEUE, reason=reason)
 
@@ -267,11 +282,11 @@ class Scheduler:
         assert decision.decode_worker_id is not None  # placed decisions always name one
         decode_id, prefill_id = decision.decode_worker_id, decision.prefill_worker_id
         max_tokens = decision.max_tokens or request.max_tokens
-        prompt = request.num_prompt_tokens
+        prompt, choices = request.num_prompt_tokens, request.num_choices
         block_size = self._registry.snapshot(decode_id).block_size
-        blocks = math.ceil((prompt + max_tokens) / block_size) - decision.cached_blocks
+        blocks = math.ceil((prompt + max_tokens * choices) / block_size) - decision.cached_blocks
         decode_share = Reservation(
-            decode_seqs=1, context_tokens=prompt + max_tokens // 2, blocks=max(blocks, 0)
+            decode_seqs=choices, context_tokens=(prompt + max_tokens // 2) * choices, blocks=max(blocks, 0)
         )
         prefill_id = prefill_id or decode_id
         prefill_cached = self._prefix.match(prefill_id, request.prefix_hashes)
@@ -301,7 +316,7 @@ def _reject_if_too_large(request: RequestSummary, view: ClusterView) -> RouteDec
     workers = view.decode_workers(request.model)
     if not workers:
         return None  # the policy answers NO_WORKERS with a retry hint
-    tokens = request.num_prompt_tokens + request.max_tokens
+    tokens = request.num_prompt_tokens + request.output_tokens
     if any(math.ceil(tokens / w.block_size) <= w.snapshot.total_blocks for w in workers):
         return None
     return reject(request, Reason.TOO_LARGE, None)

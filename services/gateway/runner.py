@@ -87,24 +87,31 @@ class CompletionRunner:
         return await self.safety.check_texts(plan.principal.org_id, history, new, plan.completion_id)
 
     async def place(self, plan: GenerationPlan) -> list[RoutingDecision]:
-        decisions: list[RoutingDecision] = []
+        """One routing decision per choice, in the order of `plan.choices`. The choices of one prompt
+        (n > 1) are placed together: one Route for all of them (`RequestSummary.num_choices`), whose
+        decision each takes under its own request id, so the worker prefills the prompt once for the
+        group and no choice is placed while a sibling waits or is refused."""
+        placed: dict[str, RoutingDecision] = {}
         try:
-            for spec in plan.choices:
-                summary = self.summary(plan, spec, first_attempt(spec.request_id, spec.prompt.token_ids,
-                                                                 spec.sampling))
+            for group in _prompt_groups(plan.choices):
+                lead = group[0]
+                attempt = first_attempt(lead.request_id, lead.prompt.token_ids, lead.sampling)
+                summary = replace(self.summary(plan, lead, attempt), num_choices=len(group),
+                                  max_tokens=max(spec.sampling.max_tokens for spec in group))
                 decision = await self.router.route(summary)
                 if not decision.is_placed or decision.decode_address is None:
                     self.metrics.refusals.labels("scheduler_reject").inc()
                     raise OverloadedError(f"no capacity for this request now ({decision.reason or 'rejected'})",
                                           decision.retry_after_s)
-                decisions.append(decision)
+                for spec in group:
+                    placed[spec.request_id] = replace(decision, request_id=spec.request_id)
                 if decision.model and decision.model != plan.model:  # degraded to a smaller model:
-                    plan = replace(plan, model=decision.model)  # the other choices ask for it too
+                    plan = replace(plan, model=decision.model)  # the other prompts ask for it too
         except BaseException:
-            for placed in decisions:
-                await self.router.finished(placed.request_id)
+            for decision in placed.values():
+                await self.router.finished(decision.request_id)
             raise
-        return decisions
+        return [placed[spec.request_id] for spec in plan.choices]
 
     def summary(self, plan: GenerationPlan, spec: ChoiceSpec, attempt: Attempt) -> RequestSummary:
         """What the scheduler is told about one attempt of a choice. A migration's prompt starts with
@@ -117,6 +124,14 @@ class CompletionRunner:
 
     def start(self, plan: GenerationPlan, decisions: list[RoutingDecision], watch: bool = False) -> Generation:
         return Generation(self, plan, decisions, watch)
+
+
+def _prompt_groups(choices: tuple[ChoiceSpec, ...] | list[ChoiceSpec]) -> list[list[ChoiceSpec]]:
+    """The choices grouped by the prompt they continue (one group per prompt, in order)."""
+    groups: dict[int, list[ChoiceSpec]] = {}
+    for spec in choices:
+        groups.setdefault(id(spec.prompt), []).append(spec)
+    return list(groups.values())
 
 
 class Generation:

@@ -138,6 +138,11 @@ class GatewayStack:
         self.supervisor.stop_all()
 
 
+def create_tenant(database_url: str, tier: Tier) -> Tenant:
+    """An organisation of `tier` with one API key, in a gateway's database (e.g. a `baton serve`'s)."""
+    return asyncio.run(_make_tenant(database_url, tier, None, None, None, None))
+
+
 async def _make_tenant(database_url: str, tier: Tier, rpm: int | None, tpm: int | None,
                        budget_usd: Decimal | None, email: str | None) -> Tenant:
     async with Database(DatabaseConfig(database_url, min_size=1, max_size=1, migrate=False)) as db:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rpcgen.baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/worker.proto\"\x8e\x02\n\nStepSample\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.baton.v1.StepSample.Kind\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12 \n\x13\x61ttention_tokens_sq\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0b\x64\x65\x63ode_seqs\x18\x06 \x01(\r\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_PREFILL\x10\x01\x12\x0f\n\x0bKIND_DECODE\x10\x02\x12\x0e\n\nKIND_MIXED\x10\x03\x42\x16\n\x14_attention_tokens_sq\"\x84\x01\n\x07KVEvent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.baton.v1.KVEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x04\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_EVICTED\x10\x02\"]\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"\x8d\x01\n\x10HeartbeatRequest\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\x12%\n\x07samples\x18\x02 \x03(\x0b\x32\x14.baton.v1.StepSample\x12$\n\tkv_events\x18\x03 \x03(\x0b\x32\x11.baton.v1.KVEventJ\x04\x08\x04\x10\x05\":\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0eswitch_to_role\x18\x02 \x01(\t\"\'\n\x03SLO\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\xc0\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x1a\n\x03slo\x18\x05 \x01(\x0b\x32\r.baton.v1.SLO\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\"\xfc\x03\n\rRouteResponse\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.baton.v1.RouteResponse.Kind\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x1e\n\x11predicted_ttft_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11predicted_tpot_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1a\n\rretry_after_s\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\t \x01(\t\x12\x19\n\x11prefill_worker_id\x18\n \x01(\t\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x16\n\x0eprefill_reason\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_ROUTE\x10\x01\x12\x0e\n\nKIND_QUEUE\x10\x02\x12\x10\n\x0cKIND_DEGRADE\x10\x03\x12\x0f\n\x0bKIND_REJECT\x10\x04\x42\x14\n\x12_predicted_ttft_msB\x14\n\x12_predicted_tpot_msB\x10\n\x0e_retry_after_s\"%\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x12\n\x10\x46inishedResponse\"\x14\n\x12ListWorkersRequest\"p\n\nLiveWorker\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\x12)\n\x0brole_switch\x18\x03 \x01(\x0b\x32\x14.baton.v1.RoleSwitch\"\xc7\x01\n\nRoleSwitch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfrom_role\x18\x02 \x01(\t\x12\x0f\n\x07to_role\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.baton.v1.RoleSwitch.State\"W\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_DRAINING\x10\x01\x12\x13\n\x0fSTATE_SWITCHING\x10\x02\x12\x0e\n\nSTATE_DONE\x10\x03\"1\n\x0eSetRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"<\n\x0fSetRoleResponse\x12)\n\x0brole_switch\x18\x01 \x01(\x0b\x32\x14.baton.v1.RoleSwitch\"\xd5\x01\n\x1aReportWorkerFailureRequest\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12;\n\x06reason\x18\x02 \x01(\x0e\x32+.baton.v1.ReportWorkerFailureRequest.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"R\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12REASON_UNAVAILABLE\x10\x01\x12\x18\n\x14REASON_STREAM_BROKEN\x10\x02\",\n\x1bReportWorkerFailureResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.LiveWorker2\x83\x04\n\tScheduler\x12\x41\n\x08Register\x12\x19.baton.v1.RegisterRequest\x1a\x1a.baton.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x1b.baton.v1.HeartbeatResponse\x12:\n\x05Route\x12\x16.baton.v1.RouteRequest\x1a\x17.baton.v1.RouteResponse0\x01\x12\x41\n\x08\x46inished\x12\x19.baton.v1.FinishedRequest\x1a\x1a.baton.v1.FinishedResponse\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponse\x12>\n\x07SetRole\x12\x18.baton.v1.SetRoleRequest\x1a\x19.baton.v1.SetRoleResponse\x12\x62\n\x13ReportWorkerFailure\x12$.baton.v1.ReportWorkerFailureRequest\x1a%.baton.v1.ReportWorkerFailureResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/worker.proto\"\x8e\x02\n\nStepSample\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.baton.v1.StepSample.Kind\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12 \n\x13\x61ttention_tokens_sq\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0b\x64\x65\x63ode_seqs\x18\x06 \x01(\r\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_PREFILL\x10\x01\x12\x0f\n\x0bKIND_DECODE\x10\x02\x12\x0e\n\nKIND_MIXED\x10\x03\x42\x16\n\x14_attention_tokens_sq\"\x84\x01\n\x07KVEvent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.baton.v1.KVEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x04\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_EVICTED\x10\x02\"]\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"\x8d\x01\n\x10HeartbeatRequest\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\x12%\n\x07samples\x18\x02 \x03(\x0b\x32\x14.baton.v1.StepSample\x12$\n\tkv_events\x18\x03 \x03(\x0b\x32\x11.baton.v1.KVEventJ\x04\x08\x04\x10\x05\":\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0eswitch_to_role\x18\x02 \x01(\t\"\'\n\x03SLO\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\xd5\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x1a\n\x03slo\x18\x05 \x01(\x0b\x32\r.baton.v1.SLO\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x13\n\x0bnum_choices\x18\t \x01(\r\"\xfc\x03\n\rRouteResponse\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.baton.v1.RouteResponse.Kind\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x1e\n\x11predicted_ttft_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11predicted_tpot_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1a\n\rretry_after_s\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\t \x01(\t\x12\x19\n\x11prefill_worker_id\x18\n \x01(\t\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x16\n\x0eprefill_reason\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_ROUTE\x10\x01\x12\x0e\n\nKIND_QUEUE\x10\x02\x12\x10\n\x0cKIND_DEGRADE\x10\x03\x12\x0f\n\x0bKIND_REJECT\x10\x04\x42\x14\n\x12_predicted_ttft_msB\x14\n\x12_predicted_tpot_msB\x10\n\x0e_retry_after_s\"%\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x12\n\x10\x46inishedResponse\"\x14\n\x12ListWorkersRequest\"p\n\nLiveWorker\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.baton.v1.WorkerStatus\x12)\n\x0brole_switch\x18\x03 \x01(\x0b\x32\x14.baton.v1.RoleSwitch\"\xc7\x01\n\nRoleSwitch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfrom_role\x18\x02 \x01(\t\x12\x0f\n\x07to_role\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.baton.v1.RoleSwitch.State\"W\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_DRAINING\x10\x01\x12\x13\n\x0fSTATE_SWITCHING\x10\x02\x12\x0e\n\nSTATE_DONE\x10\x03\"1\n\x0eSetRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"<\n\x0fSetRoleResponse\x12)\n\x0brole_switch\x18\x01 \x01(\x0b\x32\x14.baton.v1.RoleSwitch\"\xd5\x01\n\x1aReportWorkerFailureRequest\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12;\n\x06reason\x18\x02 \x01(\x0e\x32+.baton.v1.ReportWorkerFailureRequest.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"R\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12REASON_UNAVAILABLE\x10\x01\x12\x18\n\x14REASON_STREAM_BROKEN\x10\x02\",\n\x1bReportWorkerFailureResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.LiveWorker2\x83\x04\n\tScheduler\x12\x41\n\x08Register\x12\x19.baton.v1.RegisterRequest\x1a\x1a.baton.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x1b.baton.v1.HeartbeatResponse\x12:\n\x05Route\x12\x16.baton.v1.RouteRequest\x1a\x17.baton.v1.RouteResponse0\x01\x12\x41\n\x08\x46inished\x12\x19.baton.v1.FinishedRequest\x1a\x1a.baton.v1.FinishedResponse\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponse\x12>\n\x07SetRole\x12\x18.baton.v1.SetRoleRequest\x1a\x19.baton.v1.SetRoleResponse\x12\x62\n\x13ReportWorkerFailure\x12$.baton.v1.ReportWorkerFailureRequest\x1a%.baton.v1.ReportWorkerFailureResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,35 +51,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SLO']._serialized_start=818
   _globals['_SLO']._serialized_end=857
   _globals['_ROUTEREQUEST']._serialized_start=860
-  _globals['_ROUTEREQUEST']._serialized_end=1052
-  _globals['_ROUTERESPONSE']._serialized_start=1055
-  _globals['_ROUTERESPONSE']._serialized_end=1563
-  _globals['_ROUTERESPONSE_KIND']._serialized_start=1406
-  _globals['_ROUTERESPONSE_KIND']._serialized_end=1501
-  _globals['_FINISHEDREQUEST']._serialized_start=1565
-  _globals['_FINISHEDREQUEST']._serialized_end=1602
-  _globals['_FINISHEDRESPONSE']._serialized_start=1604
-  _globals['_FINISHEDRESPONSE']._serialized_end=1622
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1624
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1644
-  _globals['_LIVEWORKER']._serialized_start=1646
-  _globals['_LIVEWORKER']._serialized_end=1758
-  _globals['_ROLESWITCH']._serialized_start=1761
-  _globals['_ROLESWITCH']._serialized_end=1960
-  _globals['_ROLESWITCH_STATE']._serialized_start=1873
-  _globals['_ROLESWITCH_STATE']._serialized_end=1960
-  _globals['_SETROLEREQUEST']._serialized_start=1962
-  _globals['_SETROLEREQUEST']._serialized_end=2011
-  _globals['_SETROLERESPONSE']._serialized_start=2013
-  _globals['_SETROLERESPONSE']._serialized_end=2073
-  _globals['_REPORTWORKERFAILUREREQUEST']._serialized_start=2076
-  _globals['_REPORTWORKERFAILUREREQUEST']._serialized_end=2289
-  _globals['_REPORTWORKERFAILUREREQUEST_REASON']._serialized_start=2207
-  _globals['_REPORTWORKERFAILUREREQUEST_REASON']._serialized_end=2289
-  _globals['_REPORTWORKERFAILURERESPONSE']._serialized_start=2291
-  _globals['_REPORTWORKERFAILURERESPONSE']._serialized_end=2335
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2337
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2397
-  _globals['_SCHEDULER']._serialized_start=2400
-  _globals['_SCHEDULER']._serialized_end=2915
+  _globals['_ROUTEREQUEST']._serialized_end=1073
+  _globals['_ROUTERESPONSE']._serialized_start=1076
+  _globals['_ROUTERESPONSE']._serialized_end=1584
+  _globals['_ROUTERESPONSE_KIND']._serialized_start=1427
+  _globals['_ROUTERESPONSE_KIND']._serialized_end=1522
+  _globals['_FINISHEDREQUEST']._serialized_start=1586
+  _globals['_FINISHEDREQUEST']._serialized_end=1623
+  _globals['_FINISHEDRESPONSE']._serialized_start=1625
+  _globals['_FINISHEDRESPONSE']._serialized_end=1643
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1645
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1665
+  _globals['_LIVEWORKER']._serialized_start=1667
+  _globals['_LIVEWORKER']._serialized_end=1779
+  _globals['_ROLESWITCH']._serialized_start=1782
+  _globals['_ROLESWITCH']._serialized_end=1981
+  _globals['_ROLESWITCH_STATE']._serialized_start=1894
+  _globals['_ROLESWITCH_STATE']._serialized_end=1981
+  _globals['_SETROLEREQUEST']._serialized_start=1983
+  _globals['_SETROLEREQUEST']._serialized_end=2032
+  _globals['_SETROLERESPONSE']._serialized_start=2034
+  _globals['_SETROLERESPONSE']._serialized_end=2094
+  _globals['_REPORTWORKERFAILUREREQUEST']._serialized_start=2097
+  _globals['_REPORTWORKERFAILUREREQUEST']._serialized_end=2310
+  _globals['_REPORTWORKERFAILUREREQUEST_REASON']._serialized_start=2228
+  _globals['_REPORTWORKERFAILUREREQUEST_REASON']._serialized_end=2310
+  _globals['_REPORTWORKERFAILURERESPONSE']._serialized_start=2312
+  _globals['_REPORTWORKERFAILURERESPONSE']._serialized_end=2356
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2358
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2418
+  _globals['_SCHEDULER']._serialized_start=2421
+  _globals['_SCHEDULER']._serialized_end=2936
 # @@protoc_insertion_point(module_scope)

@@ -93,7 +93,7 @@ class SLO(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "prefix_block_hashes", "tier", "slo", "max_tokens", "conversation_id", "model")
+    __slots__ = ("request_id", "num_prompt_tokens", "prefix_block_hashes", "tier", "slo", "max_tokens", "conversation_id", "model", "num_choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RouteRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -110,7 +111,8 @@ class RouteRequest(_message.Message):
     max_tokens: int
     conversation_id: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    num_choices: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., max_tokens: _Optional[int] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., num_choices: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("kind", "decode_worker", "prefill_worker", "predicted_ttft_ms", "predicted_tpot_ms", "reason", "retry_after_s", "max_tokens", "decode_worker_id", "prefill_worker_id", "cached_blocks", "prefill_reason", "model")

@@ -50,6 +50,11 @@ class GoodputConfig:
     max_candidates: int = 8
     default_retry_after_s: float = 1.0
     max_retry_after_s: float = 30.0
+    # A heavier tier keeps room reserved (trunk reservation, `_leaves_room`) only while one of its requests
+    # arrived within this long: a tier that is absent reserves nothing. Several of its inter-arrival times
+    # (the policy runs' enterprise requests came every ~3 s), short enough that one burst does not hold
+    # lighter tiers back long after it.
+    tier_memory_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.degrade_fraction is not None and not 0.0 < self.degrade_fraction < 1.0:
@@ -60,6 +65,8 @@ class GoodputConfig:
             raise ValueError(f"max_candidates must be >= 0, got {self.max_candidates}")
         if not 0 < self.default_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 < default_retry_after_s <= max_retry_after_s")
+        if self.tier_memory_s <= 0:
+            raise ValueError(f"tier_memory_s must be positive, got {self.tier_memory_s}")
 
 
 class GoodputPolicy(Policy):
@@ -68,7 +75,10 @@ class GoodputPolicy(Policy):
     def __init__(self, config: GoodputConfig | None = None, siting: PrefillSiting | None = None) -> None:
         self.config = config or GoodputConfig()
         self._siting = siting or PrefillSiting()
-        self._tightest: dict[Tier, SLO] = {}  # per tier, the tightest targets seen (see _leaves_room)
+        # Per tier, the tightest targets seen while it has been present, and when it was last seen (see
+        # `_leaves_room`, `GoodputConfig.tier_memory_s`).
+        self._tightest: dict[Tier, tuple[SLO, float]] = {}
+        self._now = 0.0  # of the route call under way
         self._sites: dict[int, SiteChoice] = {}  # id(placement) -> its site choice, for one route call
         self._pool: list[PrefillSide] = []  # the request's ranked prefill workers, for one route call
         # id(decode load) -> (load, its DecodeSide) for the request last priced by `_candidates`: its
@@ -80,7 +90,8 @@ class GoodputPolicy(Policy):
         self._base_scores: dict[int, tuple[WorkerLoad, float]] = {}
 
     def route(self, request: RequestSummary, view: ClusterView, now: float) -> RouteDecision:
-        self._remember(request)
+        self._now = now
+        self._remember(request, now)
         self._sites = {}
         placements = self._candidates(request, view)
         if not placements:
@@ -148,7 +159,7 @@ class GoodputPolicy(Policy):
         self, request: RequestSummary, view: ClusterView, placements: Sequence[Placement]
     ) -> Placement | None:
         qualifying = [p for p in placements if p.meets(request)]
-        probe = self._heavier_probe(request)
+        probe = self._heavier_probe(request, self._now)
         if probe is not None and qualifying:
             workers = view.decode_workers(request.model)
             sites = _ProbeSites(self._siting, self._pool, self._decode_sides)  # same prompt: same terms
@@ -243,18 +254,21 @@ class GoodputPolicy(Policy):
                 return True
         return False
 
-    def _remember(self, request: RequestSummary) -> None:
-        seen = self._tightest.get(request.tier)
+    def _remember(self, request: RequestSummary, now: float) -> None:
         slo = request.slo
-        if seen is not None:
-            slo = SLO(ttft_ms=min(seen.ttft_ms, slo.ttft_ms), tpot_ms=min(seen.tpot_ms, slo.tpot_ms))
-        self._tightest[request.tier] = slo
+        seen = self._tightest.get(request.tier)
+        if seen is not None and self._present(seen, now):
+            slo = SLO(ttft_ms=min(seen[0].ttft_ms, slo.ttft_ms), tpot_ms=min(seen[0].tpot_ms, slo.tpot_ms))
+        self._tightest[request.tier] = (slo, now)
 
-    def _heavier_probe(self, request: RequestSummary) -> RequestSummary | None:
+    def _present(self, seen: tuple[SLO, float], now: float) -> bool:
+        return now - seen[1] <= self.config.tier_memory_s
+
+    def _heavier_probe(self, request: RequestSummary, now: float) -> RequestSummary | None:
         """The request as a heavier tier would send it (same size, the tightest heavier targets
-        seen), or None when no heavier tier has been seen."""
-        heavier = [self._tightest[t] for t in _TIER_ORDER[_TIER_ORDER.index(request.tier) + 1 :]
-                   if t in self._tightest]
+        seen), or None when no heavier tier is present (seen within `tier_memory_s`)."""
+        heavier = [seen[0] for t in _TIER_ORDER[_TIER_ORDER.index(request.tier) + 1 :]
+                   if (seen := self._tightest.get(t)) is not None and self._present(seen, now)]
         if not heavier:
             return None
         slo = SLO(ttft_ms=min(s.ttft_ms for s in heavier), tpot_ms=min(s.tpot_ms for s in heavier))

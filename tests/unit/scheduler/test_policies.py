@@ -281,6 +281,17 @@ def test_goodput_keeps_room_for_a_heavier_tier_seen_before(make_request, make_lo
     assert GoodputPolicy().route(make_request("free", tier=Tier.FREE, slo=loose), busy, 1.0).is_placed
 
 
+def test_goodput_reserves_nothing_for_a_heavier_tier_no_longer_present(make_request, make_load, make_view) -> None:
+    """The room kept above lasts while enterprise requests keep coming (`tier_memory_s`), not forever."""
+    policy = GoodputPolicy()
+    tight, loose = SLO(ttft_ms=2000, tpot_ms=10.15), SLO(ttft_ms=2000, tpot_ms=100)
+    enterprise = make_request("ent", tier=Tier.ENTERPRISE, slo=tight)
+    assert policy.route(enterprise, make_view([make_load("d0")]), 0.0).is_placed
+    later = policy.config.tier_memory_s + 1.0
+    busy = make_view([make_load("d0", batch=0)])
+    assert policy.route(make_request("free", tier=Tier.FREE, slo=loose), busy, later).is_placed
+
+
 def test_goodput_keeps_a_heavier_tier_room_it_can_count_on_not_a_guessed_slot_wait(make_request, make_load,
                                                                                    make_view) -> None:
     """Trunk reservation with a margin: a two-slot worker running one sequence. A free request taking the

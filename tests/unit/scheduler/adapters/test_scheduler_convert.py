@@ -41,10 +41,15 @@ def test_a_mixed_sample_keeps_both_parts_and_one_without_decodes_is_refused() ->
 
 
 def test_a_request_summary_survives_the_wire_with_signed_hashes_as_uint64() -> None:
-    summary = RequestSummary("r", 64, (-1, 7), Tier.PLUS, SLO(500, 50), 32, model="m", conversation_id="c")
+    summary = RequestSummary("r", 64, (-1, 7), Tier.PLUS, SLO(500, 50), 32, model="m", conversation_id="c",
+                             num_choices=2)
     back = summary_from_proto(summary_to_proto(summary))
     assert back.prefix_hashes == (2**64 - 1, 7)
     assert (back.tier, back.slo, back.model, back.conversation_id) == (Tier.PLUS, SLO(500, 50), "m", "c")
+    assert back.num_choices == 2
+    unset = summary_to_proto(RequestSummary("r", 64, (), Tier.PLUS, SLO(500, 50), 32))
+    unset.ClearField("num_choices")  # an older gateway's request: one choice
+    assert summary_from_proto(unset).num_choices == 1
 
 
 def test_a_request_without_slo_is_invalid() -> None:
