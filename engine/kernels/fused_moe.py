@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_store import check_launch_device
+from engine.kernels.paged_decode import dot_dtype_for
 from engine.kernels.silu_mul import silu_and_mul
 
 BLOCK_N = 64
@@ -84,7 +85,8 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # operand type of tl.dot: the input dtype (fp32 only under the interpreter)
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_rows_ptr):
@@ -103,10 +105,7 @@ def _grouped_gemm_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE_FP32:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     c = c_ptr + slots.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -122,10 +121,11 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment,
     if align.num_slots == 0:
         return out
     grid = (align.num_blocks, triton.cdiv(n, BLOCK_N))
+    dot_dtype, precision = dot_dtype_for(a.dtype, _grouped_gemm_kernel)
     _grouped_gemm_kernel[grid](
         a, weights, out, align.sorted_slots, align.block_experts, align.num_padded_rows, align.num_slots, n, k,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), a_row_divisor,
-        BLOCK_M=align.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE_FP32=a.dtype == torch.float32,
+        BLOCK_M=align.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         num_warps=4,
     )
     return out
