@@ -95,10 +95,12 @@ def moe_block_hf_shapes(moe: MoeConfig, hidden_size: int) -> dict[str, tuple[int
     """Every tensor of one MoE block as the checkpoint names it, relative to `model.layers.{i}.{block}.`."""
     names, inter = moe.names, moe.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"gate.weight": (moe.num_experts, hidden_size)}
-    for e in range(moe.num_experts):
-        shapes[f"experts.{e}.{names.gate}.weight"] = (inter, hidden_size)
-        shapes[f"experts.{e}.{names.up}.weight"] = (inter, hidden_size)
-        shapes[f"experts.{e}.{names.down}.weight"] = (hidden_size, inter)
+    # Projection-major (every expert's gate, then every up, then every down): GGUF stacks each
+    # projection's experts in one tensor, which is then dequantized once and read in this order.
+    for projection, shape in ((names.gate, (inter, hidden_size)), (names.up, (inter, hidden_size)),
+                              (names.down, (hidden_size, inter))):
+        for e in range(moe.num_experts):
+            shapes[f"experts.{e}.{projection}.weight"] = shape
     if moe.has_shared_expert:
         shared, size = names.shared_expert, moe.shared_expert_intermediate_size
         shapes[f"{shared}.gate_proj.weight"] = (size, hidden_size)
