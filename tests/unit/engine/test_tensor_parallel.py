@@ -91,6 +91,10 @@ def test_unshardable_models_are_rejected_naming_the_valid_sizes() -> None:
     config = ModelConfig(**{**BASE, "num_heads": 12, "num_kv_heads": 6, "intermediate_size": 96})
     with pytest.raises(ConfigError, match=r"num_kv_heads \(6\).*valid sizes for this model: \[1, 2, 3, 6, 12\]"):
         LlamaForCausalLM(config, TorchAttentionBackend(), TensorParallel(rank=0, size=4))
+    moe = dataclasses.replace(CASES["moe-shared-expert"].moe, intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(30\) is not divisible by tensor_parallel_size"):
+        LlamaForCausalLM(dataclasses.replace(CASES["moe-shared-expert"], moe=moe), TorchAttentionBackend(),
+                         TensorParallel(rank=0, size=4))
 
 
 # ------------------------------------------------------------------------------- model logits, 2 ranks
