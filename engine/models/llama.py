@@ -3,9 +3,9 @@ families Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Every family difference is a `ModelConfig` field (q/k/v bias, q/k norm, tied embeddings, RoPE
 scaling, `moe`: which layers' MLPs are a sparse MoE block, engine/layers/moe.py), so there is no
-per-family code here. The model is a pure function of the step's flat
-token batch: `forward(input_ids[T], positions[T], kv_cache, meta)`; it owns no cache and no
-sequence state, which the model runner holds.
+per-family code here. The model is a pure function of the step's flat token batch:
+`forward(input_ids[T], positions[T], kv_cache, meta)`; it owns no cache and no sequence state, which
+the model runner holds.
 
 Weights are uninitialised at construction (fast for multi-GB models) and always come from
 `load_weights`, which takes Hugging Face parameter names and merges q/k/v and gate/up into single
