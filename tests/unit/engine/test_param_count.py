@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import ModelConfig
