@@ -2,6 +2,9 @@
 
 Every per-family difference of the Llama family is a field of `ModelConfig`, so there is one model
 implementation (`engine/models/llama.py`) and no `if family == ...` branches outside `from_hf_config`.
+Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral) are that model with some MLPs replaced by
+a sparse MoE block; what differs between them (routing, shared expert, weight names, which layers are
+sparse) is a `MoeConfig` (engine/moe_config.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config_from_hf
 from engine.sampling_params import MAX_DRAFT_TOKENS
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,7 +23,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
+_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo")
@@ -58,6 +65,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # None: every layer has a dense MLP of `intermediate_size`
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -70,6 +78,12 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.sparse_layers):
+            raise ConfigError(f"MoE layers {self.moe.sparse_layers} out of range for {self.num_layers} layers")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts (else the dense MLP of `intermediate_size`)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -94,11 +108,12 @@ class ModelConfig:
             rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(hf.get("attention_bias", False)),
+            o_proj_bias=arch not in _QKV_BIAS_ARCHITECTURES and bool(hf.get("attention_bias", False)),
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config_from_hf(arch, hf),
         )
 
     @classmethod

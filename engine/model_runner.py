@@ -33,6 +33,7 @@ from engine.choices import choice_rows
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.input_buffers import DecodeInputBuffers
+from engine.kernels.dispatch import fused_kernels_enabled
 from engine.kv_cache import KVCacheSpec
 from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
@@ -104,6 +105,8 @@ class ModelRunner:
         cfg = self.config
         if cfg.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
             return None
+        if self.model_config.moe is not None and not fused_kernels_enabled():
+            return None  # the torch reference MoE loops over the experts it finds: a host sync per layer
         sizes = capture_sizes(cfg.cuda_graph_batch_sizes, cfg.batcher.max_num_seqs)
         if not sizes:
             return None

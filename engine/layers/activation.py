@@ -14,9 +14,14 @@ class SiluAndMul(nn.Module):
     """`silu(gate) * up` where the input is `[..., 2 * d]` laid out as `[gate | up]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x) and x.dim() == 2:
-            from engine.kernels.silu_mul import silu_and_mul  # imports triton: CUDA only
+        return silu_and_mul(x)
 
-            return silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`[..., 2d] -> [..., d]`: the fused kernel on CUDA, the torch reference elsewhere."""
+    if use_fused_kernels(x) and x.dim() == 2:
+        from engine.kernels.silu_mul import silu_and_mul as fused  # imports triton: CUDA only
+
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,4 +1,5 @@
-"""The Llama family's parameter names and shapes, and deterministic random weights from a config alone.
+"""The Llama family's parameter names and shapes (MoE families included), and deterministic random
+weights from a config alone.
 
 Dummy weights let GPU benchmarks run a 70B-shaped model from its `config.json` without downloading it.
 Every tensor is drawn directly on the target device in the target dtype (`Tensor.normal_` in place),
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.config import ModelConfig
+from engine.moe_config import moe_block_hf_shapes
 
 DUMMY_STD = 0.02  # the HF `initializer_range` default; keeps activations finite through deep stacks
 
@@ -41,6 +43,10 @@ def hf_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.moe is not None and config.is_sparse_layer(i):
+            block = f"{p}{config.moe.names.block}."
+            shapes.update({block + name: shape for name, shape in moe_block_hf_shapes(config.moe, h).items()})
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)

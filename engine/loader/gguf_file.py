@@ -25,7 +25,13 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp also writes Mistral/SmolLM this way
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# llama.cpp writes Mixtral as a "llama" file with experts; its graph renormalises the top-k weights for
+# these (Mixtral, Qwen3-MoE) and not for Qwen2-MoE, unless the file says (`expert_weights_norm`).
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
+RENORMALIZED_EXPERT_ARCHITECTURES = ("llama", "qwen3moe")
 # llama.cpp's converter interleaves q/k rows for these (its `LlamaModel.permute`); see `unpermute_rotary`.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 GGUF_MAGIC = b"GGUF"
@@ -108,7 +114,21 @@ class GGUFFile:
         }
         if rope["rope_type"] != "default":
             config["rope_scaling"] = rope
+        if self.arch_get("expert_count"):
+            config.update(self._moe_config())
         return config
+
+    def _moe_config(self) -> dict[str, Any]:
+        """The config.json keys of a mixture-of-experts file (Mixtral's names for a "llama" file)."""
+        experts = int(self.arch_get("expert_count"))
+        renormalize = self.arch_get("expert_weights_norm", self.arch in RENORMALIZED_EXPERT_ARCHITECTURES)
+        moe: dict[str, Any] = {"num_experts_per_tok": int(self.require("expert_used_count")),
+                               "norm_topk_prob": bool(renormalize)}
+        if self.arch == "llama":
+            return {**moe, "architectures": [MIXTRAL[0]], "model_type": MIXTRAL[1], "num_local_experts": experts}
+        shared = int(self.arch_get("expert_shared_feed_forward_length", 0))
+        return {**moe, "num_experts": experts, "moe_intermediate_size": int(self.require("expert_feed_forward_length")),
+                "shared_expert_intermediate_size": shared}
 
     def _rope_scaling(self) -> dict[str, Any]:
         """Llama-3.x rope scaling, which llama.cpp stores as a `rope_freqs` tensor, not as metadata.

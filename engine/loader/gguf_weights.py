@@ -1,6 +1,9 @@
 """GGUF tensors, dequantized, under Hugging Face names and in Hugging Face layout.
 
-Two things differ from a HF checkpoint besides the names:
+Three things differ from a HF checkpoint besides the names:
+- MoE experts: llama.cpp stacks one projection of all a layer's experts in one tensor
+  (`blk.N.ffn_gate_exps`, `[E, I, H]`); it is dequantized once and yielded per expert under the
+  checkpoint's per-expert names;
 - quantized blocks (Q4_1, Q8_0, K-quants, ...) are dequantized with `gguf.quants.dequantize` (numpy,
   one tensor at a time, so peak host memory is one fp32 tensor, not the model);
 - for LLaMA-architecture files llama.cpp's converter permutes the rows of q_proj/k_proj from HF's
@@ -11,6 +14,7 @@ Two things differ from a HF checkpoint besides the names:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import gguf
@@ -23,6 +27,8 @@ from engine.loader.dummy import hf_parameter_shapes
 from engine.loader.gguf_file import PERMUTED_QK_ARCHITECTURES, GGUFFile
 
 _GGUF_ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+# `model.layers.3.mlp.experts.17.gate_proj.weight` -> (`model.layers.3.mlp.experts`, `17`, `gate_proj`)
+_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def hf_to_gguf_names(gfile: GGUFFile, config: ModelConfig) -> dict[str, str]:
@@ -33,7 +39,10 @@ def hf_to_gguf_names(gfile: GGUFFile, config: ModelConfig) -> dict[str, str]:
     table = gguf.get_tensor_name_map(_GGUF_ARCH_ENUM[gfile.arch], config.num_layers)
     mapping: dict[str, str] = {}
     for hf_name in hf_parameter_shapes(config):
-        gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        expert = _EXPERT_NAME.match(hf_name)
+        # One expert's projection lives in the GGUF tensor of all the layer's experts of that projection.
+        lookup = f"{expert.group(1)}.{expert.group(3)}.weight" if expert else hf_name
+        gguf_name = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelLoadError(f"no GGUF tensor name for {hf_name} (architecture {gfile.arch})")
         mapping[hf_name] = gguf_name
@@ -51,8 +60,15 @@ def iter_gguf_weights(
     """Yield `(hf_name, tensor)` for every parameter of `config`, dequantized to `dtype` on `device`."""
     expected = hf_parameter_shapes(config)
     permute = gfile.arch in PERMUTED_QK_ARCHITECTURES
+    stacked: tuple[str, torch.Tensor] | None = None  # the experts' tensor being read, dequantized once
     for hf_name, gguf_name in hf_to_gguf_names(gfile, config).items():
-        tensor = torch.from_numpy(_dequantize(gfile, gguf_name))
+        expert = _EXPERT_NAME.match(hf_name)
+        if expert is None:
+            tensor = torch.from_numpy(_dequantize(gfile, gguf_name))
+        else:
+            if stacked is None or stacked[0] != gguf_name:
+                stacked = gguf_name, torch.from_numpy(_dequantize(gfile, gguf_name))
+            tensor = _expert_slice(stacked[1], int(expert.group(2)), gguf_name)
         if tuple(tensor.shape) != expected[hf_name]:
             raise ModelLoadError(
                 f"GGUF tensor {gguf_name} has shape {tuple(tensor.shape)}, config implies {expected[hf_name]}"
@@ -62,6 +78,13 @@ def iter_gguf_weights(
         elif permute and ".self_attn.k_proj." in hf_name:
             tensor = unpermute_rotary(tensor, config.num_kv_heads)
         yield hf_name, tensor.to(device=device, dtype=dtype)
+
+
+def _expert_slice(stacked: torch.Tensor, expert: int, gguf_name: str) -> torch.Tensor:
+    """Expert `expert` of a `[E, rows, cols]` GGUF experts tensor."""
+    if stacked.dim() != 3 or expert >= stacked.shape[0]:
+        raise ModelLoadError(f"GGUF tensor {gguf_name} of shape {tuple(stacked.shape)} has no expert {expert}")
+    return stacked[expert]
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Model registry: HF `architectures[0]` -> implementation class. Every family is the one Llama model."""
+"""Model registry: HF `architectures[0]` -> implementation class. Every family is the one Llama model
+(the MoE families too: their sparse MLPs are a `ModelConfig.moe` field)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ _REGISTRY = {
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
 }
 
 

@@ -1,9 +1,11 @@
-"""The one Llama-family model: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
+"""The one Llama-family model: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the mixture-of-experts
+families Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Every family difference is a `ModelConfig` field (q/k/v bias, q/k norm, tied embeddings, RoPE
-scaling), so there is no per-family code here. The model is a pure function of the step's flat
-token batch: `forward(input_ids[T], positions[T], kv_cache, meta)`; it owns no cache and no
-sequence state, which the model runner holds.
+scaling, `moe`: which layers' MLPs are a sparse MoE block, engine/layers/moe.py), so there is no
+per-family code here. The model is a pure function of the step's flat token batch:
+`forward(input_ids[T], positions[T], kv_cache, meta)`; it owns no cache and no sequence state, which
+the model runner holds.
 
 Weights are uninitialised at construction (fast for multi-GB models) and always come from
 `load_weights`, which takes Hugging Face parameter names and merges q/k/v and gate/up into single
@@ -27,9 +29,10 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, OutputShard, RowParallelLinear, copy_checked
+from engine.layers.mlp import SwiGLUMLP
+from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel.group import TensorParallel, check_tensor_parallel, kv_head_start, local_kv_heads
@@ -87,25 +90,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        shard = OutputShard.even(size, tp, "intermediate_size")
-        # Both halves sharded alike, so this rank's [gate | up] output is what SiluAndMul expects.
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [shard, shard], bias=False)
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, backend, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp: SwiGLUMLP | SparseMoeBlock = (
+            SparseMoeBlock(config, tp) if config.is_sparse_layer(layer)
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size, tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -183,24 +175,38 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from Hugging Face names; every parameter must be covered exactly, or ModelLoadError."""
         params = dict(self.named_parameters())
-        expected = _expected_hf_names(params, tied=self.lm_head is None)
+        moe_blocks = self._moe_blocks()
+        expected = _expected_hf_names(params, tied=self.lm_head is None, moe_blocks=moe_blocks)
         seen: set[str] = set()
         for name, tensor in weights:
             if _IGNORED.search(name) or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # tied checkpoints may still list lm_head: it is the embedding
             if name not in expected:
                 raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
-            self._load_one(name, tensor, params)
+            self._load_one(name, tensor, params, moe_blocks)
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> None:
+    def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
+        """The sparse layers' MoE blocks by checkpoint name prefix (`model.layers.3.block_sparse_moe.`)."""
+        if self.config.moe is None:
+            return {}
+        block_name = self.config.moe.names.block
+        return {f"model.layers.{i}.{block_name}.": layer.mlp for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                  moe_blocks: dict[str, SparseMoeBlock]) -> None:
         """Route one HF tensor to its layer; sharded layers keep only this rank's slice of it."""
         merged = _MERGED_NAME.match(name)
+        moe_prefix = next((prefix for prefix in moe_blocks if name.startswith(prefix)), None)
         try:
+            if moe_prefix is not None:
+                moe_blocks[moe_prefix].load(name.removeprefix(moe_prefix), tensor)
+                return
             if merged is not None:
                 prefix, proj, kind = merged.groups()
                 module_name, shard = _MERGED[proj]
@@ -218,10 +224,14 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(e.args[0] if name in e.args[0] else f"{name}: {e}") from e
 
 
-def _expected_hf_names(params: dict[str, nn.Parameter], tied: bool) -> set[str]:
+def _expected_hf_names(params: dict[str, nn.Parameter], tied: bool,
+                       moe_blocks: dict[str, SparseMoeBlock]) -> set[str]:
     """Our parameter names translated to the HF names a checkpoint must provide."""
-    names: set[str] = set()
+    names = {prefix + name for prefix, block in moe_blocks.items() for name in block.hf_names()}
+    sparse_layers = {prefix.split(".")[2] for prefix in moe_blocks}
     for name in params:
+        if name.startswith("model.layers.") and name.split(".")[2] in sparse_layers and ".mlp." in name:
+            continue  # the MoE block's parameters: named above, as the checkpoint names them
         for hf_proj, (merged, _) in _MERGED.items():
             if f".{merged}." in name:
                 names.add(name.replace(merged, hf_proj))

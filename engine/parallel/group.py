@@ -141,12 +141,16 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     if tp_size == 1:
         return
     dims = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size}
+    if config.moe is not None:  # every expert (and the shared expert) is sharded like a dense MLP
+        dims["moe_intermediate_size"] = config.moe.intermediate_size
+        if config.moe.has_shared_expert:
+            dims["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
     for name, value in dims.items():
         if value % tp_size:
             raise ConfigError(f"{name} ({value}) is not divisible by tensor_parallel_size ({tp_size})")
     kv = config.num_kv_heads
     if kv % tp_size and tp_size % kv:
-        valid = sorted({d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0
-                        and config.intermediate_size % d == 0 and (kv % d == 0 or d % kv == 0)})
+        valid = sorted({d for d in range(1, config.num_heads + 1) if all(v % d == 0 for v in dims.values())
+                        and (kv % d == 0 or d % kv == 0)})
         raise ConfigError(f"num_kv_heads ({kv}) must divide or be divisible by tensor_parallel_size ({tp_size}); "
                           f"valid sizes for this model: {valid}")

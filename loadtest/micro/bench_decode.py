@@ -47,6 +47,7 @@ from engine.batch import BatchPlan, ScheduledChunk
 from engine.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.kernels.dispatch import fused_kernels_enabled
 from engine.kv_cache import KVCacheSpec
+from engine.param_count import count_parameters
 from engine.sampling_params import SamplingParams
 
 LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -153,12 +154,12 @@ def _fmt(v: object) -> str:
 # ------------------------------------------------------------------------------------------- decode
 
 
-def decode_bytes(mc: ModelConfig, batch: int, ctx: int, tp: int, elem: int = 2) -> tuple[float, float]:
-    """(weight bytes, KV bytes) one rank reads in a decode step (see the module docstring)."""
-    h, d = mc.hidden_size, mc.head_dim
-    layer = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
-    weights = (mc.num_layers * (layer + 2 * h) + h + mc.vocab_size * h) * elem / tp + batch * h * elem
-    kv = batch * ctx * mc.num_layers * 2 * max(1, mc.num_kv_heads // tp) * d * elem
+def decode_bytes(mc: ModelConfig, batch: int, ctx: int, tp: int, elem: int = 2,
+                 experts_routed_per_layer: float | None = None) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one rank reads in a decode step (see the module docstring); an MoE
+    model's experts count as many per layer as the batch routed to (None: all of them)."""
+    weights = count_parameters(mc).weights_read(experts_routed_per_layer) * elem / tp + batch * mc.hidden_size * elem
+    kv = batch * ctx * mc.num_layers * 2 * max(1, mc.num_kv_heads // tp) * mc.head_dim * elem
     return weights, kv
 
 

@@ -6,7 +6,8 @@
 One prompt of T in {1k, 4k, 16k} tokens prefilled in one engine step (`runner.execute`: eager, the
 Triton paged prefill, the LM head on the last row, sampling), dummy bf16 weights.
 
-FLOPs = 2 * P * T (P: the layers' matmul parameters; norms, RoPE and softmax not counted)
+FLOPs = 2 * P * T (P: the layers' active matmul parameters, engine/param_count.py; norms, RoPE and
+        softmax not counted)
       + 2 * hidden * vocab (the LM head, one row)
       + attention 4 * L * T^2 * d / 2 (QK^T and PV, 2 * d each per query-key pair, half the pairs
         visible under the causal mask; d = num_heads * head_dim).
@@ -23,6 +24,7 @@ import torch
 
 from engine.batch import BatchPlan, ScheduledChunk
 from engine.config import ModelConfig
+from engine.param_count import count_parameters
 from loadtest.micro.bench_decode import (
     BLOCK,
     GREEDY,
@@ -38,10 +40,10 @@ from loadtest.micro.bench_decode import (
 
 
 def prefill_flops(mc: ModelConfig, tokens: int) -> dict[str, float]:
-    h, d = mc.hidden_size, mc.head_dim
-    layer = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
-    linear = 2.0 * mc.num_layers * layer * tokens + 2.0 * h * mc.vocab_size
-    attention = 4.0 * mc.num_layers * tokens**2 * (mc.num_heads * d) / 2
+    """Matmul FLOPs over the parameters a token runs through (an MoE model's top-k experts, not all)."""
+    params = count_parameters(mc)
+    linear = 2.0 * params.active_layer_matmul * tokens + 2.0 * params.head
+    attention = 4.0 * mc.num_layers * tokens**2 * (mc.num_heads * mc.head_dim) / 2
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 

@@ -52,12 +52,31 @@ def worker_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cluster(default_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
-    prefill = WorkerProcess("prefill-1", "prefill", default_model_dir, worker_log_dir, "--num-blocks", NUM_BLOCKS,
+    yield from _run_cluster(default_model_dir, worker_log_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny seeded Qwen3-MoE checkpoint with the default model's tokenizer (tests/support/tiny_moe.py)."""
+    from tests.support.tiny_moe import save_tiny_moe
+
+    return save_tiny_moe("qwen3-moe", tmp_path_factory.mktemp("qwen3-moe"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_cluster(moe_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
+    """The same three workers as `cluster`, serving the tiny Qwen3-MoE."""
+    log_dir = worker_log_dir / "moe"
+    log_dir.mkdir()
+    yield from _run_cluster(moe_model_dir, log_dir)
+
+
+def _run_cluster(model_dir: Path, log_dir: Path) -> Iterator[Cluster]:
+    prefill = WorkerProcess("prefill-1", "prefill", model_dir, log_dir, "--num-blocks", NUM_BLOCKS,
                             "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--allow-fault-injection").start()
-    both = WorkerProcess("both-1", "both", default_model_dir, worker_log_dir, "--num-blocks", NUM_BLOCKS).start()
-    decode = WorkerProcess("decode-1", "decode", default_model_dir, worker_log_dir,
-                           *decode_args(prefill.address)).start()
-    started = Cluster(prefill, decode, both, worker_log_dir)
+    both = WorkerProcess("both-1", "both", model_dir, log_dir, "--num-blocks", NUM_BLOCKS).start()
+    decode = WorkerProcess("decode-1", "decode", model_dir, log_dir, *decode_args(prefill.address)).start()
+    started = Cluster(prefill, decode, both, log_dir)
     try:
         for worker in started.workers:
             worker.wait_serving()

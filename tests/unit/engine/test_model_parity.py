@@ -1,18 +1,22 @@
 """Our Llama-family model against Hugging Face transformers on tiny random models, through the paged cache.
 
-Each family is a tiny random HF model; its state_dict is loaded into ours by HF names. Logits of a
+Each family is a tiny random HF model; its state_dict is loaded into ours by HF names. The MoE
+families (tests/support/tiny_moe.py) go through `save_pretrained` and our safetensors loader instead:
+transformers 5 keeps experts stacked in memory, but checkpoints (and so our loader) name them per expert. Logits of a
 prefill, of decode steps after it, of a 3-piece chunked prefill and of a mixed varlen batch must
 match HF's full-sequence forward to 1e-3 of the logit scale (float32).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.support.required import require_module
+from tests.support.tiny_moe import TINY_MOE_FAMILIES, build_tiny_moe, randomize
 
 transformers = require_module("transformers")
 
@@ -21,6 +25,7 @@ from paged_harness import PagedHarness  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.errors import ConfigError, ModelLoadError  # noqa: E402
+from engine.loader.weights import load_model_weights  # noqa: E402
 from engine.models import get_model_class  # noqa: E402
 from engine.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -40,30 +45,29 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_pair(family: str) -> tuple[torch.nn.Module, LlamaForCausalLM, ModelConfig]:
-    """A seeded random HF model and ours, loaded from its state_dict."""
+def build_pair(family: str, tmp_dir: Path | None = None) -> tuple[torch.nn.Module, LlamaForCausalLM, ModelConfig]:
+    """A seeded random HF model and ours, loaded from its state_dict (an MoE family: from its checkpoint,
+    written to `tmp_dir`)."""
+    if family in TINY_MOE_FAMILIES:
+        assert tmp_dir is not None
+        hf = build_tiny_moe(family, vocab_size=160)
+        hf.save_pretrained(tmp_dir)
+        config = ModelConfig.from_dir(tmp_dir)
+        ours = get_model_class(config.architecture)(config, TorchAttentionBackend())
+        assert isinstance(ours, LlamaForCausalLM)
+        ours.load_weights(load_model_weights(tmp_dir, "safetensors", config, "float32"))
+        return hf, ours, config
     config_cls, kwargs = FAMILIES[family]
     hf_config = getattr(transformers, config_cls)(**kwargs)
     hf_config.architectures = [config_cls.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    _randomize(hf)
+    randomize(hf)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config, TorchAttentionBackend())
     assert isinstance(ours, LlamaForCausalLM)
     ours.load_weights(hf.state_dict().items())
     return hf, ours, config
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    # HF's init gives zero biases and unit norms, which would hide a missing bias or norm weight.
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else 0.15))
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -79,9 +83,10 @@ def tokens_for(config: ModelConfig, n: int, seed: int) -> list[int]:
     return torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, LlamaForCausalLM, ModelConfig]:
-    return build_pair(request.param)
+@pytest.fixture(scope="module", params=[*FAMILIES, *TINY_MOE_FAMILIES])
+def pair(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, LlamaForCausalLM, ModelConfig]:
+    return build_pair(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_prefill_then_decode_matches_hf(pair: tuple[torch.nn.Module, LlamaForCausalLM, ModelConfig]) -> None:

@@ -4,7 +4,7 @@
 - `model_logits`: 2 spawned ranks run a tiny random Llama through prefill, a mixed varlen step and
   decodes over their own KV shards; rank 0's logits equal the TP=1 model's within 1e-4 of the
   logit scale. Cases: KV heads > tp, == tp, < tp (replicated), tied embeddings with a vocabulary
-  that does not divide (padded shard), q/k/v and o_proj biases.
+  that does not divide (padded shard), q/k/v and o_proj biases, MoE experts and a shared expert.
 - The launcher: this process is rank 0 of a `TensorParallelRunner` (one spawned follower) and greedy
   generation through broadcast plans gives the TP=1 runner's tokens.
 """
@@ -31,6 +31,7 @@ from engine.layers.linear import ColumnParallelLinear, OutputShard, RowParallelL
 from engine.loader.dummy import dummy_weights
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.moe_config import MoeConfig
 from engine.parallel.group import (
     TensorParallel,
     free_port,
@@ -51,6 +52,10 @@ CASES = {
     "kv-heads-below-tp-replicated": ModelConfig(**{**BASE, "num_kv_heads": 1}),
     "tied-odd-vocab": ModelConfig(**{**BASE, "vocab_size": 97, "tie_word_embeddings": True}),
     "qkv-and-o-bias": ModelConfig(**{**BASE, "attention_bias": True, "o_proj_bias": True}),
+    # Experts sharded along their intermediate features, a gated shared expert, one dense layer.
+    "moe-shared-expert": ModelConfig(**{**BASE, "architecture": "Qwen2MoeForCausalLM", "moe": MoeConfig(
+        num_experts=4, top_k=2, intermediate_size=32, renormalize=False, sparse_layers=(1,),
+        shared_expert_intermediate_size=48, shared_expert_gated=True)}),
 }
 PROMPTS = ([5, 17, 3, 88, 42, 7, 19, 60, 2], [33, 1, 90, 45, 12], [70, 71, 72])
 
@@ -86,6 +91,10 @@ def test_unshardable_models_are_rejected_naming_the_valid_sizes() -> None:
     config = ModelConfig(**{**BASE, "num_heads": 12, "num_kv_heads": 6, "intermediate_size": 96})
     with pytest.raises(ConfigError, match=r"num_kv_heads \(6\).*valid sizes for this model: \[1, 2, 3, 6, 12\]"):
         LlamaForCausalLM(config, TorchAttentionBackend(), TensorParallel(rank=0, size=4))
+    moe = dataclasses.replace(CASES["moe-shared-expert"].moe, intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(30\) is not divisible by tensor_parallel_size"):
+        LlamaForCausalLM(dataclasses.replace(CASES["moe-shared-expert"], moe=moe), TorchAttentionBackend(),
+                         TensorParallel(rank=0, size=4))
 
 
 # ------------------------------------------------------------------------------- model logits, 2 ranks

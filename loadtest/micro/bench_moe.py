@@ -1,0 +1,206 @@
+"""Mixture-of-experts decode and prefill of the CUDA engine at Qwen3-30B-A3B shape, against floors measured in-run.
+
+    python -m loadtest.micro.bench_moe --out moe.json [--time-limit-s 480]
+    python -m loadtest.micro.bench_moe --smoke --out /tmp/m.json          # CPU: code paths only
+
+Model: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 query / 4 KV heads of 128, q/k norm, 128
+experts of 768 per layer, top-8 renormalised, vocab 151936, untied; 30.5B parameters, 3.35B active),
+dummy bf16 weights (~61 GB), Triton attention, the fused MoE kernel, CUDA graphs for decode.
+
+- decode (batch {1, 64} x context 1k, KV filled with random values, contexts set directly as in
+  bench_decode.py): floor_ms = (weights read + KV bytes) / the copy bandwidth timed here, where
+  the weights read count the attention, router, norm and LM-head weights once plus, per layer, the
+  experts this batch actually routed to (`experts_routed`: counted by an eager pass of the same step
+  with hooks on the routers; between 8 at batch 1 and 128). of_floor = floor_ms / step_ms.
+- prefill (one prompt of 4k tokens, one eager step): FLOPs over the ACTIVE parameters (2 x active
+  layer matmul parameters x T + attention + one LM-head row; engine/param_count.py);
+  of_matmul = achieved TFLOP/s / the measured 8192^3 bf16 matmul rate.
+- moe_layer rows: the fused expert compute of one layer alone (engine/kernels/fused_moe.py, CUDA-event
+  median) at the same token counts, against its own floor (the routed experts' bytes) or FLOP rate,
+  which says whether a gap is the kernel's or the rest of the step's.
+`--time-limit-s` is a hard limit: on expiry the rows measured so far are written with
+`"timed_out": true`. Prints a table last; writes every number to `--out` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import torch
+
+from engine.config import ModelConfig
+from engine.layers.moe import SparseMoeBlock
+from engine.param_count import count_parameters
+from loadtest.micro.bench_decode import (
+    BLOCK,
+    bench_engine_config,
+    decode_bytes,
+    decode_plan,
+    device_ms,
+    environment,
+    measure_ceilings,
+    median_ms,
+    write_model_dir,
+    write_report,
+)
+from loadtest.micro.bench_prefill import prefill_flops, prefill_plan
+
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+SMOKE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32)
+COLUMNS = ["case", "batch", "ctx", "tokens", "step_ms", "replay_ms", "experts_routed", "floor_ms", "of_floor",
+           "replay_of_floor", "tflop_s", "of_matmul", "timed_out"]
+
+
+class TimeLimit(Exception):
+    """The run's hard time limit expired; the rows measured so far are reported."""
+
+
+@contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    def expire(signum: int, frame: FrameType | None) -> None:
+        raise TimeLimit(f"time limit of {seconds}s reached")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@torch.inference_mode()
+def experts_routed_per_layer(runner, plan) -> float:  # noqa: ANN001
+    """Distinct experts the step's tokens routed to, averaged over the sparse layers (one eager pass)."""
+    counts: list[int] = []
+    top_k = runner.model_config.moe.top_k
+
+    def count(module: torch.nn.Module, inputs: object, logits: torch.Tensor) -> None:
+        counts.append(torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel())
+
+    hooks = [m.gate.register_forward_hook(count) for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    try:
+        inputs = runner.prepare_inputs(plan.chunks)
+        runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(counts) / len(counts)
+
+
+def decode_row(runner, batch: int, ctx: int, args: argparse.Namespace, ceilings: dict) -> dict:  # noqa: ANN001
+    plan = decode_plan(batch, ctx, runner.num_blocks, seed=batch * 7 + ctx)
+    routed = experts_routed_per_layer(runner, plan)
+    step_ms = median_ms(lambda: runner.execute(plan), args.iters)
+    weights, kv = decode_bytes(runner.model_config, batch, ctx, 1, experts_routed_per_layer=routed)
+    row = {"case": "decode", "batch": batch, "ctx": ctx, "step_ms": step_ms, "experts_routed": routed,
+           "weight_gb": weights / 1e9, "kv_gb": kv / 1e9}
+    if runner.graphs is not None and batch <= runner.graphs.max_batch:
+        with torch.inference_mode():
+            runner.graphs.run(plan.chunks)
+            row["replay_ms"] = device_ms(lambda: runner.graphs.replay(batch))
+    if ceilings["copy_gb_s"]:
+        row["floor_ms"] = (weights + kv) / ceilings["copy_gb_s"] / 1e6
+        row["of_floor"] = row["floor_ms"] / step_ms
+        row["replay_of_floor"] = row["floor_ms"] / row["replay_ms"] if "replay_ms" in row else None
+    return row
+
+
+def prefill_row(runner, tokens: int, args: argparse.Namespace, ceilings: dict) -> dict:  # noqa: ANN001
+    plan = prefill_plan(tokens, runner.num_blocks, runner.model_config.vocab_size)
+    step_ms = median_ms(lambda: runner.execute(plan), max(3, args.iters // 6), warmup=2)
+    flops = prefill_flops(runner.model_config, tokens)
+    row = {"case": "prefill", "tokens": tokens, "step_ms": step_ms, "tflop": flops["total"] / 1e12,
+           "tflop_s": flops["total"] / step_ms / 1e9}
+    if ceilings["matmul_tflop_s"]:
+        row["of_matmul"] = row["tflop_s"] / ceilings["matmul_tflop_s"]
+    return row
+
+
+def moe_layer_row(mc: ModelConfig, tokens: int, ceilings: dict) -> dict:
+    """The fused expert compute of one layer (`SparseMoeBlock.experts`) alone, on random routing."""
+    from engine.kernels.fused_moe import fused_expert_outputs
+    from engine.layers.moe_ops import route_tokens
+
+    moe, h = mc.moe, mc.hidden_size
+    assert moe is not None
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    w13 = torch.randn(moe.num_experts, 2 * moe.intermediate_size, h, device="cuda", generator=gen).bfloat16()
+    w2 = torch.randn(moe.num_experts, h, moe.intermediate_size, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
+    ids = route_tokens(torch.randn(tokens, moe.num_experts, device="cuda", generator=gen), moe.top_k, True).expert_ids
+    ms = device_ms(lambda: fused_expert_outputs(x, ids, w13, w2))
+    routed = ids.unique().numel()
+    expert_bytes = count_parameters(mc).expert * 2
+    flops = 2.0 * tokens * moe.top_k * count_parameters(mc).expert
+    return {"case": "moe_layer", "tokens": tokens, "step_ms": ms, "experts_routed": routed,
+            "floor_ms": routed * expert_bytes / ceilings["copy_gb_s"] / 1e6,
+            "of_floor": routed * expert_bytes / ceilings["copy_gb_s"] / 1e6 / ms,
+            "tflop_s": flops / ms / 1e9, "of_matmul": flops / ms / 1e9 / ceilings["matmul_tflop_s"]}
+
+
+def run(args: argparse.Namespace, rows: list[dict]) -> None:
+    from engine.loader import load_model
+    from engine.model_runner import ModelRunner
+
+    model_dir = write_model_dir(SMOKE if args.smoke else QWEN3_30B_A3B)
+    ceilings = args.ceilings
+    num_blocks = max(max(args.batches) * math.ceil(args.context / BLOCK), math.ceil(args.prefill / BLOCK)) + 1
+    config = bench_engine_config(model_dir, args.smoke, num_blocks, max_num_seqs=max(args.batches))
+    loaded = load_model(model_dir, "dummy", config.dtype, config.device)
+    runner = ModelRunner(config, loaded.model_config, loaded.weights)
+    runner.randomize_kv_cache(seed=1)
+    params = count_parameters(loaded.model_config)
+    print("model", json.dumps({"total_b": params.total / 1e9, "active_b": params.active / 1e9}), flush=True)
+    for batch in args.batches:
+        rows.append(decode_row(runner, batch, args.context, args, ceilings))
+        print("row", json.dumps(rows[-1]), flush=True)  # progress that survives the time limit
+    rows.append(prefill_row(runner, args.prefill, args, ceilings))
+    print("row", json.dumps(rows[-1]), flush=True)
+    del runner, loaded
+    if not args.smoke:
+        torch.cuda.empty_cache()
+        for tokens in (*args.batches, args.prefill):
+            rows.append(moe_layer_row(ModelConfig.from_hf_config(QWEN3_30B_A3B), tokens, ceilings))
+            print("row", json.dumps(rows[-1]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prefill", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--time-limit-s", type=int, default=480, help="hard limit; partial rows are still written")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code, not the speed")
+    args = parser.parse_args()
+    if args.smoke:
+        args.context, args.prefill, args.iters = min(args.context, 64), min(args.prefill, 64), min(args.iters, 3)
+    env = environment()
+    rows: list[dict] = []
+    try:
+        with time_limit(args.time_limit_s):
+            args.ceilings = measure_ceilings(not args.smoke)
+            run(args, rows)
+    except TimeLimit as e:
+        print(e, flush=True)
+        rows.append({"case": "-", "timed_out": True})
+    write_report(args.out, env, getattr(args, "ceilings", {"copy_gb_s": None, "matmul_tflop_s": None}), rows,
+                 COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
