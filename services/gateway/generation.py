@@ -27,6 +27,7 @@ import grpc
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
 from scheduler.types import WorkerFailure
+from services.common.cluster_auth import ClusterToken, internal_channel
 from services.common.errors import BatonError
 from services.gateway.errors import BadRequestError, OverloadedError, UpstreamError
 from services.gateway.tracing import grpc_trace_metadata
@@ -214,13 +215,14 @@ class GenerationStream:
 @dataclass
 class WorkerClient:
     abort_timeout_s: float = 2.0
+    cluster_token: ClusterToken | None = None  # workers refuse calls without it
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def stub(self, address: str) -> wpb_grpc.WorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = internal_channel(address, self.cluster_token, traced=False)
         return wpb_grpc.WorkerStub(channel)
 
     def generate(self, target: GenerateTarget, request_id: str, prompt_token_ids: list[int],

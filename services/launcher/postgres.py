@@ -6,6 +6,12 @@ between as a parent, subprocess switches the uid itself, so the server is our di
 our signals and the parent-death signal (see process.py). The work directory is chmod 755 and owned by
 postgres so the server can create its socket there and traverse into its data directory.
 
+Password auth only (SCRAM-SHA-256), also for local socket connections: the superuser's password is
+generated on first start and kept beside the data directory (`<work dir>/superuser-password`, 0600),
+so a kept data directory keeps its password; `url` carries it. A data directory made by an older Baton
+with `trust` auth gets a password (set in single-user mode, before the server listens) and the
+password-only `pg_hba.conf` on its next start.
+
 Crash-safe, not power-safe, by default (`durable=False` turns off fsync and full-page writes): a
 commit is acknowledged once its WAL is written to the kernel, so it survives a SIGKILL of the server
 (what `baton serve`'s restarts and the chaos test do) but not a machine crash. Synchronous commit
@@ -16,6 +22,7 @@ and a SIGKILL lost usage rows the gateway had been told were stored (seen in a C
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +35,13 @@ from services.launcher.process import SupervisedProcess
 
 DEFAULT_BIN_DIR = Path("/usr/lib/postgresql/15/bin")
 _INSTALL_HINT = "run scripts/install-system-deps.sh (it does `apt-get install -y postgresql`)"
+PASSWORD_FILE = "superuser-password"
+# Every connection, socket or TCP, must prove the password; nothing is trusted for being local.
+_PG_HBA = """# Written by Baton (services/launcher/postgres.py) at every start: password auth only.
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
 
 @dataclass(frozen=True)
@@ -47,10 +61,18 @@ class EmbeddedPostgres(EmbeddedService):
         self.config = config or PostgresConfig()
         super().__init__(self.config.port, self.config.work_dir, self.config.start_timeout_s)
         self._user = "postgres" if os.geteuid() == 0 else None
+        self._password: str | None = None
 
     @property
     def data_dir(self) -> Path:
         return self.work_dir / "data"
+
+    @property
+    def password(self) -> str:
+        """The superuser's password (generated on first use, kept in the work directory)."""
+        if self._password is None:
+            self._password = _read_or_make_secret(self.work_dir / PASSWORD_FILE)
+        return self._password
 
     @property
     def url(self) -> str:
@@ -58,7 +80,7 @@ class EmbeddedPostgres(EmbeddedService):
 
     def url_for(self, database: str) -> str:
         """Address of another database on this server (tests create one per case)."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
 
     def _binary(self, name: str) -> Path:
         path = self.config.bin_dir / name
@@ -71,17 +93,36 @@ class EmbeddedPostgres(EmbeddedService):
         self.work_dir.chmod(0o755)
         if self._user is not None:
             shutil.chown(self.work_dir, self._user, self._user)
+        hba = self.data_dir / "pg_hba.conf"
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb()
+        elif hba.read_text() != _PG_HBA:  # made with trust auth by an older Baton: set a password first
+            self._run_as_owner("set the superuser password", [
+                str(self._binary("postgres")), "--single", "-D", str(self.data_dir), "postgres"],
+                stdin=f"ALTER ROLE postgres PASSWORD '{self.password}';\n")
+        hba.write_text(_PG_HBA)
+        if self._user is not None:
+            shutil.chown(hba, self._user, self._user)
 
     def _initdb(self) -> None:
-        argv = [str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres",
-                "--auth=trust", "-E", "UTF8", "--no-locale", "--no-sync"]
+        pwfile = self.work_dir / ".initdb-password"  # read by initdb (our user or postgres), then removed
+        pwfile.touch(mode=0o600)
+        pwfile.write_text(self.password)
+        if self._user is not None:
+            shutil.chown(pwfile, self._user, self._user)
+        try:
+            self._run_as_owner("initdb", [
+                str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres", "--auth=scram-sha-256",
+                f"--pwfile={pwfile}", "-E", "UTF8", "--no-locale", "--no-sync"])
+        finally:
+            pwfile.unlink(missing_ok=True)
+
+    def _run_as_owner(self, what: str, argv: list[str], stdin: str | None = None) -> None:
         result = subprocess.run(argv, cwd=self.work_dir, user=self._user, group=self._user,
-                                extra_groups=[] if self._user else None, env=_clean_env(),
+                                extra_groups=[] if self._user else None, env=_clean_env(), input=stdin,
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise InfraStartError(f"initdb failed (code {result.returncode}):\n"
+            raise InfraStartError(f"{what} failed (code {result.returncode}):\n"
                                   f"{(result.stdout + result.stderr)[-3000:]}")
 
     def _make_process(self, port: int) -> SupervisedProcess:
@@ -124,6 +165,17 @@ class EmbeddedPostgres(EmbeddedService):
         with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
             conn.execute(query)
         return self.url_for(name)
+
+
+def _read_or_make_secret(path: Path) -> str:
+    """The secret stored at `path`, or a new one written there readable by us only."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_urlsafe(24)  # URL-safe: goes into connection URLs as it is
+    path.touch(mode=0o600)
+    path.write_text(secret)
+    return secret
 
 
 def _clean_env() -> dict[str, str]:
