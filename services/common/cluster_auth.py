@@ -191,7 +191,8 @@ class _SyncDetails(collections.namedtuple("_SyncDetails", ("method", "timeout", 
     pass
 
 
-class _SyncAttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _SyncAttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     def __init__(self, token: ClusterToken) -> None:
         self._pair = token.metadata
 
@@ -206,8 +207,14 @@ class _SyncAttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
     def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         return continuation(self._details(client_call_details), request)
 
+    def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
 
 def sync_internal_channel(address: str, token: ClusterToken | None) -> grpc.Channel:
-    """A blocking channel (CLIs, benchmarks) whose unary and server-streaming calls carry the token."""
+    """A blocking channel (CLIs, benchmarks) whose every call carries the token."""
     channel = grpc.insecure_channel(address)
     return channel if token is None else grpc.intercept_channel(channel, _SyncAttachToken(token))
