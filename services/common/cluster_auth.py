@@ -4,12 +4,14 @@ A Baton cluster shares one secret, `BATON_CLUSTER_TOKEN` (`baton serve` generate
 its children; the Helm chart keeps it in a Secret). Every internal server refuses a call without it
 with UNAUTHENTICATED, before any handler runs: a rogue `baton worker` cannot register with the
 scheduler, and nobody reaches a worker's `Generate` around the gateway's keys, safety and billing.
-Clients put it into each call's metadata (`x-baton-cluster-token`) through a channel interceptor.
+Clients put it into each call's metadata (`x-baton-cluster-token`): channel interceptors, or per call
+where the path is per request (the gateway's worker calls, beside the trace context).
 
 gRPC health checks stay open (Kubernetes probes carry no metadata); they say SERVING or not and nothing
 else. The comparison is constant-time over SHA-256 digests, so neither the token's bytes nor its length
-leak through timing. Without a token (a component started by hand, library use in tests) a server
-takes anyone and says so in a warning at start.
+leak through timing. A rotation admits a second token for a while (`BATON_CLUSTER_TOKEN_ROTATING`).
+Without a token (a component started by hand, library use in tests) a server takes anyone and says
+so in a warning at start.
 """
 
 from __future__ import annotations
@@ -32,22 +34,33 @@ from services.common.tracing import TraceContextServerInterceptor, client_interc
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "BATON_CLUSTER_TOKEN"
+ROTATING_ENV = "BATON_CLUSTER_TOKEN_ROTATING"
 METADATA_KEY = "x-baton-cluster-token"
 MIN_TOKEN_CHARS = 16
 _OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes; they reveal SERVING/NOT_SERVING only
 _REFUSAL = "this port is internal to the Baton cluster: missing or wrong cluster token (BATON_CLUSTER_TOKEN)"
 
 
+def _check(name: str, value: str) -> None:
+    if len(value) < MIN_TOKEN_CHARS or not value.isprintable() or value.strip() != value:
+        raise ConfigError(f"{name} must be at least {MIN_TOKEN_CHARS} printable characters without "
+                          "surrounding spaces, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+
+
 @dataclass(frozen=True)
 class ClusterToken:
-    """The shared secret; `repr` never shows it (configs holding it get logged)."""
+    """The shared secret; `repr` never shows it (configs holding it get logged).
+
+    `rotating`: during a rotation, the other token (the next one, then the previous one), admitted by
+    servers but never sent; see docs/operations.md for the three rolling restarts."""
 
     value: str = field(repr=False)
+    rotating: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.value) < MIN_TOKEN_CHARS or not self.value.isprintable() or self.value.strip() != self.value:
-            raise ConfigError(f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} printable characters without "
-                              "surrounding spaces, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        _check(TOKEN_ENV, self.value)
+        if self.rotating is not None:
+            _check(ROTATING_ENV, self.rotating)
 
     @classmethod
     def generate(cls) -> ClusterToken:
@@ -55,9 +68,13 @@ class ClusterToken:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ClusterToken | None:
-        """`BATON_CLUSTER_TOKEN` (for mains only); None when unset or empty."""
+        """`BATON_CLUSTER_TOKEN` and `BATON_CLUSTER_TOKEN_ROTATING` (for mains only); None when unset."""
         value = environ.get(TOKEN_ENV, "")
-        return cls(value) if value else None
+        if not value:
+            if environ.get(ROTATING_ENV):
+                raise ConfigError(f"{ROTATING_ENV} needs {TOKEN_ENV}")
+            return None
+        return cls(value, environ.get(ROTATING_ENV) or None)
 
     @property
     def metadata(self) -> tuple[str, str]:
@@ -67,11 +84,14 @@ class ClusterToken:
         if presented is None:
             return False
         raw = presented.encode() if isinstance(presented, str) else presented
-        return hmac.compare_digest(hashlib.sha256(raw).digest(), self._digest)
+        digest = hashlib.sha256(raw).digest()
+        # Both compared, always: the time taken says nothing about which one matched.
+        matches = [hmac.compare_digest(digest, accepted) for accepted in self._digests]
+        return any(matches)
 
     @functools.cached_property
-    def _digest(self) -> bytes:
-        return hashlib.sha256(self.value.encode()).digest()
+    def _digests(self) -> tuple[bytes, ...]:
+        return tuple(hashlib.sha256(v.encode()).digest() for v in (self.value, self.rotating) if v is not None)
 
 
 # ---- server side -----------------------------------------------------------------------------------

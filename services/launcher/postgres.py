@@ -8,9 +8,9 @@ postgres so the server can create its socket there and traverse into its data di
 
 Password auth only (SCRAM-SHA-256), also for local socket connections: the superuser's password is
 generated on first start and kept beside the data directory (`<work dir>/superuser-password`, 0600),
-so a kept data directory keeps its password; `url` carries it. A data directory made by an older Baton
-with `trust` auth gets a password (set in single-user mode, before the server listens) and the
-password-only `pg_hba.conf` on its next start.
+so a kept data directory keeps its password; `url` carries it. Deleting that file rotates it: the next
+start sets a new one in single-user mode, before the server listens. A data directory made by an older
+Baton with `trust` auth gets a password the same way, and the password-only `pg_hba.conf`.
 
 Crash-safe, not power-safe, by default (`durable=False` turns off fsync and full-page writes): a
 commit is acknowledged once its WAL is written to the kernel, so it survives a SIGKILL of the server
@@ -94,9 +94,10 @@ class EmbeddedPostgres(EmbeddedService):
         if self._user is not None:
             shutil.chown(self.work_dir, self._user, self._user)
         hba = self.data_dir / "pg_hba.conf"
+        new_password = not (self.work_dir / PASSWORD_FILE).exists()  # first start, or a rotation
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb()
-        elif hba.read_text() != _PG_HBA:  # made with trust auth by an older Baton: set a password first
+        elif new_password or hba.read_text() != _PG_HBA:  # a rotation, or trust auth of an older Baton
             self._run_as_owner("set the superuser password", [
                 str(self._binary("postgres")), "--single", "-D", str(self.data_dir), "postgres"],
                 stdin=f"ALTER ROLE postgres PASSWORD '{self.password}';\n")

@@ -41,13 +41,20 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- default (printf "%s-cluster-token" (include "baton.fullname" .)) .Values.clusterAuth.existingSecret -}}
 {{- end -}}
 
-{{/* BATON_CLUSTER_TOKEN from its Secret: what internal gRPC ports ask for and their callers send. */}}
+{{/* BATON_CLUSTER_TOKEN from its Secret: what internal gRPC ports ask for and their callers send; and
+BATON_CLUSTER_TOKEN_ROTATING, the other token admitted during a rotation (only while its key exists). */}}
 {{- define "baton.clusterTokenEnv" -}}
 - name: BATON_CLUSTER_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "baton.clusterTokenSecretName" . }}
       key: {{ .Values.clusterAuth.secretKey }}
+- name: BATON_CLUSTER_TOKEN_ROTATING
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "baton.clusterTokenSecretName" . }}
+      key: {{ .Values.clusterAuth.rotatingSecretKey }}
+      optional: true
 {{- end -}}
 
 {{- define "baton.schedulerAddress" -}}

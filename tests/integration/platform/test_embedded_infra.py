@@ -152,7 +152,7 @@ def test_postgres_refuses_connections_without_its_password(postgres: EmbeddedPos
                             ).fetchone() == (0,)
 
 
-def test_a_trust_data_dir_of_an_older_baton_gets_a_password() -> None:
+def test_a_trust_data_dir_of_an_older_baton_gets_a_password_and_deleting_it_rotates_it() -> None:
     import psycopg
 
     work_dir = Path(tempfile.mkdtemp(prefix="baton-pg-legacy-"))  # not under pytest's tmp: postgres must traverse
@@ -166,6 +166,16 @@ def test_a_trust_data_dir_of_an_older_baton_gets_a_password() -> None:
         server.start()
         with pytest.raises(psycopg.OperationalError, match="password"):
             psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="baton", connect_timeout=5)
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        old_password = server.password
+        server.stop()
+        (work_dir / "superuser-password").unlink()  # the rotation procedure of docs/operations.md
+        server = EmbeddedPostgres(PostgresConfig(work_dir=work_dir))
+        server.start()
+        assert server.password != old_password
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(server.url.replace(server.password, old_password), connect_timeout=5)
         with psycopg.connect(server.url) as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
     finally:

@@ -16,7 +16,7 @@ from rpcgen.baton.v1 import scheduler_pb2_grpc
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from scheduler.adapters.admin import cmd_workers
 from scheduler.adapters.server import SchedulerService, SchedulerServiceConfig
-from services.common.cluster_auth import METADATA_KEY, TOKEN_ENV, ClusterToken, internal_channel
+from services.common.cluster_auth import METADATA_KEY, ROTATING_ENV, TOKEN_ENV, ClusterToken, internal_channel
 from services.common.errors import ConfigError
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 
@@ -60,6 +60,16 @@ def test_the_token_is_validated_and_never_shown() -> None:
     assert ClusterToken.from_environ({TOKEN_ENV: ""}) is None
     assert ClusterToken.from_environ({TOKEN_ENV: TOKEN.value}) == TOKEN
     assert ClusterToken.generate() != ClusterToken.generate()
+    with pytest.raises(ConfigError, match=TOKEN_ENV):  # a rotating token alone would leave the ports open
+        ClusterToken.from_environ({ROTATING_ENV: WRONG.value})
+
+
+def test_during_a_rotation_both_tokens_are_admitted_and_only_the_current_one_is_sent() -> None:
+    rotating = ClusterToken.from_environ({TOKEN_ENV: TOKEN.value, ROTATING_ENV: WRONG.value})
+    assert rotating is not None and rotating.metadata == (METADATA_KEY, TOKEN.value)
+    assert rotating.admits(TOKEN.value) and rotating.admits(WRONG.value.encode())
+    assert not rotating.admits("a-third-token-nobody-set") and not rotating.admits(None)
+    assert not TOKEN.admits(WRONG.value)
 
 
 @pytest.mark.parametrize("token", [None, WRONG], ids=["no-token", "wrong-token"])

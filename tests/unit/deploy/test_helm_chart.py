@@ -213,9 +213,9 @@ def test_gateway_grpc_can_be_turned_off(rendered: dict[str, list[Manifest]]) -> 
 INTERNAL = ("baton-scheduler", "baton-safety", "baton-worker-prefill", "baton-worker-decode")
 
 
-def _token_ref(deployment: Manifest) -> dict[str, str]:
+def _token_ref(deployment: Manifest, variable: str = "BATON_CLUSTER_TOKEN") -> dict[str, str]:
     env = {e["name"]: e for e in _container(deployment)["env"]}
-    return env["BATON_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    return env[variable]["valueFrom"]["secretKeyRef"]
 
 
 def test_every_internal_service_and_the_gateway_get_the_generated_cluster_token(
@@ -224,13 +224,17 @@ def test_every_internal_service_and_the_gateway_get_the_generated_cluster_token(
     data = _find(docs, "Secret", "baton-cluster-token")["data"]
     token = base64.b64decode(data["cluster-token"]).decode()
     assert len(token) == 48 and token.isalnum()
+    assert set(data) == {"cluster-token"}  # no rotation under way
     for name in (*INTERNAL, "baton-gateway"):
         assert _token_ref(_find(docs, "Deployment", name)) == {"name": "baton-cluster-token", "key": "cluster-token"}
+        assert _token_ref(_find(docs, "Deployment", name), "BATON_CLUSTER_TOKEN_ROTATING") == {
+            "name": "baton-cluster-token", "key": "rotating-cluster-token", "optional": True}
 
 
 def test_the_cluster_token_can_come_from_values_or_an_existing_secret(rendered: dict[str, list[Manifest]]) -> None:
     data = _find(rendered["one-gpu-values.yaml"], "Secret", "baton-cluster-token")["data"]
     assert base64.b64decode(data["cluster-token"]).decode() == "one-gpu-cluster-token-from-values"
+    assert base64.b64decode(data["rotating-cluster-token"]).decode() == "one-gpu-previous-cluster-token"
     docs = rendered["external-values.yaml"]
     assert not [d for d in docs if d["kind"] == "Secret"]
     for name in INTERNAL:
