@@ -37,7 +37,9 @@ TOKEN_ENV = "BATON_CLUSTER_TOKEN"
 ROTATING_ENV = "BATON_CLUSTER_TOKEN_ROTATING"
 METADATA_KEY = "x-baton-cluster-token"
 MIN_TOKEN_CHARS = 16
-_OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes; they reveal SERVING/NOT_SERVING only
+# Probes (Kubernetes sends no metadata): SERVING or NOT_SERVING is all they say. Health's `List`, which
+# names every service, is not among them.
+_OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 _REFUSAL = "this port is internal to the Baton cluster: missing or wrong cluster token (BATON_CLUSTER_TOKEN)"
 
 
@@ -132,7 +134,7 @@ class ClusterTokenServerInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = str(handler_call_details.method)  # type: ignore[attr-defined]
-        if method.startswith(_OPEN_PREFIX) or self._admits(handler_call_details):
+        if method in _OPEN_METHODS or self._admits(handler_call_details):
             return await continuation(handler_call_details)
         return _refusal_for(await continuation(handler_call_details))
 

@@ -91,17 +91,22 @@ async def test_every_kind_of_call_is_refused_without_the_token(scheduler: Schedu
         async for _ in stream:
             pass
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
+    _channels.append(channel)
     unknown = channel.unary_unary("/baton.v1.Scheduler/NoSuchMethod")
     with pytest.raises(grpc.aio.AioRpcError) as probed:  # what exists is not revealed either
         await unknown(b"", timeout=5, metadata=((METADATA_KEY, WRONG.value),))
     assert [e.value.code() for e in (listed, routed, probed)] == [grpc.StatusCode.UNAUTHENTICATED] * 3
 
 
-async def test_health_checks_need_no_token(scheduler: SchedulerService) -> None:
+async def test_health_checks_need_no_token_but_listing_the_services_does(scheduler: SchedulerService) -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
+    _channels.append(channel)
     reply = await health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="baton.v1.Scheduler"), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as listed:
+        await channel.unary_unary("/grpc.health.v1.Health/List")(b"", timeout=5)
+    assert listed.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
 async def _heartbeat_client(service: SchedulerService, worker_id: str, token: ClusterToken) -> HeartbeatClient:
