@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.cluster_auth import TOKEN_ENV, ClusterToken
+from services.common.cluster_auth import ROTATING_ENV, TOKEN_ENV, ClusterToken
 
 log = logging.getLogger(__name__)
 WORKER_READY = "BATON_WORKER_READY"
@@ -237,7 +237,8 @@ class RayCluster:
         cpus = self.config.service_cpus if num_cpus is None else num_cpus
         actor = actor_class.options(name=f"baton-{self._run}-{name}", num_cpus=cpus, num_gpus=num_gpus).remote(name)
         self._actors.append((name, actor))
-        env = {TOKEN_ENV: self.config.cluster_token.value, **(env or {})}
+        token = self.config.cluster_token
+        env = {TOKEN_ENV: token.value, **({ROTATING_ENV: token.rotating} if token.rotating else {}), **(env or {})}
         address, metrics = ray.get(actor.start.remote(argv, env, ready))
         self.endpoints.metrics[name] = f"{address}/metrics" if ready.http_path else metrics
         log.info("%s on %s (metrics %s)", name, address, self.endpoints.metrics[name])

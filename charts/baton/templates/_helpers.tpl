@@ -57,6 +57,12 @@ BATON_CLUSTER_TOKEN_ROTATING, the other token admitted during a rotation (only w
       optional: true
 {{- end -}}
 
+{{/* Changes when the values naming the token change (a rotation step): the pods roll and read it anew.
+A Secret of yours (existingSecret) changed in place needs `kubectl rollout restart` instead. */}}
+{{- define "baton.clusterAuthChecksum" -}}
+{{- pick .Values.clusterAuth "token" "rotatingToken" "existingSecret" "secretKey" "rotatingSecretKey" | toJson | sha256sum -}}
+{{- end -}}
+
 {{- define "baton.schedulerAddress" -}}
 {{- printf "%s-scheduler:%v" (include "baton.fullname" .) .Values.scheduler.port -}}
 {{- end -}}

@@ -257,3 +257,13 @@ def test_only_the_releases_pods_reach_the_internal_ports(rendered: dict[str, lis
     assert spec["ingress"][1]["from"] == [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}]
     assert not [d for d in rendered["external-values.yaml"] if d["kind"] == "NetworkPolicy"]
+
+
+def test_a_token_rotation_step_rolls_every_pod_that_reads_the_token(rendered: dict[str, list[Manifest]]) -> None:
+    def checksums(docs: list[Manifest]) -> set[str]:
+        return {d["spec"]["template"]["metadata"]["annotations"]["checksum/cluster-auth"]
+                for d in docs if d["kind"] == "Deployment"}
+
+    default = checksums(rendered["default"])
+    assert len(default) == 1  # every Deployment, workers included, carries it
+    assert checksums(rendered["one-gpu-values.yaml"]).isdisjoint(default)  # other token values: other pods
