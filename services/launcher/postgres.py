@@ -8,9 +8,9 @@ postgres so the server can create its socket there and traverse into its data di
 
 Password auth only (SCRAM-SHA-256), also for local socket connections: the superuser's password is
 generated on first start and kept beside the data directory (`<work dir>/superuser-password`, 0600),
-so a kept data directory keeps its password; `url` carries it. Deleting that file rotates it: the next
-start sets a new one in single-user mode, before the server listens. A data directory made by an older
-Baton with `trust` auth gets a password the same way, and the password-only `pg_hba.conf`.
+so a kept data directory keeps its password; `url` carries it. It is set in single-user mode, before
+the server ever listens, and so is a new one when that file was deleted (a rotation) or when the data
+directory was made by an older Baton with `trust` auth; then the password-only `pg_hba.conf` is written.
 
 Crash-safe, not power-safe, by default (`durable=False` turns off fsync and full-page writes): a
 commit is acknowledged once its WAL is written to the kernel, so it survives a SIGKILL of the server
@@ -69,9 +69,9 @@ class EmbeddedPostgres(EmbeddedService):
 
     @property
     def password(self) -> str:
-        """The superuser's password (generated on first use, kept in the work directory)."""
+        """The superuser's password (generated on the first start, kept in the work directory)."""
         if self._password is None:
-            self._password = _read_or_make_secret(self.work_dir / PASSWORD_FILE)
+            raise InfraStartError("postgres has not been started: it has no password yet")
         return self._password
 
     @property
@@ -93,30 +93,27 @@ class EmbeddedPostgres(EmbeddedService):
         self.work_dir.chmod(0o755)
         if self._user is not None:
             shutil.chown(self.work_dir, self._user, self._user)
-        hba = self.data_dir / "pg_hba.conf"
-        new_password = not (self.work_dir / PASSWORD_FILE).exists()  # first start, or a rotation
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb()
-        elif new_password or hba.read_text() != _PG_HBA:  # a rotation, or trust auth of an older Baton
+        # No server runs during any of this: the trust auth initdb leaves is never reachable.
+        password_file, hba = self.work_dir / PASSWORD_FILE, self.data_dir / "pg_hba.conf"
+        stored = password_file.read_text().strip() if password_file.exists() else None
+        self._password = stored or secrets.token_urlsafe(24)  # URL-safe: it goes into URLs as it is
+        if stored is None or hba.read_text() != _PG_HBA:  # new, rotated, or trust auth of an older Baton
             self._run_as_owner("set the superuser password", [
                 str(self._binary("postgres")), "--single", "-D", str(self.data_dir), "postgres"],
-                stdin=f"ALTER ROLE postgres PASSWORD '{self.password}';\n")
-        hba.write_text(_PG_HBA)
-        if self._user is not None:
-            shutil.chown(hba, self._user, self._user)
+                stdin=f"ALTER ROLE postgres PASSWORD '{self._password}';\n")
+            hba.write_text(_PG_HBA)
+            if self._user is not None:
+                shutil.chown(hba, self._user, self._user)
+        if stored is None:
+            password_file.touch(mode=0o600)
+            password_file.write_text(self._password)
 
     def _initdb(self) -> None:
-        pwfile = self.work_dir / ".initdb-password"  # read by initdb (our user or postgres), then removed
-        pwfile.touch(mode=0o600)
-        pwfile.write_text(self.password)
-        if self._user is not None:
-            shutil.chown(pwfile, self._user, self._user)
-        try:
-            self._run_as_owner("initdb", [
-                str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres", "--auth=scram-sha-256",
-                f"--pwfile={pwfile}", "-E", "UTF8", "--no-locale", "--no-sync"])
-        finally:
-            pwfile.unlink(missing_ok=True)
+        self._run_as_owner("initdb", [
+            str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+            "--no-locale", "--no-sync"])
 
     def _run_as_owner(self, what: str, argv: list[str], stdin: str | None = None) -> None:
         result = subprocess.run(argv, cwd=self.work_dir, user=self._user, group=self._user,
@@ -166,17 +163,6 @@ class EmbeddedPostgres(EmbeddedService):
         with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
             conn.execute(query)
         return self.url_for(name)
-
-
-def _read_or_make_secret(path: Path) -> str:
-    """The secret stored at `path`, or a new one written there readable by us only."""
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    secret = secrets.token_urlsafe(24)  # URL-safe: goes into connection URLs as it is
-    path.touch(mode=0o600)
-    path.write_text(secret)
-    return secret
 
 
 def _clean_env() -> dict[str, str]:
