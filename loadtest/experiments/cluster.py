@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken
 from services.gateway.auth import ApiKeyAuthenticator
 from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
@@ -105,6 +106,7 @@ class PolicyStack:
         self.supervisor = Supervisor(run_dir / "logs", cwd=Path.cwd())
         self.python = sys.executable
         self.url = ""  # the gateway's, set once it listens
+        self._token_env = {TOKEN_ENV: ClusterToken.generate().value}  # every child's: internal ports ask for it
 
     def __enter__(self) -> PolicyStack:
         try:
@@ -133,7 +135,7 @@ class PolicyStack:
                 "--heartbeat-timeout-s", str(self.config.heartbeat_timeout_s), "--drain-grace-s", "1"]
         if self.config.profile_path is not None:
             argv += ["--profile", str(self.config.profile_path)]
-        self.supervisor.start(ChildSpec("scheduler", argv, listening(port), stop_timeout_s=30))
+        self.supervisor.start(ChildSpec("scheduler", argv, listening(port), env=self._token_env, stop_timeout_s=30))
         return f"127.0.0.1:{port}"
 
     def _start_worker(self, worker: WorkerFlags, scheduler: str) -> None:
@@ -141,7 +143,8 @@ class PolicyStack:
                 "--port", str(free_port()), "--worker-id", worker.name, "--scheduler", scheduler,
                 "--torch-threads", str(self.config.torch_threads), "--num-blocks", str(self.config.num_blocks),
                 "--max-num-seqs", str(worker.max_num_seqs), "--drain-grace-s", "2", *worker.extra]
-        self.supervisor.start(ChildSpec(worker.name, argv, log_line(WORKER_READY), ready_timeout_s=300))
+        self.supervisor.start(ChildSpec(worker.name, argv, log_line(WORKER_READY), env=self._token_env,
+                                        ready_timeout_s=300))
 
     def _start_gateway(self, scheduler: str) -> None:
         e = self.infra.endpoints
@@ -150,7 +153,7 @@ class PolicyStack:
         env = {"BATON_DATABASE_URL": e.database_url, "BATON_REDIS_URL": e.redis_url,
                "BATON_KAFKA_BOOTSTRAP": e.kafka_bootstrap, "BATON_SCHEDULER_ADDRESS": scheduler,
                "BATON_SLOS": json.dumps(slos), "BATON_TIER_LIMITS": json.dumps(dict.fromkeys(TIERS, _UNLIMITED)),
-               "BATON_DRAIN_TIMEOUT_S": "2", **self.config.extra_gateway_env}
+               "BATON_DRAIN_TIMEOUT_S": "2", **self._token_env, **self.config.extra_gateway_env}
         # The port is picked as the gateway starts, not with the stack: picked first, it was taken by some
         # other socket during the workers' start-up once (docs/benchmarks.md, pass Y), and a bind race
         # gets a fresh port rather than failing the whole experiment.

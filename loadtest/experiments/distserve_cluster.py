@@ -24,6 +24,7 @@ from types import TracebackType
 
 from loadtest.experiments.handoff_phases import scrape
 from loadtest.experiments.layouts import parse_layout
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken
 from services.launcher.process import SupervisedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,7 @@ class Cluster:
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
         self.service_metrics_urls: dict[str, str] = {}  # "scheduler" / "gateway" -> its /metrics
         self.plans = parse_layout(layout or config).worker_plans(spec.tp)
+        self.cluster_token = ClusterToken.generate()  # every process gets it: internal ports ask for it
         self.tap_path = log_dir / f"{config}-scheduler_tap.json"  # written when the scheduler stops, if tapped
 
     def __enter__(self) -> Cluster:
@@ -92,7 +94,8 @@ class Cluster:
         import os
 
         process = SupervisedProcess(name, argv, self.log_dir / f"{self.config}-{name}.log",
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, **env}, cwd=ROOT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.cluster_token.value,
+                                         **self.spec.env, **env}, cwd=ROOT,
                                     stop_timeout_s=15)
         process.start()
         self.processes.append(process)

@@ -17,10 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken, sync_internal_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("baton_kv_transfer_seconds_sum", "baton_kv_transfer_seconds_count", "baton_kv_transfer_bytes_total",
            "baton_pd_handoff_seconds_sum", "baton_pd_handoff_seconds_count")
+# One per run, shared by every worker started here (a decode worker calls its prefill peer with it).
+CLUSTER_TOKEN = ClusterToken.generate()
 
 
 def log(msg: str) -> None:
@@ -44,7 +47,7 @@ class Worker:
         self.log_path = log_dir / f"{name}.log"
         self.argv = [sys.executable, "-m", "services.worker", "--role", role, "--port", str(self.port),
                      "--metrics-port", str(self.metrics_port), "--worker-id", name, *args]
-        self.env = env
+        self.env = {**env, TOKEN_ENV: CLUSTER_TOKEN.value}
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
 
@@ -54,7 +57,7 @@ class Worker:
                if "CUDA_VISIBLE_DEVICES" in self.env else ""))
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = sync_internal_channel(self.address, CLUSTER_TOKEN)
         return self
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -21,6 +22,7 @@ from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.server import DEFAULT_PORT
 from scheduler.types import WorkerRole
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken, sync_internal_channel
 
 _STATES = {
     pb.RoleSwitch.STATE_DRAINING: "draining",
@@ -51,6 +53,11 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """To the scheduler, with the cluster token of the environment (`BATON_CLUSTER_TOKEN`)."""
+    return sync_internal_channel(args.scheduler, ClusterToken.from_environ(os.environ))
+
+
 def switch_json(switch: pb.RoleSwitch) -> dict[str, str]:
     return {"worker_id": switch.worker_id, "from_role": switch.from_role, "to_role": switch.to_role,
             "state": _STATES.get(switch.state, "")}
@@ -58,7 +65,7 @@ def switch_json(switch: pb.RoleSwitch) -> dict[str, str]:
 
 def cmd_workers(args: argparse.Namespace) -> int:
     try:
-        with grpc.insecure_channel(args.scheduler) as channel:
+        with _channel(args) as channel:
             listed = pb_grpc.SchedulerStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=_RPC_TIMEOUT_S)
     except grpc.RpcError as e:
         return _failed(e)
@@ -80,7 +87,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
 def cmd_set_role(args: argparse.Namespace) -> int:
     request = pb.SetRoleRequest(worker_id=args.worker_id, role=args.role)
     try:
-        with grpc.insecure_channel(args.scheduler) as channel:
+        with _channel(args) as channel:
             stub = pb_grpc.SchedulerStub(channel)
             switch = stub.SetRole(request, timeout=_RPC_TIMEOUT_S).role_switch
             give_up = time.monotonic() + args.wait
@@ -110,4 +117,7 @@ def _failed(e: grpc.RpcError) -> int:
     code = e.code() if isinstance(e, grpc.Call) else None
     details = e.details() if isinstance(e, grpc.Call) else str(e)
     print(f"baton scheduler: error: {code.name if code else 'RPC'}: {details}", file=sys.stderr)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        print(f"baton scheduler: set {TOKEN_ENV} to the cluster's token (`baton serve`: run.json's cluster_token)",
+              file=sys.stderr)
     return 2

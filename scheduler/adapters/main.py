@@ -22,6 +22,7 @@ from scheduler.adapters.servicer import ServicerConfig
 from scheduler.core.policies import POLICY_NAMES
 from scheduler.native import check_fresh
 from scheduler.types import Tier
+from services.common.cluster_auth import ClusterToken
 from services.common.errors import ConfigError
 from services.common.tracing import EXPORTERS, setup_tracing
 
@@ -101,6 +102,7 @@ def config_from_args(
         degrade_tiers=_parse_tiers(tiers),
         degrade_models=_parse_model_pairs(model_pairs),
         servicer=ServicerConfig(heartbeat_interval_s=args.heartbeat_interval_s, tick_interval_s=args.tick_interval_s),
+        cluster_token=ClusterToken.from_environ(env),
     )
 
 

@@ -29,7 +29,7 @@ from scheduler.core.policies import POLICY_NAMES, GoodputConfig, GoodputPolicy, 
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.native import compiled
 from scheduler.types import Tier
-from services.common.tracing import TraceContextServerInterceptor
+from services.common.cluster_auth import ClusterToken, internal_server
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class SchedulerServiceConfig:
     degrade_tiers: frozenset[Tier] = frozenset({Tier.FREE})
     degrade_models: Mapping[str, str] = field(default_factory=dict)  # model -> smaller fallback model
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
+    # Calls without it are refused UNAUTHENTICATED (services/common/cluster_auth.py); None: open.
+    cluster_token: ClusterToken | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -109,7 +111,7 @@ class SchedulerService:
         self.metrics_port: int | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
+        server = internal_server(self.config.cluster_token, "scheduler")
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.port}"

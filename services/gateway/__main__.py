@@ -27,11 +27,13 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from scheduler.adapters.loop_watch import settle_gc
+from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError
 from services.common.settings import BatonSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
+from services.gateway.generation import WorkerClient
 from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
 from services.gateway.header_limit import header_limited_protocol
 from services.gateway.last_view import StaticWorkers
@@ -63,15 +65,17 @@ def build_deps(config: GatewayConfig, gw: GatewaySettings, settings: BatonSettin
         raise ConfigError("no workers: set BATON_SCHEDULER_ADDRESS or BATON_WORKER_ADDRESSES")
     # BATON_WORKER_ADDRESSES serve the default model; extra models are found through the scheduler.
     static = StaticWorkers(tuple(gw.worker_addresses), model=config.model.name) if gw.worker_addresses else None
+    token = None if gw.cluster_token is None else ClusterToken(gw.cluster_token.get_secret_value())
     safety: SafetyGate | None = None
     if gw.safety_address:
         from services.safety.client import SafetyClient
 
-        safety = SafetyGate(SafetyClient(gw.safety_address))
+        safety = SafetyGate(SafetyClient(gw.safety_address, cluster_token=token))
     else:
         log.warning("BATON_SAFETY_ADDRESS unset: prompts and outputs are NOT safety-checked")
     return GatewayDeps(config=config, tokenizer=Tokenizer.from_dir(config.model.path),
-                       router=RouterClient(gw.scheduler_address, static), tenancy=build_tenancy(gw, settings),
+                       router=RouterClient(gw.scheduler_address, static, cluster_token=token),
+                       workers=WorkerClient(cluster_token=token), tenancy=build_tenancy(gw, settings),
                        safety=safety, stream_redis_url=settings.redis_url,
                        extra_tokenizers={m.name: Tokenizer.from_dir(m.path) for m in config.extra_models})
 

@@ -31,7 +31,6 @@ from services.gateway.generation import (
 )
 from services.gateway.routing import RouteSource, RoutingDecision
 from services.gateway.run_state import GenerationPlan
-from services.gateway.tracing import grpc_trace_metadata
 
 _End = BaseException | None  # a choice's queue ends with None (done) or the call's error
 
@@ -91,7 +90,7 @@ class ChoiceGroup:
         """Open the call (once, when the first choice starts reading)."""
         if self._call is None:
             self._call = self._client.stub(self._target.decode_address).Generate(
-                self._request, metadata=grpc_trace_metadata())
+                self._request, metadata=self._client.call_metadata())
             self._pump = asyncio.ensure_future(self._route(self._call))
 
     def leave(self, stream: ChoiceStream) -> None:

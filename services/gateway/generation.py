@@ -27,6 +27,7 @@ import grpc
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
 from scheduler.types import WorkerFailure
+from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError
 from services.gateway.errors import BadRequestError, OverloadedError, UpstreamError
 from services.gateway.tracing import grpc_trace_metadata
@@ -179,7 +180,7 @@ class GenerationStream:
         self._target = target
         self._request_id = request.request_id
         stub = client.stub(target.decode_address)
-        self._call = stub.Generate(request, metadata=grpc_trace_metadata())
+        self._call = stub.Generate(request, metadata=client.call_metadata())
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[GenerationDelta]:
@@ -214,6 +215,7 @@ class GenerationStream:
 @dataclass
 class WorkerClient:
     abort_timeout_s: float = 2.0
+    cluster_token: ClusterToken | None = None  # workers refuse calls without it
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -222,6 +224,12 @@ class WorkerClient:
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
         return wpb_grpc.WorkerStub(channel)
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Every call's metadata: the trace context and the cluster token. Passed per call, not by channel
+        interceptors: on this per-request path an aio interceptor costs more than the call's own work."""
+        token = () if self.cluster_token is None else (self.cluster_token.metadata,)
+        return (*grpc_trace_metadata(), *token)
 
     def generate(self, target: GenerateTarget, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingSpec, tier: str) -> GenerationStream:
@@ -232,7 +240,8 @@ class WorkerClient:
 
     async def status(self, address: str, timeout_s: float = 2.0) -> wpb.WorkerStatus:
         try:
-            return await self.stub(address).GetStatus(wpb.StatusRequest(), timeout=timeout_s)
+            return await self.stub(address).GetStatus(wpb.StatusRequest(), timeout=timeout_s,
+                                                      metadata=self.call_metadata())
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e, address) from e
 
@@ -244,7 +253,7 @@ class WorkerClient:
     async def _abort(self, address: str, request_id: str) -> None:
         try:
             reply = await self.stub(address).Abort(wpb.AbortRequest(request_id=request_id),
-                                                   timeout=self.abort_timeout_s, metadata=grpc_trace_metadata())
+                                                   timeout=self.abort_timeout_s, metadata=self.call_metadata())
             log.info("Abort(%s) to %s: %s", request_id, address, "aborted" if reply.existed else "already ended")
         except grpc.aio.AioRpcError as e:  # the cancellation alone still frees the blocks
             log.info("Abort(%s) to %s not delivered: %s", request_id, address, e.code().name)

@@ -38,8 +38,8 @@ from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.adapters.convert import failure_report_to_proto, summary_to_proto
 from scheduler.types import Reason, RequestSummary, WorkerFailure
+from services.common.cluster_auth import ClusterToken, internal_channel
 from services.common.errors import BatonError
-from services.common.tracing import client_interceptors
 from services.gateway.last_view import StaticWorkers, known_worker, static_view
 
 log = logging.getLogger(__name__)
@@ -123,14 +123,14 @@ class RouterClient:
         scheduler_address: str | None,
         static_workers: StaticWorkers | None = None,
         config: RouterConfig | None = None,
+        cluster_token: ClusterToken | None = None,
     ) -> None:
         if scheduler_address is None and static_workers is None:
             raise ValueError("RouterClient needs a scheduler address, static workers, or both")
         self.config = config or RouterConfig()
         self.view = static_view(static_workers)
-        self._channel = None if scheduler_address is None else grpc.aio.insecure_channel(
-            scheduler_address, options=_CHANNEL_OPTIONS, interceptors=client_interceptors()
-        )
+        self._channel = None if scheduler_address is None else internal_channel(
+            scheduler_address, cluster_token, options=_CHANNEL_OPTIONS)
         self._stub = None if self._channel is None else pb_grpc.SchedulerStub(self._channel)
         self._down_until = 0.0  # monotonic time before which the scheduler is not asked
         self._in_outage = False  # only for logging the start and end of an outage once each

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.settings import Tier
@@ -46,6 +46,8 @@ class GatewaySettings(BaseSettings):
     scheduler_address: str | None = None
     worker_addresses: list[str] = Field(default_factory=list)
     safety_address: str | None = None  # None: no safety checks (development only)
+    # Sent on every call to the scheduler, workers and safety (services/common/cluster_auth.py).
+    cluster_token: SecretStr | None = None
 
     # The served model: a prepared HF directory (None: the default model in the cache).
     model: str | None = None

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken
 from services.common.settings import Tier
 from services.launcher.infra import InfraEndpoints
 from services.launcher.models import ModelSpec
@@ -75,10 +76,13 @@ class ServeOptions:
 
 
 class LocalCluster:
-    def __init__(self, options: ServeOptions, endpoints: InfraEndpoints, supervisor: Supervisor,
-                 restart: RestartPolicy | None = None, usage_spool_dir: Path | None = None) -> None:
-        """`usage_spool_dir`: where the gateway spools usage while Postgres is down (None: its default)."""
+    def __init__(self, options: ServeOptions, endpoints: InfraEndpoints, supervisor: Supervisor, *,
+                 cluster_token: ClusterToken, restart: RestartPolicy | None = None,
+                 usage_spool_dir: Path | None = None) -> None:
+        """`usage_spool_dir`: where the gateway spools usage while Postgres is down (None: its default).
+        `cluster_token`: every child gets it (BATON_CLUSTER_TOKEN): the internal ports ask for it."""
         self.options = options
+        self.cluster_token = cluster_token
         self.usage_spool_dir = usage_spool_dir
         self.endpoints = endpoints
         self.supervisor = supervisor
@@ -123,7 +127,9 @@ class LocalCluster:
 
     def _spec(self, name: str, argv: list[str], ready: ReadyCheck, env: dict[str, str] | None = None,
               ready_timeout_s: float = 120.0, stop_timeout_s: float = 20.0) -> ChildSpec:
-        return ChildSpec(name, argv, ready, env=env or {}, ready_timeout_s=ready_timeout_s,
+        # In the environment, not on the command line, where any local user's `ps` would see it.
+        env = {TOKEN_ENV: self.cluster_token.value, **(env or {})}
+        return ChildSpec(name, argv, ready, env=env, ready_timeout_s=ready_timeout_s,
                          stop_timeout_s=stop_timeout_s, restart=self.restart)
 
     def _start_scheduler(self) -> str:

@@ -6,6 +6,12 @@ between as a parent, subprocess switches the uid itself, so the server is our di
 our signals and the parent-death signal (see process.py). The work directory is chmod 755 and owned by
 postgres so the server can create its socket there and traverse into its data directory.
 
+Password auth only (SCRAM-SHA-256), also for local socket connections: the superuser's password is
+generated on first start and kept beside the data directory (`<work dir>/superuser-password`, 0600),
+so a kept data directory keeps its password; `url` carries it. It is set in single-user mode, before
+the server ever listens, and so is a new one when that file was deleted (a rotation) or when the data
+directory was made by an older Baton with `trust` auth; then the password-only `pg_hba.conf` is written.
+
 Crash-safe, not power-safe, by default (`durable=False` turns off fsync and full-page writes): a
 commit is acknowledged once its WAL is written to the kernel, so it survives a SIGKILL of the server
 (what `baton serve`'s restarts and the chaos test do) but not a machine crash. Synchronous commit
@@ -16,6 +22,7 @@ and a SIGKILL lost usage rows the gateway had been told were stored (seen in a C
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +35,13 @@ from services.launcher.process import SupervisedProcess
 
 DEFAULT_BIN_DIR = Path("/usr/lib/postgresql/15/bin")
 _INSTALL_HINT = "run scripts/install-system-deps.sh (it does `apt-get install -y postgresql`)"
+PASSWORD_FILE = "superuser-password"
+# Every connection, socket or TCP, must prove the password; nothing is trusted for being local.
+_PG_HBA = """# Written by Baton (services/launcher/postgres.py) at every start: password auth only.
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
 
 @dataclass(frozen=True)
@@ -47,10 +61,18 @@ class EmbeddedPostgres(EmbeddedService):
         self.config = config or PostgresConfig()
         super().__init__(self.config.port, self.config.work_dir, self.config.start_timeout_s)
         self._user = "postgres" if os.geteuid() == 0 else None
+        self._password: str | None = None
 
     @property
     def data_dir(self) -> Path:
         return self.work_dir / "data"
+
+    @property
+    def password(self) -> str:
+        """The superuser's password (generated on the first start, kept in the work directory)."""
+        if self._password is None:
+            raise InfraStartError("postgres has not been started: it has no password yet")
+        return self._password
 
     @property
     def url(self) -> str:
@@ -58,7 +80,7 @@ class EmbeddedPostgres(EmbeddedService):
 
     def url_for(self, database: str) -> str:
         """Address of another database on this server (tests create one per case)."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
 
     def _binary(self, name: str) -> Path:
         path = self.config.bin_dir / name
@@ -73,15 +95,32 @@ class EmbeddedPostgres(EmbeddedService):
             shutil.chown(self.work_dir, self._user, self._user)
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb()
+        # No server runs during any of this: the trust auth initdb leaves is never reachable.
+        password_file, hba = self.work_dir / PASSWORD_FILE, self.data_dir / "pg_hba.conf"
+        stored = password_file.read_text().strip() if password_file.exists() else None
+        self._password = stored or secrets.token_urlsafe(24)  # URL-safe: it goes into URLs as it is
+        if stored is None or hba.read_text() != _PG_HBA:  # new, rotated, or trust auth of an older Baton
+            self._run_as_owner("set the superuser password", [
+                str(self._binary("postgres")), "--single", "-D", str(self.data_dir), "postgres"],
+                stdin=f"ALTER ROLE postgres PASSWORD '{self._password}';\n")
+            hba.write_text(_PG_HBA)
+            if self._user is not None:
+                shutil.chown(hba, self._user, self._user)
+        if stored is None:
+            password_file.touch(mode=0o600)
+            password_file.write_text(self._password)
 
     def _initdb(self) -> None:
-        argv = [str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres",
-                "--auth=trust", "-E", "UTF8", "--no-locale", "--no-sync"]
+        self._run_as_owner("initdb", [
+            str(self._binary("initdb")), "-D", str(self.data_dir), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+            "--no-locale", "--no-sync"])
+
+    def _run_as_owner(self, what: str, argv: list[str], stdin: str | None = None) -> None:
         result = subprocess.run(argv, cwd=self.work_dir, user=self._user, group=self._user,
-                                extra_groups=[] if self._user else None, env=_clean_env(),
+                                extra_groups=[] if self._user else None, env=_clean_env(), input=stdin,
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise InfraStartError(f"initdb failed (code {result.returncode}):\n"
+            raise InfraStartError(f"{what} failed (code {result.returncode}):\n"
                                   f"{(result.stdout + result.stderr)[-3000:]}")
 
     def _make_process(self, port: int) -> SupervisedProcess:

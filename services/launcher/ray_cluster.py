@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.cluster_auth import ROTATING_ENV, TOKEN_ENV, ClusterToken
+
 log = logging.getLogger(__name__)
 WORKER_READY = "BATON_WORKER_READY"
 _POLL_S = 0.2
@@ -155,6 +157,8 @@ class RayClusterConfig:
     gateway: bool = True
     gateway_env: dict[str, str] = field(default_factory=dict)  # BATON_* for the gateway (read in main)
     namespace: str = "baton"
+    # Every service gets it (BATON_CLUSTER_TOKEN): the internal gRPC ports ask for it.
+    cluster_token: ClusterToken = field(default_factory=ClusterToken.generate)
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0 or self.tensor_parallel_size < 1:
@@ -233,7 +237,9 @@ class RayCluster:
         cpus = self.config.service_cpus if num_cpus is None else num_cpus
         actor = actor_class.options(name=f"baton-{self._run}-{name}", num_cpus=cpus, num_gpus=num_gpus).remote(name)
         self._actors.append((name, actor))
-        address, metrics = ray.get(actor.start.remote(argv, env or {}, ready))
+        token = self.config.cluster_token
+        env = {TOKEN_ENV: token.value, **({ROTATING_ENV: token.rotating} if token.rotating else {}), **(env or {})}
+        address, metrics = ray.get(actor.start.remote(argv, env, ready))
         self.endpoints.metrics[name] = f"{address}/metrics" if ready.http_path else metrics
         log.info("%s on %s (metrics %s)", name, address, self.endpoints.metrics[name])
         return str(address)

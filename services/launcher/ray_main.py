@@ -14,6 +14,7 @@ import signal
 import sys
 from types import FrameType
 
+from services.common.cluster_auth import ClusterToken
 from services.launcher.ray_cluster import RayCluster, RayClusterConfig
 
 
@@ -43,7 +44,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RayCl
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, model=args.model,
         worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg), safety=args.safety,
         gateway=not args.no_gateway,
-        gateway_env={k: v for k, v in environ.items() if k.startswith("BATON_")})
+        gateway_env={k: v for k, v in environ.items() if k.startswith("BATON_")},
+        cluster_token=ClusterToken.from_environ(environ) or ClusterToken.generate())
 
 
 def run_ray_command(args: argparse.Namespace) -> int:

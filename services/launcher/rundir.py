@@ -9,6 +9,7 @@ The run file (`run.json`) says what runs now: the serve pid, its `state` (`RunSt
 every child's and embedded service's pid, what each serves on which port (`endpoints`: component ->
 `Endpoint` -> port), every Prometheus endpoint (`metrics`), rewritten after each (re)start. Fault
 injection (loadtest/faults.py) reads its pids; `baton status` (status.py) probes its endpoints.
+It holds the cluster token and the infrastructure's passwords, so only its owner may read it (0600).
 
 Finding it: `publish(port)` links it as `serve-<port>.json` in a per-user index dir under the temp dir
 (`run_index_dir`), so `baton status --port P` finds the cluster whose gateway is on P without knowing

@@ -25,6 +25,11 @@ Usage not yet billed at that point stays in the outbox table (or the usage spool
 and is published by the next run's gateway when `--data-dir` keeps them. The run
 dir (a temp dir unless `--data-dir`) is removed on every exit path but SIGKILL; see rundir.py.
 
+Credentials: the internal gRPC ports (scheduler, workers, safety) ask for the cluster token,
+`BATON_CLUSTER_TOKEN` or a new one per run, handed to every child in its environment; the embedded
+Postgres and Redis get generated passwords, carried in the URLs the children get. The run file (mode
+0600) holds them all for the operator's tools.
+
 API key: `BATON_API_KEY` (a `bt-...` key) is registered for the organisation "local" if it is not
 known yet; without it a key is created and printed once (with `--data-dir`, only on the first run).
 """
@@ -46,6 +51,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from services.billing.schema import migrate_billing
+from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError, NotFoundError
 from services.common.settings import TIERS, BatonSettings, Tier
 from services.gateway.auth import KEY_PREFIX, display_prefix, hash_api_key
@@ -140,17 +146,21 @@ def run_serve_command(args: argparse.Namespace) -> int:
         settings = BatonSettings()
         options = options_from_args(args)
         api_key = os.environ.get("BATON_API_KEY") or None
+        cluster_token = ClusterToken.from_environ(os.environ)
         if api_key is not None and not _KEY_RE.match(api_key):
             raise ConfigError(f"BATON_API_KEY must look like {KEY_PREFIX}<43 characters of [A-Za-z0-9_-]> "
                               "(as `baton admin create-key` makes)")
     except (BatonError, ValidationError, SettingsError) as e:
         print(f"baton serve: error: {e}", file=sys.stderr)
         return 2
-    return serve(options, settings, api_key)
+    return serve(options, settings, api_key, cluster_token)
 
 
-def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -> int:
-    """Run until a signal (exit 0) or a child's death (exit 1); start failures exit 2."""
+def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None,
+          cluster_token: ClusterToken | None = None) -> int:
+    """Run until a signal (exit 0) or a child's death (exit 1); start failures exit 2.
+    `cluster_token`: what the internal ports ask for (None: a new one for this run)."""
+    cluster_token = cluster_token or ClusterToken.generate()
     try:
         check_gateway_ports(options)
     except PortInUseError as e:
@@ -169,7 +179,7 @@ def serve(options: ServeOptions, settings: BatonSettings, api_key: str | None) -
         run_file.write()
         run_file.infra_endpoints = endpoints = infra.start()
         issued = _bootstrap_database(endpoints.database_url, api_key, options.tier)
-        run_file.cluster = cluster = LocalCluster(options, endpoints, supervisor,
+        run_file.cluster = cluster = LocalCluster(options, endpoints, supervisor, cluster_token=cluster_token,
                                                   usage_spool_dir=run_dir.path / "usage-spool")
         supervisor.on_change = lambda s: run_file.write()
         for name, service in infra.embedded_by_name().items():
@@ -224,6 +234,8 @@ class _RunFile:
             infra = self.infra_endpoints
             content |= {"database_url": infra.database_url, "redis_url": infra.redis_url,
                         "kafka_bootstrap": infra.kafka_bootstrap}
+        if cluster is not None:  # for the operator's tools (`baton scheduler`): the file is owner-only
+            content["cluster_token"] = cluster.cluster_token.value
         try:
             self.run_dir.write_run_file(content)
         except OSError as e:

@@ -4,9 +4,9 @@ The run file (rundir.py) is found by `--data-dir D` (D/run.json) or else by the 
 (default 8000), through the link `baton serve` leaves in the run index. Every component is probed by
 what it serves on each port (`Endpoint`): gRPC health (grpc.health.v1, the overall service ""), the
 gateway's /healthz and /readyz, Prometheus /metrics, a TCP connect for the embedded infrastructure;
-each worker is asked which model it serves (Worker.GetStatus). Prints a table, or one JSON object with
-`--json`. Exit status: 0 the cluster is ready and every probe passed, 1 something is down or still
-starting (`StatusExit`), 3 no running cluster there.
+each worker is asked which model it serves (Worker.GetStatus, with the run file's cluster token).
+Prints a table, or one JSON object with `--json`. Exit status: 0 the cluster is ready and every probe
+passed, 1 something is down or still starting (`StatusExit`), 3 no running cluster there.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def _component(name: str, ports: dict[Endpoint, int], pid: int | None, restarts:
     probes: list[Probe] = []
     for endpoint, port in ports.items():
         probes += _probe(endpoint, port, str(run["gateway"]), str(run.get("grpc") or ""))
-    model = _worker_model(ports[Endpoint.GRPC]) if name.startswith("worker-") and Endpoint.GRPC in ports else None
+    is_worker = name.startswith("worker-") and Endpoint.GRPC in ports
+    model = _worker_model(ports[Endpoint.GRPC], run.get("cluster_token")) if is_worker else None
     return ComponentStatus(name, pid, restarts, {e.value: p for e, p in ports.items()}, tuple(probes), model)
 
 
@@ -151,14 +152,17 @@ def _tcp(port: int) -> Probe:
         return Probe("tcp", port, False, str(e))
 
 
-def _worker_model(port: int) -> str | None:
+def _worker_model(port: int, cluster_token: object) -> str | None:
+    """The worker's served model; GetStatus asks for the cluster token (the run file's)."""
     import grpc
 
     from rpcgen.baton.v1 import worker_pb2 as wpb
     from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
+    from services.common.cluster_auth import ClusterToken, sync_internal_channel
 
+    token = ClusterToken(cluster_token) if isinstance(cluster_token, str) else None
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with sync_internal_channel(f"127.0.0.1:{port}", token) as channel:
             return str(wpb_grpc.WorkerStub(channel).GetStatus(wpb.StatusRequest(), timeout=PROBE_TIMEOUT_S).model)
     except grpc.RpcError:
         return None  # its health probe says why

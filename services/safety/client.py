@@ -44,7 +44,7 @@ import grpc
 from prometheus_client import Counter
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
-from services.common.tracing import client_interceptors
+from services.common.cluster_auth import ClusterToken, internal_channel
 from services.safety.categories import SafetyVerdict, Tier
 from services.safety.limits import check_length
 from services.safety.wire import verdict_from_pb
@@ -188,16 +188,18 @@ class OutputFilter:
 class SafetyClient:
     """One channel per process; safe to share across the gateway's requests (one event loop)."""
 
-    def __init__(self, address: str, config: SafetyClientConfig | None = None) -> None:
+    def __init__(self, address: str, config: SafetyClientConfig | None = None,
+                 cluster_token: ClusterToken | None = None) -> None:
         self.address = address
         self.config = config or SafetyClientConfig()
+        self._cluster_token = cluster_token  # the safety service refuses calls without it
         self._channel: grpc.aio.Channel | None = None
         self._stub: safety_pb2_grpc.SafetyStub | None = None
 
     def _safety(self) -> safety_pb2_grpc.SafetyStub:
         # Created on first use, inside the caller's event loop.
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, interceptors=client_interceptors())
+            self._channel = internal_channel(self.address, self._cluster_token)
             self._stub = safety_pb2_grpc.SafetyStub(self._channel)
         return self._stub
 

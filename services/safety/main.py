@@ -12,11 +12,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError
 from services.common.tracing import setup_tracing
 from services.safety.guard import GuardConfig
@@ -63,8 +65,10 @@ def register_safety_command(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_safety_command)
 
 
-def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetyServerConfig:
-    """Flags override the environment."""
+def config_from(args: argparse.Namespace, settings: SafetySettings,
+                environ: Mapping[str, str] | None = None) -> SafetyServerConfig:
+    """Flags override the environment (`environ`: the cluster token's; default os.environ)."""
+    environ = os.environ if environ is None else environ
     return SafetyServerConfig(
         host=settings.host if args.host is None else args.host,
         port=settings.port if args.port is None else args.port,
@@ -73,6 +77,7 @@ def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetySer
         grace_s=settings.grace_s if args.grace_s is None else args.grace_s,
         encoder_threads=settings.encoder_threads,
         guard=_guard_config(args, settings),
+        cluster_token=ClusterToken.from_environ(environ),
     )
 
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from rpcgen.baton.v1 import safety_pb2_grpc
-from services.common.tracing import TraceContextServerInterceptor
+from services.common.cluster_auth import ClusterToken, internal_server
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
 from services.safety.guard import GuardConfig, GuardModelTier
@@ -44,6 +44,7 @@ class SafetyServerConfig:
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
     guard: GuardConfig | None = None  # None: no guard-model tier
+    cluster_token: ClusterToken | None = None  # calls without it: UNAUTHENTICATED (None: open)
 
 
 def limit_blas_threads() -> None:
@@ -74,7 +75,7 @@ class SafetyServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port."""
-        server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
+        server = internal_server(self.config.cluster_token, "safety")
         self._guard = GuardModelTier(self.config.guard) if self.config.guard is not None else None
         safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard),
                                                      server)

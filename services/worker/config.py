@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from kvtransfer.faults import FaultConfig
 from kvtransfer.transport import TransportKind
+from services.common.cluster_auth import ClusterToken
 
 
 class WorkerRole(StrEnum):
@@ -103,6 +104,9 @@ class WorkerConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     policy: DisaggPolicy = field(default_factory=DisaggPolicy)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    # Asked of every caller of this worker's port, and sent to the scheduler and prefill peers
+    # (services/common/cluster_auth.py); None: the port is open and calls go out without it.
+    cluster_token: ClusterToken | None = None
 
     def __post_init__(self) -> None:
         if not self.model_id:

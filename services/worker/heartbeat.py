@@ -38,6 +38,7 @@ from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
 from rpcgen.baton.v1 import worker_pb2 as pb
+from services.common.cluster_auth import ClusterToken, sync_internal_channel
 
 log = logging.getLogger(__name__)
 _UINT64 = (1 << 64) - 1
@@ -123,7 +124,7 @@ class HeartbeatClient:
                  status: Callable[[], Awaitable[pb.WorkerStatus]], collect: Callable[[], Awaitable[None]],
                  buffer: TelemetryBuffer, interval_s: float,
                  on_switch_role: Callable[[str], Awaitable[object]] | None = None,
-                 status_timeout_s: float | None = None) -> None:
+                 status_timeout_s: float | None = None, cluster_token: ClusterToken | None = None) -> None:
         """`collect()` moves fresh KV events into `buffer` (it runs on the engine thread);
         `on_switch_role(role)` takes a role the scheduler asks for (services/worker/role_switch.py);
         all three run on the event loop that calls `run()`. `status_timeout_s`: how long a heartbeat
@@ -141,6 +142,7 @@ class HeartbeatClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_status: pb.WorkerStatus | None = None
         self._pending: dict[str, concurrent.futures.Future[Any]] = {}  # what the loop still runs for us
+        self._cluster_token = cluster_token  # the scheduler refuses registrations and heartbeats without it
         self.registered = False
         self.heartbeats_sent = 0
         self.stale_heartbeats = 0  # sent with the previous status: the engine was mid-step
@@ -160,7 +162,7 @@ class HeartbeatClient:
     # ---- the heartbeat thread ------------------------------------------------------------------
 
     def _thread_main(self, done: asyncio.Future[None]) -> None:
-        channel = grpc.insecure_channel(self._address)
+        channel = sync_internal_channel(self._address, self._cluster_token)
         try:
             self._beat_until_stopped(scheduler_pb2_grpc.SchedulerStub(channel))
         finally:
@@ -180,7 +182,8 @@ class HeartbeatClient:
             except grpc.RpcError as e:
                 self.registered = False
                 if not outage:
-                    log.warning("scheduler %s unreachable (%s); serving on, retrying", self._address, _code(e))
+                    why = "refused this worker's cluster token" if _code(e) == "UNAUTHENTICATED" else "unreachable"
+                    log.warning("scheduler %s %s (%s); serving on, retrying", self._address, why, _code(e))
                 outage, backoff = True, min(backoff * 2, _MAX_BACKOFF_S)
             except _LoopGone:
                 return

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtransfer.faults import FaultConfig
+from services.common.cluster_auth import ClusterToken
 from services.common.tracing import EXPORTERS, setup_tracing
 from services.worker.config import DisaggPolicy, TransferConfig, WorkerConfig, WorkerRole
 
@@ -119,6 +120,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
                                 quarantine_s=args.kv_quarantine_s, checksums=args.kv_checksums,
                                 notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s,
                                 progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads),
+        cluster_token=ClusterToken.from_environ(os.environ),
     )
 
 

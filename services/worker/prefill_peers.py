@@ -20,7 +20,7 @@ import grpc
 from kvtransfer.errors import IncompatiblePeerError
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
-from services.common.tracing import client_interceptors
+from services.common.cluster_auth import ClusterToken, internal_channel
 from services.rpc.convert import handshake_from_proto, handshake_to_proto
 from services.worker.kv_link import KVLink
 
@@ -48,8 +48,10 @@ class PrefillPeer:
 
 
 class PrefillPeers:
-    def __init__(self, addresses: tuple[str, ...], link: KVLink, worker_id: str, peer_down_s: float) -> None:
+    def __init__(self, addresses: tuple[str, ...], link: KVLink, worker_id: str, peer_down_s: float,
+                 cluster_token: ClusterToken | None = None) -> None:
         self._link = link
+        self._cluster_token = cluster_token
         self._worker_id = worker_id
         self._peer_down_s = peer_down_s
         self._peers: dict[str, PrefillPeer] = {}
@@ -58,7 +60,7 @@ class PrefillPeers:
             self._add(address)
 
     def _add(self, address: str) -> PrefillPeer:
-        channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors())  # the trace goes on
+        channel = internal_channel(address, self._cluster_token)  # the token and the trace go on
         peer = PrefillPeer(address, channel, worker_pb2_grpc.WorkerStub(channel))
         self._peers[address] = peer
         return peer

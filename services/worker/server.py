@@ -16,7 +16,6 @@ import time
 import uuid
 from dataclasses import replace
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
@@ -28,7 +27,7 @@ from kvtransfer.integrity import LandedVerifier
 from kvtransfer.nixl.shards import FollowerShards
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
-from services.common.tracing import TraceContextServerInterceptor
+from services.common.cluster_auth import internal_server
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
@@ -67,7 +66,7 @@ class WorkerServer:
         self._draining = False
         self._stopped = asyncio.Event()
         self._health = health.aio.HealthServicer()
-        self._server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])  # callers' traces go on
+        self._server = internal_server(config.cluster_token, f"worker {self.worker_id}")
         self._async_engine: AsyncEngine | None = None
         self._servicer: WorkerServicer | None = None
         self.role_switcher = RoleSwitcher(self)
@@ -116,7 +115,8 @@ class WorkerServer:
                                            self.intake)
         elif cfg.role is WorkerRole.DECODE:
             assert self._link is not None
-            self._peers = PrefillPeers(cfg.prefill_peers, self._link, self.worker_id, cfg.transfer.peer_down_s)
+            self._peers = PrefillPeers(cfg.prefill_peers, self._link, self.worker_id, cfg.transfer.peer_down_s,
+                                       cfg.cluster_token)
             remote = RemotePrefill(self._link, self._peers, cfg.transfer, block_size)
             self._decode = DecodeService(engine, cfg.policy, self.metrics, remote, self._peers, self._verifier,
                                          self.intake)
@@ -127,7 +127,8 @@ class WorkerServer:
         if self.config.scheduler_address:
             self._heartbeat = HeartbeatClient(self.config.scheduler_address, self.worker_id, self.advertise_address,
                                               self.status, self._collect_kv_events, self.telemetry,
-                                              self.config.heartbeat_interval_s, self.role_switcher.apply)
+                                              self.config.heartbeat_interval_s, self.role_switcher.apply,
+                                              cluster_token=self.config.cluster_token)
             self._tasks.append(asyncio.create_task(self._heartbeat.run(), name="heartbeat"))
         else:
             self._tasks.append(asyncio.create_task(self._drain_kv_events_forever(), name="kv-events"))

@@ -37,6 +37,32 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- default (printf "%s-secrets" (include "baton.fullname" .)) .Values.secrets.existingSecret -}}
 {{- end -}}
 
+{{- define "baton.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "baton.fullname" .)) .Values.clusterAuth.existingSecret -}}
+{{- end -}}
+
+{{/* BATON_CLUSTER_TOKEN from its Secret: what internal gRPC ports ask for and their callers send; and
+BATON_CLUSTER_TOKEN_ROTATING, the other token admitted during a rotation (only while its key exists). */}}
+{{- define "baton.clusterTokenEnv" -}}
+- name: BATON_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "baton.clusterTokenSecretName" . }}
+      key: {{ .Values.clusterAuth.secretKey }}
+- name: BATON_CLUSTER_TOKEN_ROTATING
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "baton.clusterTokenSecretName" . }}
+      key: {{ .Values.clusterAuth.rotatingSecretKey }}
+      optional: true
+{{- end -}}
+
+{{/* Changes when the values naming the token change (a rotation step): the pods roll and read it anew.
+A Secret of yours (existingSecret) changed in place needs `kubectl rollout restart` instead. */}}
+{{- define "baton.clusterAuthChecksum" -}}
+{{- pick .Values.clusterAuth "token" "rotatingToken" "existingSecret" "secretKey" "rotatingSecretKey" | toJson | sha256sum -}}
+{{- end -}}
+
 {{- define "baton.schedulerAddress" -}}
 {{- printf "%s-scheduler:%v" (include "baton.fullname" .) .Values.scheduler.port -}}
 {{- end -}}
@@ -55,6 +81,7 @@ envFrom:
       name: {{ include "baton.secretName" . }}
 env:
   {{- include "baton.tracingEnv" . | nindent 2 }}
+  {{- include "baton.clusterTokenEnv" . | nindent 2 }}
 {{- end -}}
 
 {{/* Each service names itself (baton-gateway, baton-scheduler, ...); the OTLP endpoint is shared. */}}

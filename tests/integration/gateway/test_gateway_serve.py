@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 from unittest.mock import ANY
 
+import grpc
 import httpx
 from openai import OpenAI
 
+from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpcgen.baton.v1 import scheduler_pb2 as spb
+from rpcgen.baton.v1 import scheduler_pb2_grpc as spb_grpc
 from services.client import BatonClient, Sampling
+from services.common.cluster_auth import ClusterToken, sync_internal_channel
 from services.gateway.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.process import free_port, port_in_use
@@ -104,6 +111,7 @@ def test_two_clusters_serve_side_by_side_and_stop_every_child(tmp_path: Path, po
             assert client.chat("Name a colour.", sampling=Sampling(max_tokens=4)).usage is not None
         _check_status(env, port, children, ("scheduler", "worker-both", "safety", "billing", "gateway"))
         _check_status(env, other, _children(proc_b.pid), ("worker-both", "billing", "gateway"))
+        _check_internal_ports_refuse_strangers(log.read_text())
         for p in (proc, proc_b):
             p.send_signal(signal.SIGTERM)
         assert (proc.wait(timeout=90), proc_b.wait(timeout=90)) == (0, 0)
@@ -126,6 +134,57 @@ def _check_status(env: dict[str, str], port: int, children: list[int], names: tu
     for name in names:  # every child serves Prometheus metrics, and run.json lists where
         assert any(p["check"] == "metrics" and p["ok"] for p in components[name]["probes"]), components[name]
         assert "baton_" in httpx.get(status["metrics"][name], timeout=10).text, name
+
+
+def _list_workers(channel: grpc.Channel) -> object:
+    return spb_grpc.SchedulerStub(channel).ListWorkers(spb.ListWorkersRequest(), timeout=10)
+
+
+def _worker_status(channel: grpc.Channel) -> object:
+    return worker_pb2_grpc.WorkerStub(channel).GetStatus(worker_pb2.StatusRequest(), timeout=10)
+
+
+def _check_input(channel: grpc.Channel) -> object:
+    return safety_pb2_grpc.SafetyStub(channel).CheckInput(safety_pb2.CheckInputRequest(text="hi"), timeout=10)
+
+
+def _filter_output(channel: grpc.Channel) -> object:  # bidi-streaming
+    chunks = iter([safety_pb2.OutputChunk(request_id="r", delta="hi", final=True)])
+    return list(safety_pb2_grpc.SafetyStub(channel).FilterOutput(chunks, timeout=10))
+
+
+# One call on each internal port: (the port's name in run.json, the call).
+_INTERNAL_CALLS = {"scheduler": ("scheduler", _list_workers), "worker": ("worker-both", _worker_status),
+                   "safety": ("safety", _check_input), "safety-stream": ("safety", _filter_output)}
+
+
+def _call_each(ports: dict[str, int], token: ClusterToken | None) -> dict[str, Any]:
+    """call name -> its reply, or the status code it was refused with."""
+    results: dict[str, Any] = {}
+    for name, (port, call) in _INTERNAL_CALLS.items():
+        with sync_internal_channel(f"127.0.0.1:{ports[port]}", token) as channel:
+            try:
+                results[name] = call(channel)
+            except grpc.RpcError as e:
+                results[name] = e.code()  # type: ignore[attr-defined]
+    return results
+
+
+def _check_internal_ports_refuse_strangers(serve_log: str) -> None:
+    """Scheduler, worker and safety answer only callers with the cluster token; the run file holding it
+    is its owner's only."""
+    match = re.search(r"run file \(pids, ports\): (\S+)", serve_log)
+    assert match is not None
+    run_file = Path(match.group(1))
+    assert run_file.stat().st_mode & 0o777 == 0o600
+    run = json.loads(run_file.read_text())
+    token, ports = ClusterToken(run["cluster_token"]), run["ports"]
+    refused = dict.fromkeys(_INTERNAL_CALLS, grpc.StatusCode.UNAUTHENTICATED)
+    assert _call_each(ports, None) == refused
+    assert _call_each(ports, ClusterToken("not-this-clusters-token")) == refused
+    admitted = _call_each(ports, token)
+    assert [w.status.worker_id for w in admitted["scheduler"].workers] == [admitted["worker"].worker_id]
+    assert admitted["safety"].allowed and len(admitted["safety-stream"]) >= 1
 
 
 def _is_live(pid: int) -> bool:

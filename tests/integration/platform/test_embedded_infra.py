@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,3 +124,60 @@ def test_postgres_keeps_every_acknowledged_commit_across_a_sigkill() -> None:
         assert row is not None and row[0] == 50
     finally:
         server.close()
+
+
+def test_redis_refuses_clients_without_its_password(redis_server: EmbeddedRedis) -> None:
+    import redis
+
+    for password in (None, "wrong-password"):
+        client = redis.Redis(host="127.0.0.1", port=redis_server.port, password=password, socket_timeout=2)
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+        client.close()
+    assert redis.Redis.from_url(redis_server.url).ping()  # the URL the children get carries it
+    assert "requirepass" not in " ".join(Path(f"/proc/{redis_server.pid}/cmdline").read_text().split("\0"))
+
+
+@pytest.mark.parametrize("where", ["tcp", "socket"])
+def test_postgres_refuses_connections_without_its_password(postgres: EmbeddedPostgres, where: str) -> None:
+    import psycopg
+
+    host = "127.0.0.1" if where == "tcp" else str(postgres.work_dir)  # local socket connections too
+    for password in ("", "wrong-password"):
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(host=host, port=postgres.port, user="postgres", dbname="baton", password=password,
+                            connect_timeout=5)
+    with psycopg.connect(postgres.url) as conn:  # the URL the children get carries it
+        assert conn.execute("SELECT count(*) FROM pg_hba_file_rules WHERE auth_method <> 'scram-sha-256'"
+                            ).fetchone() == (0,)
+
+
+def test_a_trust_data_dir_of_an_older_baton_gets_a_password_and_deleting_it_rotates_it() -> None:
+    import psycopg
+
+    work_dir = Path(tempfile.mkdtemp(prefix="baton-pg-legacy-"))  # not under pytest's tmp: postgres must traverse
+    server = EmbeddedPostgres(PostgresConfig(work_dir=work_dir))
+    server.start()
+    server.stop()
+    (server.data_dir / "pg_hba.conf").write_text("local all all trust\nhost all all 127.0.0.1/32 trust\n")
+    (work_dir / "superuser-password").unlink()  # as an older Baton left it: no password
+    server = EmbeddedPostgres(PostgresConfig(work_dir=work_dir))
+    try:
+        server.start()
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="baton", connect_timeout=5)
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        old_password = server.password
+        server.stop()
+        (work_dir / "superuser-password").unlink()  # the rotation procedure of docs/operations.md
+        server = EmbeddedPostgres(PostgresConfig(work_dir=work_dir))
+        server.start()
+        assert server.password != old_password
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(server.url.replace(server.password, old_password), connect_timeout=5)
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        server.close()
+        shutil.rmtree(work_dir, ignore_errors=True)

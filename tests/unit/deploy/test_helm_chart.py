@@ -7,6 +7,7 @@ No helm binary: `helm-python-sdk` embeds Helm's engine; `kubernetes-validate` ca
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ KUBE_VERSION = "1.30.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 # Settings the chart fills in itself from other values (service addresses, model, metrics port, the
 # gateway's gRPC port, TLS files and usage spool, which need ports and volumes beside the setting).
+# The cluster token comes from its own Secret (clusterAuth).
 CHART_COMPUTED = {"scheduler_address", "safety_address", "model", "served_model_name", "billing_metrics_port",
-                  "grpc_port", "grpc_tls_cert", "grpc_tls_key", "usage_spool_dir"}
+                  "grpc_port", "grpc_tls_cert", "grpc_tls_key", "usage_spool_dir", "cluster_token"}
 
 Manifest = dict[str, Any]
 
@@ -206,3 +208,62 @@ def test_gateway_grpc_can_be_turned_off(rendered: dict[str, list[Manifest]]) -> 
     container, _, data = _gateway(docs)
     assert "grpc" not in _ports(container) and "BATON_GRPC_PORT" not in data
     assert "grpc" not in _ports(_find(docs, "Service", "baton-gateway")["spec"])
+
+
+INTERNAL = ("baton-scheduler", "baton-safety", "baton-worker-prefill", "baton-worker-decode")
+
+
+def _token_ref(deployment: Manifest, variable: str = "BATON_CLUSTER_TOKEN") -> dict[str, str]:
+    env = {e["name"]: e for e in _container(deployment)["env"]}
+    return env[variable]["valueFrom"]["secretKeyRef"]
+
+
+def test_every_internal_service_and_the_gateway_get_the_generated_cluster_token(
+        rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["default"]
+    data = _find(docs, "Secret", "baton-cluster-token")["data"]
+    token = base64.b64decode(data["cluster-token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert set(data) == {"cluster-token"}  # no rotation under way
+    for name in (*INTERNAL, "baton-gateway"):
+        assert _token_ref(_find(docs, "Deployment", name)) == {"name": "baton-cluster-token", "key": "cluster-token"}
+        assert _token_ref(_find(docs, "Deployment", name), "BATON_CLUSTER_TOKEN_ROTATING") == {
+            "name": "baton-cluster-token", "key": "rotating-cluster-token", "optional": True}
+
+
+def test_the_cluster_token_can_come_from_values_or_an_existing_secret(rendered: dict[str, list[Manifest]]) -> None:
+    data = _find(rendered["one-gpu-values.yaml"], "Secret", "baton-cluster-token")["data"]
+    assert base64.b64decode(data["cluster-token"]).decode() == "one-gpu-cluster-token-from-values"
+    assert base64.b64decode(data["rotating-cluster-token"]).decode() == "one-gpu-previous-cluster-token"
+    docs = rendered["external-values.yaml"]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for name in INTERNAL:
+        assert _token_ref(_find(docs, "Deployment", name)) == {"name": "baton-external", "key": "BATON_CLUSTER_TOKEN"}
+
+
+def test_only_the_releases_pods_reach_the_internal_ports(rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["default"]
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert sorted(policies) == sorted(INTERNAL)  # the gateway is the public edge
+    for name, spec in policies.items():
+        pod_labels = _find(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert spec["policyTypes"] == ["Ingress"]
+        release_pods, metrics = spec["ingress"]
+        assert release_pods == {"from": [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": "baton"}}}]}
+        assert metrics == {"ports": [{"port": 9090, "protocol": "TCP"}]}  # any source: Prometheus
+    spec = _find(rendered["one-gpu-values.yaml"], "NetworkPolicy", "baton-worker-both")["spec"]
+    assert spec["ingress"][1]["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert not [d for d in rendered["external-values.yaml"] if d["kind"] == "NetworkPolicy"]
+
+
+def test_a_token_rotation_step_rolls_every_pod_that_reads_the_token(rendered: dict[str, list[Manifest]]) -> None:
+    def checksums(docs: list[Manifest]) -> set[str]:
+        return {d["spec"]["template"]["metadata"]["annotations"]["checksum/cluster-auth"]
+                for d in docs if d["kind"] == "Deployment"}
+
+    default = checksums(rendered["default"])
+    assert len(default) == 1  # every Deployment, workers included, carries it
+    assert checksums(rendered["one-gpu-values.yaml"]).isdisjoint(default)  # other token values: other pods
