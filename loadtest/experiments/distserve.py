@@ -88,6 +88,7 @@ from loadtest.experiments.layouts import parse_layout
 from loadtest.experiments.product_stack import ProductStack
 from loadtest.experiments.run_metrics import SERVICE_PREFIXES, WORKER_PREFIXES, run_delta
 from loadtest.metrics import SLO
+from services.common.cluster_auth import TOKEN_ENV, ClusterToken
 
 log = logging.getLogger("loadtest.experiments.distserve")
 
@@ -124,15 +125,16 @@ def run_label(layout: str, stack: str, stacks: list[str]) -> str:
 def run_configuration(config: str, plan: Plan, work: Path, deadline: float, configs_left: int,
                       record: dict, layout: str | None = None, stack: str = "bare") -> None:
     """One layout under one stack (`bare`: BATON_AUTH_MODE=none; `product`: auth, limits, safety, billing)."""
+    token = ClusterToken.generate()  # the product's safety service asks for it, as the cluster's ports do
     if stack == "product":
-        with ProductStack(work / "logs" / config) as product:
-            _run_configuration(config, plan, work, deadline, configs_left, record, layout, product)
+        with ProductStack(work / "logs" / config, {TOKEN_ENV: token.value}) as product:
+            _run_configuration(config, plan, work, deadline, configs_left, record, layout, product, token)
     else:
-        _run_configuration(config, plan, work, deadline, configs_left, record, layout, None)
+        _run_configuration(config, plan, work, deadline, configs_left, record, layout, None, token)
 
 
 def _run_configuration(config: str, plan: Plan, work: Path, deadline: float, configs_left: int,
-                       record: dict, layout: str | None, product: ProductStack | None) -> None:
+                       record: dict, layout: str | None, product: ProductStack | None, token: ClusterToken) -> None:
     entry: dict = {"runs": [], "skipped": [], "stack": "bare" if product is None else "product"}
     record["configurations"][config] = entry
     share_end = time.monotonic() + (deadline - time.monotonic()) / configs_left
@@ -140,7 +142,7 @@ def _run_configuration(config: str, plan: Plan, work: Path, deadline: float, con
     api_key = None if product is None else product.api_key
     log.warning("=== %s: starting (time share until +%.0f s)", config, share_end - time.monotonic())
     with Cluster(config, plan.spec, work / "logs", layout,
-                 None if product is None else product.gateway_env) as cluster:
+                 None if product is None else product.gateway_env, token) as cluster:
         entry["startup_s"] = cluster.startup_s
         entry["workers"] = {w.name: {"role": w.role, "gpus": list(w.gpus)} for w in cluster.plans}
         log.warning("%s: all processes ready in %.1f s", config, cluster.startup_s)

@@ -58,10 +58,11 @@ class Cluster:
     """A context manager: entered = every process ready; `url` is the gateway's root."""
 
     def __init__(self, config: str, spec: ClusterSpec, log_dir: Path, layout: str | None = None,
-                 product_env: dict[str, str] | None = None) -> None:
+                 product_env: dict[str, str] | None = None, cluster_token: ClusterToken | None = None) -> None:
         """`config` names the run (its logs, the summary); `layout` the workers (default: `config`).
         `product_env`: the gateway runs as the full product with it (loadtest/experiments/product_stack.py);
-        None: the bare path (`BATON_AUTH_MODE=none`, no safety, no billing)."""
+        None: the bare path (`BATON_AUTH_MODE=none`, no safety, no billing). `cluster_token`: the one the
+        product's services already run with (default: a new one)."""
         self.config = config
         self.spec = spec
         self.product_env = product_env
@@ -73,7 +74,7 @@ class Cluster:
         self.metrics_urls: dict[str, str] = {}  # worker name -> its Prometheus /metrics
         self.service_metrics_urls: dict[str, str] = {}  # "scheduler" / "gateway" -> its /metrics
         self.plans = parse_layout(layout or config).worker_plans(spec.tp)
-        self.cluster_token = ClusterToken.generate()  # every process gets it: internal ports ask for it
+        self.cluster_token = cluster_token or ClusterToken.generate()  # every process gets it
         self.tap_path = log_dir / f"{config}-scheduler_tap.json"  # written when the scheduler stops, if tapped
 
     def __enter__(self) -> Cluster:
