@@ -10,6 +10,7 @@ FilterOutput streams cancelled at that point are the gateway's to handle (its fa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,15 @@ from prometheus_client import start_http_server
 
 from rpcgen.baton.v1 import safety_pb2_grpc
 from services.common.tracing import TraceContextServerInterceptor
+from services.safety.batcher import BatchConfig, EncoderBatching
 from services.safety.checker import SafetyChecker
-from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
+from services.safety.classifier import HEAD_PATH, EmbeddingClassifier, EmbeddingHead
+from services.safety.encoder import EncoderRuntime, SentenceEncoder
 from services.safety.guard import GuardConfig, GuardModelTier
+from services.safety.limits import LONG_TEXT_CHARS
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
-from services.safety.service import SafetyService
+from services.safety.service import PoolSizes, SafetyService
 from services.safety.stream_filter import StreamFilterConfig
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,12 @@ class SafetyServerConfig:
     policy_path: Path | None = None  # None: the built-in default policy for every organisation
     head_path: Path = HEAD_PATH
     encoder_threads: int = 2    # ONNX Runtime intra-op threads of the sentence encoder
+    encoder_runtime: EncoderRuntime = EncoderRuntime.ONNX  # TORCH/AUTO: the GPU on GPU hosts
+    device: str = "cuda"        # the torch device of the TORCH runtime
+    pools: PoolSizes = PoolSizes()
+    # Cross-request batching of encoder passes; None: each check calls the encoder itself (no batching).
+    batch: BatchConfig | None = BatchConfig(max_wait_s=0.002, max_texts=128, workers=2)
+    bulk_batch: BatchConfig = BatchConfig(max_wait_s=0.0, max_texts=256, workers=1)  # long inputs
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
     guard: GuardConfig | None = None  # None: no guard-model tier
@@ -60,12 +70,18 @@ def build_checker(config: SafetyServerConfig) -> SafetyChecker:
     """Load the policy file and the classifier (raises ConfigError on a bad policy)."""
     limit_blas_threads()
     policies = PolicyBook.from_file(config.policy_path) if config.policy_path else PolicyBook()
-    return SafetyChecker(policies, PatternTier(), EmbeddingClassifier.load(config.head_path, config.encoder_threads))
+    encoder = SentenceEncoder(threads=config.encoder_threads, runtime=config.encoder_runtime, device=config.device)
+    log.info("safety encoder on %s (%s)", encoder.runtime.value, encoder.device)
+    batching = None if config.batch is None else EncoderBatching(encoder.embed, config.batch, config.bulk_batch,
+                                                                 LONG_TEXT_CHARS)
+    classifier = EmbeddingClassifier(encoder, EmbeddingHead.load(config.head_path), batching=batching)
+    return SafetyChecker(policies, PatternTier(), classifier)
 
 
 class SafetyServer:
     def __init__(self, config: SafetyServerConfig, checker: SafetyChecker | None = None) -> None:
         self.config = config
+        self._built_checker = checker is None  # its batchers are ours to stop
         self._checker = checker or build_checker(config)
         self._server: grpc.aio.Server | None = None
         self._guard: GuardModelTier | None = None
@@ -76,8 +92,8 @@ class SafetyServer:
         """Bind and serve; returns the bound port."""
         server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
         self._guard = GuardModelTier(self.config.guard) if self.config.guard is not None else None
-        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard),
-                                                     server)
+        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard,
+                                                                   self.config.pools), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -100,6 +116,9 @@ class SafetyServer:
         self._server = None
         if self._guard is not None:
             await self._guard.close()
+        classifier = self._checker.classifier
+        if self._built_checker and classifier is not None and classifier.batching is not None:
+            await asyncio.to_thread(classifier.batching.close)
 
     async def wait(self) -> None:
         if self._server is not None:
