@@ -206,3 +206,15 @@ def test_gateway_grpc_can_be_turned_off(rendered: dict[str, list[Manifest]]) -> 
     container, _, data = _gateway(docs)
     assert "grpc" not in _ports(container) and "BATON_GRPC_PORT" not in data
     assert "grpc" not in _ports(_find(docs, "Service", "baton-gateway")["spec"])
+
+
+def test_safety_encoder_pools_and_batching_are_wired_to_its_settings(rendered: dict[str, list[Manifest]]) -> None:
+    from services.safety.main import SafetySettings
+
+    container = _container(_find(rendered["default"], "Deployment", "baton-safety"))
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    capacity = {k: v for k, v in env.items() if k.startswith("BATON_SAFETY_") and k != "BATON_SAFETY_POLICY_FILE"}
+    assert {k.removeprefix("BATON_SAFETY_").lower() for k in capacity} <= set(SafetySettings.model_fields)
+    settings = SafetySettings(**{k.removeprefix("BATON_SAFETY_").lower(): v for k, v in capacity.items()})
+    assert (settings.encoder_runtime, settings.batching, settings.batch_wait_ms, settings.output_threads) == (
+        "onnx", True, 2.0, 16)
