@@ -1,5 +1,6 @@
 """The load scenario of `bench_safety_queueing --load`: output streams and prompts at once, as the
-gateway sends them under load, against the in-process Safety service without and with batching."""
+gateway sends them under load, against the in-process Safety service without and with batching
+(`Batching.OFF` with the 2/1/1 threads the service had before, then `Batching.ON` with the defaults)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loadtest.micro.bench_safety_long import sharegpt_text
+from services.safety.batcher import Batching
 from services.safety.categories import Tier
 from services.safety.client import SafetyClient
 from services.safety.encoder import EncoderRuntime
@@ -51,6 +53,7 @@ class _Tally:
     window_s: list[float] = field(default_factory=list)  # output chunks the classifier judged
     long_s: list[float] = field(default_factory=list)    # LONG_PROMPT_WORDS-word prompts
     failed: int = 0
+    halted: int = 0
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -74,6 +77,9 @@ async def _one_stream(client: SafetyClient, text: str, stop_at: float, tally: _T
                 return
             if verdict.tier == Tier.CLASSIFIER:
                 tally.window_s.append(elapsed)
+            if not verdict.allowed:  # halted: the client answers later deltas itself, the generation ends
+                tally.halted += 1
+                return
             await asyncio.sleep(max(0.0, DELTA_INTERVAL_S - elapsed))
     finally:
         await stream.close()
@@ -132,17 +138,18 @@ async def _measure(config: SafetyServerConfig, shape: LoadShape, corpus: str) ->
             "windows": len(tally.window_s), "window_p50_s": _percentile(tally.window_s, 0.5),
             "window_p99_s": _percentile(tally.window_s, 0.99), "long_checks": len(tally.long_s),
             "long_p50_s": _percentile(tally.long_s, 0.5), "long_p99_s": _percentile(tally.long_s, 0.99),
-            "failed": tally.failed}
+            "failed": tally.failed, "streams_halted": tally.halted}
 
 
 async def run_load(shape: LoadShape, runtime: EncoderRuntime, device: str, corpus_path: Path | None) -> None:
     """`corpus_path`: a text file to cut streams and long prompts from (default: ShareGPT's first 40,000 words)."""
     corpus = corpus_path.read_text(encoding="utf-8") if corpus_path else sharegpt_text(40_000)
     base = SafetyServerConfig(host="127.0.0.1", port=0, encoder_runtime=runtime, device=device)
-    variants = [("unbatched", replace(base, pools=UNBATCHED_POOLS, batch=None)), ("batched", base)]
+    variants = [("unbatched", replace(base, pools=UNBATCHED_POOLS, batching=Batching.OFF)),
+                ("batched", replace(base, batching=Batching.ON))]
     for name, config in variants:
         row = await _measure(config, shape, corpus)
-        batching = None if config.batch is None else vars(config.batch)
+        batching = vars(config.batch) if config.batching is Batching.ON else None
         print(json.dumps({"scenario": "load", "service": name, "runtime": runtime.value, **vars(shape),
                           "batching": batching,
                           **row}), flush=True)

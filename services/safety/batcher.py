@@ -12,13 +12,13 @@ Failure is per batch: when the encoder raises, every caller of that batch gets t
 next batch is tried afresh. A caller that gave up (its future cancelled) or whose deadline passed
 before its batch formed is dropped without being computed (`BatchDeadlineError`).
 
-`EncoderBatching` keeps two batchers over one encoder: long texts (many sentences, seconds of CPU) on
-their own worker, so short checks and output windows never queue behind them (the reason the service
-had separate pools before batching).
+`EncoderBatching` keeps a batcher per `Lane` over one encoder: prompts, long prompts (many sentences,
+seconds of CPU) and output windows each queue apart, so no kind waits behind another's batches (the
+reason the service had separate pools before batching).
 
-The deadline of the gRPC call being served travels in a context variable (`call_deadline`): the
-checker's tiers are synchronous code shared with the evaluator and tests, and threading a deadline
-through every signature to reach this one consumer would touch all of them.
+The deadline and lane of the gRPC call being served travel in context variables (`call_scope`): the
+checker's tiers are synchronous code shared with the evaluator and tests, and threading them through
+every signature to reach this one consumer would touch all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +41,21 @@ Embed = Callable[[list[str]], F32]
 
 # When the gRPC call being served must be answered by (time.monotonic()); None: no deadline.
 call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+# The lane the service put the call in; None: chosen by size (EncoderBatching.embed).
+call_lane: contextvars.ContextVar[Lane | None] = contextvars.ContextVar("call_lane", default=None)
+
+
+class Batching(StrEnum):
+    """Whether the service batches encoder passes across calls. AUTO: on for an encoder on a GPU, where
+    a small pass is mostly overhead; off on a CPU, where a pass is FLOP-bound and batching measured
+    no gain (worse tail latency on the loaded 2-core CI machine: docs/operations.md, "Safety capacity")."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    def applies(self, device: str) -> bool:
+        return self is Batching.ON or (self is Batching.AUTO and device.startswith("cuda"))
 
 
 class BatchDeadlineError(TimeoutError):
@@ -49,11 +65,13 @@ class BatchDeadlineError(TimeoutError):
 @dataclass(frozen=True)
 class BatchConfig:
     max_wait_s: float = 0.002  # how long the first text of a batch waits for company
-    max_texts: int = 128       # a batch closes once it holds this many texts (one caller's are never split)
+    # A batch closes once it holds this many texts (one caller's are never split). None: one encoder
+    # pass (`SentenceEncoder.batch_texts`: 32 on a CPU, where a bigger batch only adds waiting, 128 on a GPU).
+    max_texts: int | None = None
     workers: int = 1           # batches in flight at once (threads calling the encoder)
 
     def __post_init__(self) -> None:
-        if self.max_wait_s < 0 or self.max_texts < 1 or self.workers < 1:
+        if self.max_wait_s < 0 or (self.max_texts is not None and self.max_texts < 1) or self.workers < 1:
             raise ValueError(f"batching needs max_wait_s >= 0, max_texts >= 1, workers >= 1: {self}")
 
 
@@ -65,21 +83,26 @@ class _Entry:
 
 
 @contextmanager
-def deadline_of_call(time_remaining_s: float | None) -> Iterator[None]:
-    """Within the block, batchers drop this thread's texts once `time_remaining_s` has passed."""
-    token = call_deadline.set(None if time_remaining_s is None else time.monotonic() + time_remaining_s)
+def call_scope(lane: Lane, time_remaining_s: float | None) -> Iterator[None]:
+    """Within the block, this thread's texts queue in `lane` and are dropped once `time_remaining_s` has passed."""
+    deadline = call_deadline.set(None if time_remaining_s is None else time.monotonic() + time_remaining_s)
+    named = call_lane.set(lane)
     try:
         yield
     finally:
-        call_deadline.reset(token)
+        call_lane.reset(named)
+        call_deadline.reset(deadline)
 
 
 class EmbeddingBatcher:
     """Thread-safe; `embed(texts)` blocks until the batch holding `texts` is done."""
 
-    def __init__(self, embed: Embed, config: BatchConfig, name: str = "safety-batch") -> None:
+    def __init__(self, embed: Embed, config: BatchConfig, name: str = "safety-batch",
+                 pass_texts: int = 32) -> None:
+        """`pass_texts`: the encoder's texts a pass, the batch size when `config.max_texts` is None."""
         self._embed = embed
         self.config = config
+        self._max_texts = config.max_texts or pass_texts
         self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(config.workers)]
@@ -120,7 +143,7 @@ class EmbeddingBatcher:
             return None
         batch, count = [first], len(first.texts)
         close_at = time.monotonic() + self.config.max_wait_s
-        while count < self.config.max_texts:
+        while count < self._max_texts:
             try:
                 entry = self._queue.get(timeout=max(0.0, close_at - time.monotonic()))
             except queue.Empty:
@@ -156,18 +179,32 @@ class EmbeddingBatcher:
             start += len(entry.texts)
 
 
-class EncoderBatching:
-    """Two batchers over one encoder: texts totalling over `long_chars` characters go to `bulk`."""
+class Lane(StrEnum):
+    """Which queue a check's texts wait in: each lane has its own batcher, so no kind of check waits
+    behind another's batch (a CPU pass of 32 windows is ~1 s of CPU; a prompt must not queue behind it)."""
 
-    def __init__(self, embed: Embed, interactive: BatchConfig, bulk: BatchConfig, long_chars: int) -> None:
-        self.interactive = EmbeddingBatcher(embed, interactive, "safety-batch")
-        self.bulk = EmbeddingBatcher(embed, bulk, "safety-bulk")
+    INPUT = "input"            # prompts up to the long-text size
+    LONG_INPUT = "long_input"  # prompts over it: one per pass
+    OUTPUT = "output"          # output windows of open streams
+
+
+class EncoderBatching:
+    """A batcher per `Lane` over one encoder. The lane is the one the service named for the call
+    (`call_scope`); outside a call, texts totalling over `long_chars` characters are LONG_INPUT, others INPUT."""
+
+    def __init__(self, embed: Embed, interactive: BatchConfig, bulk: BatchConfig, long_chars: int,
+                 pass_texts: int = 32) -> None:
+        """`interactive`: the INPUT and OUTPUT lanes' batching; `bulk`: LONG_INPUT's."""
+        self.lanes = {lane: EmbeddingBatcher(embed, bulk if lane is Lane.LONG_INPUT else interactive,
+                                             f"safety-{lane.value}", pass_texts) for lane in Lane}
         self._long_chars = long_chars
 
     def embed(self, texts: list[str]) -> F32:
-        long = sum(map(len, texts)) > self._long_chars
-        return (self.bulk if long else self.interactive).embed(texts)
+        lane = call_lane.get()
+        if lane is None:
+            lane = Lane.LONG_INPUT if sum(map(len, texts)) > self._long_chars else Lane.INPUT
+        return self.lanes[lane].embed(texts)
 
     def close(self) -> None:
-        self.interactive.close()
-        self.bulk.close()
+        for batcher in self.lanes.values():
+            batcher.close()

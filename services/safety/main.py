@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import BatonError, ConfigError
 from services.common.tracing import setup_tracing
-from services.safety.batcher import BatchConfig
+from services.safety.batcher import BatchConfig, Batching
 from services.safety.encoder import EncoderRuntime
 from services.safety.guard import GuardConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
@@ -48,9 +48,9 @@ class SafetySettings(BaseSettings):
     input_threads: int = Field(default=PoolSizes.input, ge=1)
     long_input_threads: int = Field(default=PoolSizes.long_input, ge=1)
     output_threads: int = Field(default=PoolSizes.output, ge=1)
-    batching: bool = True
+    batching: Batching = Batching.AUTO
     batch_wait_ms: float = Field(default=2.0, ge=0, le=100)
-    batch_max_texts: int = Field(default=128, ge=1)
+    batch_max_texts: int | None = Field(default=None, ge=1)  # None: one encoder pass (32 CPU, 128 GPU)
     batch_workers: int = Field(default=2, ge=1)
     guard_url: str | None = None
     guard_model: str | None = None
@@ -90,15 +90,11 @@ def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetySer
         encoder_runtime=settings.encoder_runtime,
         device=settings.device,
         pools=PoolSizes(settings.input_threads, settings.long_input_threads, settings.output_threads),
-        batch=_batch_config(settings),
+        batching=settings.batching,
+        batch=BatchConfig(settings.batch_wait_ms / 1000, settings.batch_max_texts, settings.batch_workers),
         guard=_guard_config(args, settings),
     )
 
-
-def _batch_config(settings: SafetySettings) -> BatchConfig | None:
-    if not settings.batching:
-        return None
-    return BatchConfig(settings.batch_wait_ms / 1000, settings.batch_max_texts, settings.batch_workers)
 
 
 def _guard_config(args: argparse.Namespace, settings: SafetySettings) -> GuardConfig | None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
-from services.safety.batcher import BatchDeadlineError, deadline_of_call
+from services.safety.batcher import BatchDeadlineError, Lane, call_scope
 from services.safety.categories import Category, Direction, SafetyVerdict, Tier
 from services.safety.checker import SafetyChecker, decide
 from services.safety.guard import GuardModelTier
@@ -75,14 +75,14 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         self._output_pool = ThreadPoolExecutor(pools.output, thread_name_prefix="safety-output")
 
     @staticmethod
-    async def _in_pool(pool: ThreadPoolExecutor, context: grpc.aio.ServicerContext,
+    async def _in_pool(pool: ThreadPoolExecutor, lane: Lane, context: grpc.aio.ServicerContext,
                        work: Callable[[], SafetyVerdict]) -> SafetyVerdict:
-        """`work()` in `pool`, batched encoder calls bounded by the call's deadline; DEADLINE_EXCEEDED
+        """`work()` in `pool`, its encoder texts in `lane`, bounded by the call's deadline; DEADLINE_EXCEEDED
         when it passed while the texts queued (the caller has given up: their work is dropped)."""
         remaining = context.time_remaining()
 
         def bounded() -> SafetyVerdict:
-            with deadline_of_call(remaining):
+            with call_scope(lane, remaining):
                 return work()
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, bounded)
@@ -97,9 +97,10 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         if chars > MAX_INPUT_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the text has {chars} characters; at most {MAX_INPUT_CHARS} are judged")
-        pool = self._long_input_pool if chars > LONG_TEXT_CHARS else self._input_pool
+        long = chars > LONG_TEXT_CHARS
         verdict = await self._in_pool(
-            pool, context, functools.partial(self._checker.check, request.org_id, request.text, Direction.INPUT))
+            self._long_input_pool if long else self._input_pool, Lane.LONG_INPUT if long else Lane.INPUT, context,
+            functools.partial(self._checker.check, request.org_id, request.text, Direction.INPUT))
         if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Tier.NONE:
             verdict = await self._ask_guard(request.org_id, request.text) or verdict
         elapsed = time.perf_counter() - start
@@ -137,7 +138,7 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
                     stream = OutputStreamFilter(self._checker, self._checker.policies.for_org(org_id),
                                                 self._stream_config, watch=chunk.watch)
                 if stream.needs_classifier(chunk.delta, chunk.final):
-                    last = await self._in_pool(self._output_pool, context,
+                    last = await self._in_pool(self._output_pool, Lane.OUTPUT, context,
                                                functools.partial(stream.feed, chunk.delta, chunk.final))
                 else:
                     last = stream.feed(chunk.delta, chunk.final)

@@ -17,7 +17,8 @@ from services.safety.batcher import (
     BatchDeadlineError,
     EmbeddingBatcher,
     EncoderBatching,
-    deadline_of_call,
+    Lane,
+    call_scope,
 )
 from services.safety.categories import Direction
 from services.safety.checker import SafetyChecker
@@ -133,7 +134,7 @@ def test_a_caller_past_its_deadline_gives_up_and_is_dropped(fake: RecordingEmbed
     batcher = batcher_of(max_wait_s=0.0, max_texts=10)
     _hold_worker(batcher, fake)
     start = time.monotonic()
-    with deadline_of_call(0.05), pytest.raises(BatchDeadlineError):
+    with call_scope(Lane.INPUT, 0.05), pytest.raises(BatchDeadlineError):
         batcher.embed(["late"])
     assert 0.04 <= time.monotonic() - start < 2.0  # it waited for its deadline, not for the held batch
     expired = batcher.submit(["expired"], deadline=time.monotonic())
@@ -143,13 +144,41 @@ def test_a_caller_past_its_deadline_gives_up_and_is_dropped(fake: RecordingEmbed
     assert all("late" not in call and "expired" not in call for call in fake.calls)
 
 
-def test_long_texts_go_to_the_bulk_batcher(fake: RecordingEmbed) -> None:
+def test_each_lane_has_its_own_batcher(fake: RecordingEmbed) -> None:
     batching = EncoderBatching(fake, BatchConfig(workers=1), BatchConfig(max_wait_s=0.0, workers=1), long_chars=10)
     try:
-        batching.interactive.close()  # a short text sent here would now wait forever: it is not
-        assert batching.embed(["x" * 6, "y" * 6])[:, 0].tolist() == [6, 6]
+        fake.gate.clear()  # every pass waits: what is queued where shows in the calls' texts
+        with ThreadPoolExecutor(4) as pool:
+            def scoped(lane: Lane | None, text: str) -> F32:
+                if lane is None:
+                    return batching.embed([text])
+                with call_scope(lane, None):
+                    return batching.embed([text])
+            done = [pool.submit(scoped, Lane.OUTPUT, "window"), pool.submit(scoped, Lane.INPUT, "prompt"),
+                    pool.submit(scoped, None, "a text over ten characters")]
+            while len(fake.calls) < 3:
+                time.sleep(0.001)
+            fake.gate.set()
+            assert [f.result(5)[:, 0].tolist() for f in done] == [[6], [6], [26]]
+        assert sorted(map(tuple, fake.calls)) == [("a text over ten characters",), ("prompt",), ("window",)]
+        threads = {lane: batcher._workers[0].name for lane, batcher in batching.lanes.items()}
+        assert threads == {Lane.INPUT: "safety-input-0", Lane.LONG_INPUT: "safety-long_input-0",
+                           Lane.OUTPUT: "safety-output-0"}
     finally:
-        batching.bulk.close()
+        batching.close()
+
+
+def test_max_texts_defaults_to_one_encoder_pass(fake: RecordingEmbed) -> None:
+    batcher = EmbeddingBatcher(fake, BatchConfig(max_wait_s=0.05, workers=1), pass_texts=3)
+    try:
+        _hold_worker(batcher, fake)
+        futures = [batcher.submit([str(i)]) for i in range(6)]
+        fake.gate.set()
+        for f in futures:
+            f.result(5)
+        assert [len(c) for c in fake.calls[1:]] == [3, 3]
+    finally:
+        batcher.close()
 
 
 @pytest.mark.parametrize("kwargs", [{"max_wait_s": -1.0}, {"max_texts": 0}, {"workers": 0}])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.safety.batcher import BatchConfig
+from services.safety.batcher import BatchConfig, Batching
 from services.safety.encoder import EncoderRuntime
 from services.safety.main import SafetySettings, config_from, register_safety_command
 from services.safety.service import PoolSizes
@@ -52,19 +52,22 @@ def test_encoder_runtime_device_pools_and_batching_come_from_the_environment(mon
     assert (config.encoder_runtime, config.device) == (EncoderRuntime.TORCH, "cuda:1")
     assert config.pools == PoolSizes(input=3, long_input=1, output=5)
     assert config.batch == BatchConfig(max_wait_s=0.004, max_texts=64, workers=3)
-    monkeypatch.setenv("BATON_SAFETY_BATCHING", "false")
-    assert config_from(_parse(["safety"]), SafetySettings()).batch is None
+    monkeypatch.setenv("BATON_SAFETY_BATCHING", "off")
+    assert config_from(_parse(["safety"]), SafetySettings()).batching is Batching.OFF
 
 
-def test_defaults_are_onnx_with_batching(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_defaults_are_onnx_with_batching_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_from(_parse(["safety"]), SafetySettings())
-    assert config.encoder_runtime is EncoderRuntime.ONNX
-    assert config.batch == BatchConfig(max_wait_s=0.002, max_texts=128, workers=2) and config.pools == PoolSizes()
+    assert (config.encoder_runtime, config.batching) == (EncoderRuntime.ONNX, Batching.AUTO)
+    assert config.batch == BatchConfig(max_wait_s=0.002, max_texts=None, workers=2) and config.pools == PoolSizes()
+    assert [Batching.AUTO.applies(d) for d in ("cpu", "cuda", "cuda:1")] == [False, True, True]
+    assert Batching.ON.applies("cpu") and not Batching.OFF.applies("cuda")
 
 
 @pytest.mark.parametrize(("name", "value"), [("ENCODER_RUNTIME", "tensorrt"), ("DEVICE", "gpu"), ("DEVICE", "cuda:x"),
                                              ("INPUT_THREADS", "0"), ("BATCH_WAIT_MS", "-1"),
-                                             ("BATCH_MAX_TEXTS", "0"), ("BATCH_WORKERS", "0")])
+                                             ("BATCH_MAX_TEXTS", "0"), ("BATCH_WORKERS", "0"),
+                                             ("BATCHING", "yes")])
 def test_bad_capacity_settings_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(f"BATON_SAFETY_{name}", value)
     with pytest.raises(ValidationError, match=name.lower()):
