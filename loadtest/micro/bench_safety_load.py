@@ -19,14 +19,11 @@ from services.safety.categories import Tier
 from services.safety.client import SafetyClient
 from services.safety.encoder import EncoderRuntime
 from services.safety.server import SafetyServer, SafetyServerConfig
-from services.safety.service import PoolSizes
 
 DELTA_CHARS = 6         # ~1.5 tokens of English a delta
 DELTA_INTERVAL_S = 0.02
 STREAM_CHARS = 1_500    # ~375 tokens a generation, then the stream is replaced
 LONG_PROMPT_WORDS = 5_000
-# The service before batching: two short-input threads, one long-input, one output thread.
-UNBATCHED_POOLS = PoolSizes(input=2, long_input=1, output=1)
 
 
 @dataclass(frozen=True)
@@ -145,7 +142,8 @@ async def run_load(shape: LoadShape, runtime: EncoderRuntime, device: str, corpu
     """`corpus_path`: a text file to cut streams and long prompts from (default: ShareGPT's first 40,000 words)."""
     corpus = corpus_path.read_text(encoding="utf-8") if corpus_path else sharegpt_text(40_000)
     base = SafetyServerConfig(host="127.0.0.1", port=0, encoder_runtime=runtime, device=device)
-    variants = [("unbatched", replace(base, pools=UNBATCHED_POOLS, batching=Batching.OFF)),
+    # Unbatched, the server keeps the 2/1/1 threads the service had before batching.
+    variants = [("unbatched", replace(base, batching=Batching.OFF)),
                 ("batched", replace(base, batching=Batching.ON))]
     for name, config in variants:
         row = await _measure(config, shape, corpus)

@@ -23,7 +23,7 @@ from services.safety.batcher import BatchConfig, Batching
 from services.safety.encoder import EncoderRuntime
 from services.safety.guard import GuardConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
-from services.safety.service import PoolSizes
+from services.safety.service import BATCHED_POOLS, PoolSizes
 
 log = logging.getLogger("services.safety")
 
@@ -45,9 +45,11 @@ class SafetySettings(BaseSettings):
     encoder_threads: int = Field(default=2, ge=1)
     encoder_runtime: EncoderRuntime = EncoderRuntime.ONNX
     device: str = Field(default="cuda", pattern=r"^(cpu|cuda(:\d+)?)$")
-    input_threads: int = Field(default=PoolSizes.input, ge=1)
-    long_input_threads: int = Field(default=PoolSizes.long_input, ge=1)
-    output_threads: int = Field(default=PoolSizes.output, ge=1)
+    # Unset: 2/1/1 unbatched, 8/2/16 batched (BATCHED_POOLS); setting one sets all three, the others
+    # taking the batched sizes.
+    input_threads: int | None = Field(default=None, ge=1)
+    long_input_threads: int | None = Field(default=None, ge=1)
+    output_threads: int | None = Field(default=None, ge=1)
     batching: Batching = Batching.AUTO
     batch_wait_ms: float = Field(default=2.0, ge=0, le=100)
     batch_max_texts: int | None = Field(default=None, ge=1)  # None: one encoder pass (32 CPU, 128 GPU)
@@ -89,12 +91,20 @@ def config_from(args: argparse.Namespace, settings: SafetySettings) -> SafetySer
         encoder_threads=settings.encoder_threads,
         encoder_runtime=settings.encoder_runtime,
         device=settings.device,
-        pools=PoolSizes(settings.input_threads, settings.long_input_threads, settings.output_threads),
+        pools=_pools(settings),
         batching=settings.batching,
         batch=BatchConfig(settings.batch_wait_ms / 1000, settings.batch_max_texts, settings.batch_workers),
         guard=_guard_config(args, settings),
     )
 
+
+
+def _pools(settings: SafetySettings) -> PoolSizes | None:
+    sizes = (settings.input_threads, settings.long_input_threads, settings.output_threads)
+    if all(size is None for size in sizes):
+        return None  # the server sizes them by whether it batches
+    defaults = (BATCHED_POOLS.input, BATCHED_POOLS.long_input, BATCHED_POOLS.output)
+    return PoolSizes(*(default if size is None else size for size, default in zip(sizes, defaults, strict=True)))
 
 
 def _guard_config(args: argparse.Namespace, settings: SafetySettings) -> GuardConfig | None:

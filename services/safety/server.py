@@ -29,7 +29,7 @@ from services.safety.guard import GuardConfig, GuardModelTier
 from services.safety.limits import LONG_TEXT_CHARS
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
-from services.safety.service import PoolSizes, SafetyService
+from services.safety.service import BATCHED_POOLS, PoolSizes, SafetyService
 from services.safety.stream_filter import StreamFilterConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class SafetyServerConfig:
     encoder_threads: int = 2    # ONNX Runtime intra-op threads of the sentence encoder
     encoder_runtime: EncoderRuntime = EncoderRuntime.ONNX  # TORCH/AUTO: the GPU on GPU hosts
     device: str = "cuda"        # the torch device of the TORCH runtime
-    pools: PoolSizes = PoolSizes()
+    pools: PoolSizes | None = None  # None: BATCHED_POOLS when batching, else PoolSizes() (2/1/1)
     # Cross-request batching of encoder passes (when `batching` applies to the encoder's device); else
     # each check calls the encoder itself.
     batching: Batching = Batching.AUTO
@@ -99,7 +99,7 @@ class SafetyServer:
         server = grpc.aio.server(interceptors=[TraceContextServerInterceptor()])
         self._guard = GuardModelTier(self.config.guard) if self.config.guard is not None else None
         safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard,
-                                                                   self.config.pools), server)
+                                                                   self._pools()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -112,6 +112,12 @@ class SafetyServer:
             start_http_server(self.config.metrics_port, addr=self.config.host)  # as private as its gRPC port
         log.info("safety service on %s:%d", self.config.host, self.port)
         return self.port
+
+    def _pools(self) -> PoolSizes:
+        if self.config.pools is not None:
+            return self.config.pools
+        classifier = self._checker.classifier
+        return BATCHED_POOLS if classifier is not None and classifier.batching is not None else PoolSizes()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful drain: NOT_SERVING, then finish in-flight calls for up to `grace_s`."""

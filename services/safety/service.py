@@ -10,7 +10,7 @@ the event loop: the encoder releases the GIL, and the loop keeps answering patte
 other streams meanwhile. Three pools (`PoolSizes`), so that no check queues behind a longer kind of
 work: short input texts, long input texts (over `limits.LONG_TEXT_CHARS`; a 5,000-word prompt is
 seconds of CPU, and when short prompts queued behind one they missed their 1 s deadline and failed
-closed), and output windows. With batching on (the server's default, `batcher.py`), the pools' threads
+closed), and output windows. With batching on (`batcher.py`; by default on a GPU encoder), the pools' threads
 hand their texts to cross-request batchers and wait: windows and short prompts of many calls share one
 encoder pass, long prompts have their own batcher. A check whose call deadline passes while its texts
 queue is dropped (DEADLINE_EXCEEDED). A text over `limits.MAX_INPUT_CHARS` is refused
@@ -50,17 +50,20 @@ _CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
 
 @dataclass(frozen=True)
 class PoolSizes:
-    """Threads that run checks (normalising, the pattern tier, then waiting for the encoder). With
-    batching on, a thread mostly waits for its batch, so these bound how many checks can share one:
-    size them to the concurrency expected (open streams classifying at once, prompts in flight)."""
+    """Threads that run checks (normalising, the pattern tier, the encoder). Unbatched, each thread runs
+    its own encoder pass, so a few (the defaults) keep the CPU from oversubscription. Batched, a thread
+    mostly waits for its batch, so the pools bound how many checks can share one: `BATCHED_POOLS`."""
 
-    input: int = 8        # short input texts
-    long_input: int = 2   # input texts over LONG_TEXT_CHARS
-    output: int = 16      # output windows of open streams
+    input: int = 2        # short input texts
+    long_input: int = 1   # input texts over LONG_TEXT_CHARS
+    output: int = 1       # output windows of open streams
 
     def __post_init__(self) -> None:
         if min(self.input, self.long_input, self.output) < 1:
             raise ValueError(f"safety thread pools need at least one thread each: {self}")
+
+
+BATCHED_POOLS = PoolSizes(input=8, long_input=2, output=16)
 
 
 class SafetyService(safety_pb2_grpc.SafetyServicer):

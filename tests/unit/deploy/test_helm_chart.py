@@ -217,4 +217,4 @@ def test_safety_encoder_pools_and_batching_are_wired_to_its_settings(rendered: d
     assert {k.removeprefix("BATON_SAFETY_").lower() for k in capacity} <= set(SafetySettings.model_fields)
     settings = SafetySettings(**{k.removeprefix("BATON_SAFETY_").lower(): v for k, v in capacity.items()})
     assert (settings.encoder_runtime, settings.batching, settings.batch_wait_ms, settings.output_threads,
-            settings.batch_max_texts) == ("onnx", "auto", 2.0, 16, None)
+            settings.batch_max_texts) == ("onnx", "auto", 2.0, None, None)

@@ -52,6 +52,9 @@ def test_encoder_runtime_device_pools_and_batching_come_from_the_environment(mon
     assert (config.encoder_runtime, config.device) == (EncoderRuntime.TORCH, "cuda:1")
     assert config.pools == PoolSizes(input=3, long_input=1, output=5)
     assert config.batch == BatchConfig(max_wait_s=0.004, max_texts=64, workers=3)
+    monkeypatch.delenv("BATON_SAFETY_INPUT_THREADS")
+    monkeypatch.delenv("BATON_SAFETY_LONG_INPUT_THREADS")
+    assert config_from(_parse(["safety"]), SafetySettings()).pools == PoolSizes(input=8, long_input=2, output=5)
     monkeypatch.setenv("BATON_SAFETY_BATCHING", "off")
     assert config_from(_parse(["safety"]), SafetySettings()).batching is Batching.OFF
 
@@ -59,7 +62,7 @@ def test_encoder_runtime_device_pools_and_batching_come_from_the_environment(mon
 def test_defaults_are_onnx_with_batching_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_from(_parse(["safety"]), SafetySettings())
     assert (config.encoder_runtime, config.batching) == (EncoderRuntime.ONNX, Batching.AUTO)
-    assert config.batch == BatchConfig(max_wait_s=0.002, max_texts=None, workers=2) and config.pools == PoolSizes()
+    assert config.batch == BatchConfig(max_wait_s=0.002, max_texts=None, workers=2) and config.pools is None
     assert [Batching.AUTO.applies(d) for d in ("cpu", "cuda", "cuda:1")] == [False, True, True]
     assert Batching.ON.applies("cpu") and not Batching.OFF.applies("cuda")
 
