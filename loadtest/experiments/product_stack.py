@@ -5,7 +5,8 @@ Entered, it has started the embedded Postgres, Redis and Kafka-protocol broker (
 `EmbeddedInfra`), migrated the schema, registered an enterprise API key, and started the safety service
 and the billing consumer. `gateway_env` is what turns a gateway into the full product: API keys checked
 in Postgres, RPM + TPM limits in Redis, the safety pre-check and streaming output filter, usage events
-to Kafka and into the ledger. The experiment's bench sends `api_key`.
+to Kafka and into the ledger. The experiment's bench sends `api_key`. The safety service's encoder runs
+on the GPU when there is one (`SAFETY_ENCODER_RUNTIME`; its log names the runtime it chose).
 
 Why not `baton serve` itself: its workers take no GPU engine flags (device, CUDA graphs, KV pool), and
 the experiment needs the same workers, scheduler and gateway flags in both modes so that only the
@@ -29,6 +30,8 @@ from services.launcher.process import SupervisedProcess, free_port
 from services.launcher.serve import ensure_api_key, migrate_database
 
 ROOT = Path(__file__).resolve().parents[2]
+# torch on the GPU where torch sees one (the GPU box), else ONNX on the CPU (services/safety/encoder.py).
+SAFETY_ENCODER_RUNTIME = "auto"
 
 
 class ProductStack:
@@ -75,8 +78,12 @@ class ProductStack:
 
     def _start_safety(self) -> str:
         port = free_port()
+        # The encoder on the GPU when there is one (a 5,000-word prompt is ~170 GFLOP: the CPU cores that
+        # feed the workers cannot judge 10 a second); BATON_SAFETY_ENCODER_RUNTIME set by the caller wins.
+        runtime = {} if "BATON_SAFETY_ENCODER_RUNTIME" in {**os.environ, **self.env} else {
+            "BATON_SAFETY_ENCODER_RUNTIME": SAFETY_ENCODER_RUNTIME}
         process = self._spawn("safety", [sys.executable, "-m", "services.safety", "--host", "127.0.0.1",
-                                         "--port", str(port)], {})
+                                         "--port", str(port)], runtime)
         process.wait_ready(lambda: process.listens_on(port), self.ready_timeout_s)
         return f"127.0.0.1:{port}"
 

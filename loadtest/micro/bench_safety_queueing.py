@@ -1,11 +1,21 @@
 """Short safety checks under concurrency: how many miss their deadline, and how long they take.
 
     python -m loadtest.micro.bench_safety_queueing [--burst 24] [--behind-words 1000]
+    python -m loadtest.micro.bench_safety_queueing --load [--streams 24] [--checks-per-s 10] [--seconds 15]
+                                                  [--long-per-s 0] [--runtime onnx] [--device cuda]
 
 Starts the Safety gRPC service in this process (port 0) and calls it with the gateway's client at its
 default deadlines. Two scenarios: `--burst` distinct one-sentence prompts at once (twice), and a
 `--behind-words`-word ShareGPT check followed 50 ms later by 12 short ones. Prints, per scenario, how
 many checks failed closed (tier "unavailable") and the short checks' p50 and max latency.
+
+`--load` drives the service as the gateway does under load, once without cross-request batching (the
+service as it was: 2/1/1 threads, one encoder call per check) and once with the defaults (batching):
+`--streams` output streams open at all times (a 6-character delta every 20 ms each, ~60 tokens/s: a
+new generation replaces one that ends), plus `--checks-per-s` one-sentence prompts and `--long-per-s`
+5,000-word prompts a second (Poisson).
+Prints classifier verdicts a second (prompts + output windows), the p50/p99 latency of input checks and
+of output chunks that ran the classifier, and how many failed (the fail mode applied).
 """
 
 from __future__ import annotations
@@ -14,9 +24,12 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
+from loadtest.micro.bench_safety_load import LoadShape, run_load
 from loadtest.micro.bench_safety_long import sharegpt_text
 from services.safety.client import SafetyClient
+from services.safety.encoder import EncoderRuntime
 from services.safety.server import SafetyServer, SafetyServerConfig
 
 
@@ -56,8 +69,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--burst", type=int, default=24)
     p.add_argument("--behind-words", type=int, default=1000)
+    p.add_argument("--load", action="store_true", help="streams + prompts a second, batching off then on")
+    p.add_argument("--streams", type=int, default=24)
+    p.add_argument("--checks-per-s", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--long-per-s", type=float, default=0.0, help="5,000-word prompts a second (Poisson)")
+    p.add_argument("--corpus", type=Path, default=None, help="text file for streams and long prompts (else ShareGPT)")
+    p.add_argument("--runtime", default="onnx", choices=[r.value for r in EncoderRuntime])
+    p.add_argument("--device", default="cuda", help="the torch runtime's device")
     args = p.parse_args()
-    asyncio.run(run(args.burst, args.behind_words))
+    if args.load:
+        shape = LoadShape(args.streams, args.checks_per_s, args.seconds, args.long_per_s)
+        asyncio.run(run_load(shape, EncoderRuntime(args.runtime), args.device, args.corpus))
+    else:
+        asyncio.run(run(args.burst, args.behind_words))
 
 
 if __name__ == "__main__":

