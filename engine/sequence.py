@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = "waiting"  # queued, never admitted; holds no blocks
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # holds blocks a remote prefill is writing; not scheduled
+    LOADING_KV = "loading_kv"  # holds blocks a lower KV tier (host, disk) is copying into; not scheduled
     RUNNING = "running"  # admitted: holds blocks for all its tokens; prefilling (in chunks) or decoding
     PREEMPTED = "preempted"  # blocks taken back under memory pressure; queued to recompute all its tokens
     FINISHED = "finished"  # finished or aborted; holds no blocks and is no longer in the batcher
