@@ -63,7 +63,7 @@ class TieredKVStore:
                      Tier.DISK: TierLRU(config.disk_bytes // self.bytes_per_block if config.disk_dir else 0)}
         self._host = torch.empty((self._lru[Tier.HOST].capacity, *kv_cache.shape[1:]), dtype=kv_cache.dtype,
                                  pin_memory=self._cuda)
-        self._files = DiskBlockFiles(config.disk_dir) if self._lru[Tier.DISK].capacity else None
+        self._files = DiskBlockFiles(config.disk_dir) if config.disk_dir and self._lru[Tier.DISK].capacity else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if self._files else None
         self._stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
         self._host_ready: dict[int, torch.cuda.Event] = {}  # host slot -> its demotion copy

@@ -65,8 +65,9 @@ class TierConfig:
             raise ConfigError(f"min_load_speedup must be >= 0, got {self.min_load_speedup}")
 
     @classmethod
-    def from_gib(cls, host_gib: float, disk_dir: str | None, disk_gib: float) -> TierConfig:
-        return cls(int(host_gib * _GIB), disk_dir or None, int(disk_gib * _GIB))
+    def from_gib(cls, host_gib: float, disk_dir: str | None, disk_gib: float,
+                 min_load_speedup: float = 1.0) -> TierConfig:
+        return cls(int(host_gib * _GIB), disk_dir or None, int(disk_gib * _GIB), min_load_speedup)
 
     @property
     def enabled(self) -> bool:
