@@ -176,7 +176,8 @@ class AsyncEngine:
     async def status(self) -> EngineStatus:
         def snapshot() -> EngineStatus:
             e, b, bm = self.engine, self.engine.batcher, self.engine.block_manager
-            return EngineStatus(b.num_waiting, b.num_running, b.num_waiting_for_remote_kv,
+            # A sequence waiting for its prefix to load from a lower KV tier is queued work too.
+            return EngineStatus(b.num_waiting + b.num_loading_kv, b.num_running, b.num_waiting_for_remote_kv,
                                 b.num_pending_prefill_tokens, b.num_pending_prefill_requests,
                                 b.num_running_context_tokens, b.num_running_remaining_tokens,
                                 bm.num_free_blocks,
