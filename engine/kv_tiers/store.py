@@ -66,6 +66,7 @@ class TieredKVStore:
         self._files = DiskBlockFiles(config.disk_dir) if config.disk_dir and self._lru[Tier.DISK].capacity else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if self._files else None
         self._stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
+        self._io_stream = torch.cuda.Stream(kv_cache.device) if self._cuda and self._io else None  # disk reads
         self._host_ready: dict[int, torch.cuda.Event] = {}  # host slot -> its demotion copy
         self._writes: dict[int, Future[None]] = {}  # disk hash -> its write, until reaped
         self._loads: dict[str, _Load] = {}
@@ -199,7 +200,10 @@ class TieredKVStore:
             for b in host_blocks:
                 self.kv_cache[b.block_id].copy_(self._host[self._host_slot(b)])
             return
-        with torch.cuda.stream(self._stream):  # after any pending demotion into these slots (same stream)
+        # After any pending demotion into these slots (same stream) and after whatever the engine's stream
+        # last did with the destination blocks (nothing, in a synchronous engine; kept for safety).
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(self._stream):
             for b in host_blocks:
                 self.kv_cache[b.block_id].copy_(self._host[self._host_slot(b)], non_blocking=True)
             load.host_done = torch.cuda.Event()
@@ -221,10 +225,10 @@ class TieredKVStore:
         if not self._cuda:
             destination.copy_(staged)
             return
-        stream = torch.cuda.Stream(self.kv_cache.device)
-        with torch.cuda.stream(stream):
+        assert self._io_stream is not None
+        with torch.cuda.stream(self._io_stream):
             destination.copy_(staged, non_blocking=True)
-        stream.synchronize()
+        self._io_stream.synchronize()  # on the I/O thread: the engine thread never waits for it
 
     def poll(self, request_id: str) -> LoadResult:
         """Where a load stands; once DONE it is forgotten (its pins released)."""

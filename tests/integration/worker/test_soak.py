@@ -82,7 +82,7 @@ _BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # the default model's float32 16-token 
 @pytest.fixture(scope="module")
 def tiered(default_model_dir, worker_log_dir, tmp_path_factory) -> WorkerProcess:
     disk = tmp_path_factory.mktemp("soak-kv-disk")
-    worker = WorkerProcess("both-tiered", "both", default_model_dir, worker_log_dir, "--num-blocks", "24",
+    worker = WorkerProcess("both-tiered", "both", default_model_dir, worker_log_dir, "--num-blocks", "16",
                            "--host-kv-gib", str(6 * _BLOCK_BYTES / 1024**3), "--disk-kv-dir", str(disk),
                            "--disk-kv-gib", str(512 * _BLOCK_BYTES / 1024**3), "--kv-load-min-speedup", "0").start()
     try:
@@ -94,14 +94,14 @@ def tiered(default_model_dir, worker_log_dir, tmp_path_factory) -> WorkerProcess
 
 @pytest.fixture(scope="module")
 def histories() -> list[list[int]]:
-    """Twelve conversations' turns: turn k of a conversation extends turn k-1 by 12 tokens."""
+    """Twelve conversations' turns: turn k of a conversation extends turn k-1 by 8 tokens."""
     rng = random.Random(99)
     out = []
     for _ in range(12):
-        turn = [rng.randrange(200, 40_000) for _ in range(40)]
+        turn = [rng.randrange(200, 40_000) for _ in range(34)]
         for _ in range(3):
             out.append(list(turn))
-            turn = turn + [rng.randrange(200, 40_000) for _ in range(12)]
+            turn = turn + [rng.randrange(200, 40_000) for _ in range(8)]
     return out
 
 
