@@ -375,6 +375,7 @@ class Batcher:
             seq.num_computed_tokens += result.num_loaded_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens += result.num_loaded_tokens
+                seq.num_tier_loaded_tokens = result.num_loaded_tokens
             self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)

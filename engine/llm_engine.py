@@ -310,6 +310,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            num_tier_loaded_tokens=seq.num_tier_loaded_tokens,
             held=held,
             choice_first=choice_first if held is not None else (),
         )

@@ -41,6 +41,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # block table: block i holds tokens [i*bs, (i+1)*bs)
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (or prefilled remotely) at admission
+    num_tier_loaded_tokens: int = 0  # of num_cached_tokens, those loaded from a lower KV tier (host, disk)
     arrival_order: int = 0  # set by the batcher on add; preemption picks the highest (newest) running one
     num_preemptions: int = 0  # times its blocks were taken back (recompute cost, for metrics)
     finish_reason: FinishReason | None = None  # set when the batcher drops it

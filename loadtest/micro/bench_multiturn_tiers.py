@@ -16,7 +16,8 @@ cost when nothing is ever reused (demotion copies on eviction). Greedy outputs o
 compared turn by turn.
 
 Reported per mode: TTFT p50 of later turns split by where their history came from ("hit": at least
-half of it was served by a cache or tier; "recompute": none of it), goodput (turns meeting TTFT <=
+half of it was served by the GPU prefix cache or a tier; "from tier": at least half of it was loaded
+from host memory or disk; "recompute": none of it was served), goodput (turns meeting TTFT <=
 --ttft-slo-ms and TPOT <= --tpot-slo-ms, per second), output throughput and TPOT p50/p99, and for the
 0%-hit phase throughput and TPOT. `--time-limit-s` is a hard limit on the whole run: the phases get
 shares of it, a phase past its share is cut (its remaining requests aborted, `truncated` set), and a
@@ -62,6 +63,7 @@ class TurnRecord:
     prompt_tokens: int
     history_tokens: int  # tokens of earlier turns in the prompt (what a cache or tier may serve)
     cached_tokens: int  # prompt tokens served by the GPU prefix cache or a lower tier
+    tier_loaded_tokens: int  # of those, loaded from host memory or disk
     ttft_s: float
     tpot_s: float | None  # None with a single output token
     output: tuple[int, ...]
@@ -71,19 +73,20 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-async def _turn(engine: AsyncEngine, rid: str, prompt: list[int], answer_tokens: int) -> tuple[float, float | None,
-                                                                                            int, list[int]]:
+async def _turn(engine: AsyncEngine, rid: str, prompt: list[int],
+                answer_tokens: int) -> tuple[float, float | None, tuple[int, int], list[int]]:
+    """(TTFT, TPOT, (cached tokens, of which loaded from a tier), output ids) of one request."""
     params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     first = last = None
     out: list[int] = []
-    cached = 0
+    cached = (0, 0)
     async for o in engine.generate(prompt, params, rid):
         now = time.perf_counter()
         first = first if first is not None else now
         last = now
         out.extend(o.new_token_ids)
-        cached = o.num_cached_tokens
+        cached = (o.num_cached_tokens, o.num_tier_loaded_tokens)
     assert first is not None and last is not None
     tpot = (last - first) / (len(out) - 1) if len(out) > 1 else None
     return first - start, tpot, cached, out
@@ -96,7 +99,7 @@ async def _conversation(engine: AsyncEngine, w: Workload, index: int, vocab: int
     for turn in range(1, w.turns + 1):
         prompt = history + _tokens(rng, w.first_turn_tokens if turn == 1 else w.turn_tokens, vocab)
         ttft, tpot, cached, out = await _turn(engine, f"{mode}-c{index}-t{turn}", prompt, w.answer_tokens)
-        records.append(TurnRecord(index, turn, len(prompt), len(history), cached, ttft, tpot, tuple(out)))
+        records.append(TurnRecord(index, turn, len(prompt), len(history), *cached, ttft, tpot, tuple(out)))
         history = prompt + out
 
 
@@ -104,7 +107,7 @@ async def _unique(engine: AsyncEngine, w: Workload, vocab: int, mode: str, recor
     async def one(i: int) -> None:
         prompt = _tokens(random.Random(10**6 + w.seed * 7919 + i), w.first_turn_tokens, vocab)
         ttft, tpot, cached, out = await _turn(engine, f"{mode}-u{i}", prompt, w.answer_tokens)
-        records.append(TurnRecord(i, 0, len(prompt), 0, cached, ttft, tpot, tuple(out)))
+        records.append(TurnRecord(i, 0, len(prompt), 0, *cached, ttft, tpot, tuple(out)))
 
     await asyncio.gather(*(one(i) for i in range(w.unique_prompts)))
 
@@ -133,6 +136,7 @@ def summarize(records: list[TurnRecord], seconds: float, ttft_slo_s: float, tpot
               block_size: int) -> dict[str, object]:
     later = [r for r in records if r.turn >= 2]
     hit = [r.ttft_s for r in later if r.cached_tokens * 2 >= r.history_tokens]
+    from_tier = [r.ttft_s for r in later if r.tier_loaded_tokens * 2 >= r.history_tokens]
     recompute = [r.ttft_s for r in later if r.cached_tokens < block_size]
     good = [r for r in records if r.ttft_s <= ttft_slo_s and (r.tpot_s is None or r.tpot_s <= tpot_slo_s)]
     tpots = [r.tpot_s for r in records if r.tpot_s is not None]
@@ -140,6 +144,7 @@ def summarize(records: list[TurnRecord], seconds: float, ttft_slo_s: float, tpot
         "requests": len(records), "seconds": seconds,
         "ttft_p50_later_turns_s": _pct([r.ttft_s for r in later], 0.5),
         "ttft_p50_history_hit_s": _pct(hit, 0.5), "history_hit_turns": len(hit),
+        "ttft_p50_history_from_tier_s": _pct(from_tier, 0.5), "history_from_tier_turns": len(from_tier),
         "ttft_p50_history_recomputed_s": _pct(recompute, 0.5), "history_recomputed_turns": len(recompute),
         "goodput_req_s": len(good) / seconds if seconds else 0.0,
         "slo_attainment": len(good) / len(records) if records else 0.0,
@@ -246,11 +251,12 @@ def _print(results: dict[str, dict]) -> None:  # type: ignore[type-arg]
     def ms(v: object) -> str:
         return "-" if v is None else f"{float(v) * 1e3:8.1f}"  # type: ignore[arg-type]
 
-    print(f"{'mode':<10}{'TTFT p50 hit':>14}{'TTFT p50 recompute':>20}{'goodput req/s':>15}{'SLO %':>7}"
-          f"{'tok/s':>9}{'TPOT p50':>10}{'0%-hit tok/s':>14}{'0%-hit TPOT p50':>17}")
+    print(f"{'mode':<10}{'TTFT p50 hit':>14}{'from tier':>11}{'TTFT p50 recompute':>20}{'goodput req/s':>15}"
+          f"{'SLO %':>7}{'tok/s':>9}{'TPOT p50':>10}{'0%-hit tok/s':>14}{'0%-hit TPOT p50':>17}")
     for mode in ("off", "on"):
         c, z = results[mode]["conversations"], results[mode]["zero_hit"]
-        print(f"{mode:<10}{ms(c['ttft_p50_history_hit_s']):>14}{ms(c['ttft_p50_history_recomputed_s']):>20}"
+        print(f"{mode:<10}{ms(c['ttft_p50_history_hit_s']):>14}{ms(c['ttft_p50_history_from_tier_s']):>11}"
+              f"{ms(c['ttft_p50_history_recomputed_s']):>20}"
               f"{c['goodput_req_s']:>15.2f}{100 * c['slo_attainment']:>7.1f}{c['output_tok_s']:>9.1f}"
               f"{ms(c['tpot_p50_s']):>10}{z['output_tok_s']:>14.1f}{ms(z['tpot_p50_s']):>17}")
 

@@ -43,7 +43,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def run(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-    """Greedy-generate to the end; returns (output ids, prompt tokens served from a cache or tier)."""
+    """Greedy-generate to the end; returns (output ids, prompt tokens served from a cache or tier).
+    `run.last_loaded` keeps the tokens of those loaded from a tier."""
     engine.add_request(request_id, prompt, _GREEDY)
     out: list[int] = []
     cached = 0
@@ -54,6 +55,7 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[list[int
         for o in outputs:
             out.extend(o.new_token_ids)
             cached = o.num_cached_tokens
+            run.last_loaded = o.num_tier_loaded_tokens  # type: ignore[attr-defined]
     return out, cached
 
 
@@ -78,6 +80,7 @@ def test_a_turns_evicted_history_is_promoted_and_greedy_output_is_unchanged(
     assert conversation.last_cached == 0  # type: ignore[attr-defined]  # without tiers: recomputed
     assert conversation(tiered_engine, 1) == expected
     assert conversation.last_cached >= 32  # type: ignore[attr-defined]  # turn 1's full blocks came back
+    assert run.last_loaded >= 16  # type: ignore[attr-defined]  # at least one of them from host or disk
     snap = tiered_engine.tiers.snapshot()
     assert sum(snap.hit_blocks.values()) >= 2 and snap.hit_blocks.get(Tier.DISK, 0) >= 1
     assert snap.pinned_blocks == {Tier.HOST: 0, Tier.DISK: 0} and snap.loads_in_flight == 0
