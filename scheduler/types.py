@@ -262,6 +262,5 @@ class KVEvent:
     kind: KVEventKind
     block_hash: int
     # STORED: the fastest tier holding it now; EVICTED: the last tier that held it. The prefix index
-    # counts a block in any tier as held (a lower-tier hit still saves its prefill); weighing a hit by
-    # its tier's load cost is not done yet.
+    # counts GPU and host blocks as held and disk blocks as not (core/prefix_index.py says why).
     tier: KVTier = KVTier.GPU
