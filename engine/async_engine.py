@@ -30,6 +30,7 @@ from engine.batch import TokenLogprobs
 from engine.block_manager import KVEvent
 from engine.choices import ChoiceFork
 from engine.errors import EngineError, OutOfBlocksError
+from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -175,7 +176,8 @@ class AsyncEngine:
     async def status(self) -> EngineStatus:
         def snapshot() -> EngineStatus:
             e, b, bm = self.engine, self.engine.batcher, self.engine.block_manager
-            return EngineStatus(b.num_waiting, b.num_running, b.num_waiting_for_remote_kv,
+            # A sequence waiting for its prefix to load from a lower KV tier is queued work too.
+            return EngineStatus(b.num_waiting + b.num_loading_kv, b.num_running, b.num_waiting_for_remote_kv,
                                 b.num_pending_prefill_tokens, b.num_pending_prefill_requests,
                                 b.num_running_context_tokens, b.num_running_remaining_tokens,
                                 bm.num_free_blocks,
@@ -186,7 +188,11 @@ class AsyncEngine:
 
     async def drain_kv_events(self) -> list[KVEvent]:
         """KV events (blocks stored / evicted) since the last call, for the scheduler's prefix index."""
-        return await self._call(self.engine.block_manager.drain_events)  # type: ignore[no-any-return]
+        return await self._call(self.engine.drain_kv_events)  # type: ignore[no-any-return]
+
+    async def tier_stats(self) -> TierStatsSnapshot | None:
+        """The KV tiers' counters and occupancy (None: this worker has no tiers)."""
+        return await self._call(self.engine.tier_stats)  # type: ignore[no-any-return]
 
     async def _call(self, fn: Callable[[], Any], rid_on_error: str | None = None) -> Any:
         """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
@@ -278,9 +284,9 @@ class AsyncEngine:
         if stats is not None:
             self._report(stats)
         if not outputs:
-            if not self.engine.batcher.has_work():
-                # Nothing runnable (e.g. every sequence waits for remote KV): doze, but a command
-                # (a commit of landed KV) wakes the thread at once.
+            if stats is None or not self.engine.batcher.has_work():
+                # Nothing runnable (e.g. every sequence waits for remote KV, or for a load from a
+                # lower KV tier): doze, but a command (a commit of landed KV) wakes the thread at once.
                 self._doze(self._idle_sleep_s)
             return
         self._publish(outputs)

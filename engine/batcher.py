@@ -12,6 +12,10 @@ A step's plan, under a token budget of `max_num_batched_tokens` and at most `max
    within one priority; strict, so a stream of high-priority work can hold lower work back), each only
    when blocks for all its tokens plus one generated token are available; skipped in a step that
    preempted, so a preempted sequence never bounces straight back in.
+   With KV tiers (a `KVLoader`), an admitted sequence whose prefix continues in host memory or on
+   disk waits in LOADING_KV, holding its blocks but taking no budget, while the copies run; each
+   `schedule()` first polls those loads, and a finished one joins the running list with the loaded
+   tokens computed (a failed block and everything after it is simply prefilled: same output).
 Admission allocates blocks for every known token, so prefill chunks never allocate: only decodes do.
 
 Speculative decoding: with a `DraftProposer`, a decode of a sequence that asks for drafts carries a
@@ -34,6 +38,7 @@ from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
 from engine.config import BatcherConfig
 from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
+from engine.kv_tiers.types import KVLoader, LoadState
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
 from engine.sequence_checks import check_new_sequence
@@ -54,8 +59,9 @@ class Batcher:
     """Owns the waiting / running / remote queues and every block table. Not thread-safe."""
 
     def __init__(self, config: BatcherConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: DraftProposer | None = None) -> None:
-        """`proposer`: drafts for sequences that ask for speculative decoding; None never drafts."""
+                 proposer: DraftProposer | None = None, loader: KVLoader | None = None) -> None:
+        """`proposer`: drafts for sequences that ask for speculative decoding; None never drafts.
+        `loader`: promotes prefix blocks from lower KV tiers; None: the GPU pool is the only tier."""
         pool_tokens = block_manager.num_total_blocks * block_manager.block_size
         if pool_tokens < max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: sequences stop there",
@@ -69,6 +75,8 @@ class Batcher:
         self._waiting = WaitingQueue()  # WAITING / PREEMPTED, admission order
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
+        self._loading: dict[str, Sequence] = {}  # LOADING_KV: hold blocks a lower tier copies into
+        self._loader = loader
         self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
         self._copies: list[tuple[int, int]] = []  # this plan's copy-on-write block copies
         self._next_arrival = 0  # arrival_order of the next added sequence
@@ -95,6 +103,11 @@ class Batcher:
     @property
     def num_waiting_for_remote_kv(self) -> int:
         return len(self._remote)
+
+    @property
+    def num_loading_kv(self) -> int:
+        """Admitted sequences waiting for their prefix to be copied up from a lower KV tier."""
+        return len(self._loading)
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -133,7 +146,7 @@ class Batcher:
 
     def has_work(self) -> bool:
         """Whether `schedule()` may return a non-empty plan (remote-KV waits alone are not work)."""
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._loading)
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -210,6 +223,10 @@ class Batcher:
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self._remote[request_id]
+        elif seq.status is SequenceStatus.LOADING_KV:
+            assert self._loader is not None
+            self._loader.cancel(request_id)  # returns once no copy writes into its blocks
+            del self._loading[request_id]
         else:
             self._waiting.remove(seq)
         self._free_blocks(seq)
@@ -235,6 +252,7 @@ class Batcher:
         """Plan the next step (see the module docstring for the order and the limits)."""
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        self._finish_loads()
         budget = self._schedule_decodes(chunks, preempted, self.config.max_num_batched_tokens)
         budget = self._schedule_prefills(chunks, budget)
         if not preempted:
@@ -314,7 +332,7 @@ class Batcher:
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Admit waiting sequences in queue order while budget, sequence slots and blocks last."""
         while self._waiting and budget > 0 and len(chunks) < self.config.max_num_seqs:
-            if len(self._running) + len(self._remote) >= self.config.max_num_seqs:
+            if len(self._running) + len(self._remote) + len(self._loading) >= self.config.max_num_seqs:
                 return
             seq = self._waiting.head()
             try:
@@ -326,11 +344,41 @@ class Batcher:
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_cached  # a resumed sequence keeps its first admission's count
             seq.block_ids, seq.num_computed_tokens = block_ids, num_cached
+            if self._start_load(seq):
+                continue
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)
             n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
             chunks.append(next_chunk(seq, n))
             budget -= n
+
+    # ---- KV tiers -------------------------------------------------------------------------------
+    def _start_load(self, seq: Sequence) -> bool:
+        """Start promoting seq's prefix blocks found in a lower tier; True when seq now waits for them."""
+        if self._loader is None:
+            return False
+        if not self._loader.start_load(seq.request_id, seq.all_token_ids, seq.block_ids, seq.num_computed_tokens):
+            return False
+        seq.status = SequenceStatus.LOADING_KV
+        self._loading[seq.request_id] = seq
+        return True
+
+    def _finish_loads(self) -> None:
+        """Move sequences whose load finished to the running list, the landed tokens computed."""
+        assert self._loader is not None or not self._loading
+        for request_id, seq in list(self._loading.items()):
+            assert self._loader is not None
+            result = self._loader.poll(request_id)
+            if result.state is LoadState.PENDING:
+                continue
+            del self._loading[request_id]
+            seq.num_computed_tokens += result.num_loaded_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens += result.num_loaded_tokens
+                seq.num_tier_loaded_tokens = result.num_loaded_tokens
+            self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, seq, key=_arrival)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _own_write_block(self, seq: Sequence) -> None:

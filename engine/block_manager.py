@@ -11,6 +11,11 @@ prefilling. A block whose ref count drops to 0 but carries a registered hash is 
 an LRU of cached-free blocks that a later prompt with the same prefix can revive. Cached-free blocks
 are handed out for new content (EVICTED event) only when the plain free list is empty, oldest first.
 
+KV tiers. With a `BlockDemoter` (engine/kv_tiers), an evicted block's hash and id are handed to it
+*before* the block is returned for new content, so its bytes can be copied below the GPU (host memory,
+disk) while they are still intact: the hash is demoted, not dropped. The EVICTED event then only says
+that the GPU pool lost it; the engine turns that into a tier-carrying event for the scheduler.
+
 Invariants (checked by the tests):
 - every block id is in exactly one of: in use (ref count > 0), the plain free list, the cached-free LRU;
 - a block in the plain free list carries no hash; a cached-free block is the registered block of its hash;
@@ -24,8 +29,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from engine.errors import OutOfBlocksError
+from engine.kv_tiers.types import Tier
 from tokenization.block_hashes import block_hashes, hash_block
 
 
@@ -40,6 +47,14 @@ class KVEvent:
 
     kind: KVEventKind
     block_hash: int
+    tier: Tier = Tier.GPU  # STORED: the fastest tier now holding it; EVICTED: the last tier that held it
+
+
+class BlockDemoter(Protocol):
+    """Receives each evicted cached block before it is reused (engine/kv_tiers/store.py)."""
+
+    def demote(self, block_id: int, block_hash: int) -> None:
+        """Copy (or start copying, ordered before any later write into the block) its bytes below the GPU."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -49,7 +64,8 @@ def _cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Allocates, shares and frees KV blocks. Not thread-safe: the engine loop owns it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 demoter: BlockDemoter | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size  # tokens per block
@@ -62,6 +78,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash: handed out first
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0, registered hash; oldest first
         self._events: list[KVEvent] = []  # not yet drained
+        self._demoter = demoter  # None: an evicted block's content is dropped
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -188,6 +205,10 @@ class BlockManager:
             if self._ref_counts[b] == 0:
                 self._release(b)
 
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a block of the pool (in use or cached-free) serves `block_hash`."""
+        return block_hash in self._cached
+
     def drain_events(self) -> list[KVEvent]:
         """The KV events since the last drain, in order."""
         events, self._events = self._events, []
@@ -215,6 +236,8 @@ class BlockManager:
             block, _ = self._cached_free.popitem(last=False)
             evicted = self._hashes[block]
             assert evicted is not None and self._cached[evicted] == block
+            if self._demoter is not None:
+                self._demoter.demote(block, evicted)
             del self._cached[evicted]
             self._hashes[block] = None
             self._events.append(KVEvent(KVEventKind.EVICTED, evicted))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.kv_tiers.types import TierConfig
 from engine.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config_from_hf
 from engine.sampling_params import MAX_DRAFT_TOKENS
 
@@ -248,6 +249,7 @@ class EngineConfig:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)  # host / disk KV below the GPU pool (off by default)
     # CUDA graphs replay decode-only steps (triton backend on CUDA only: the torch reference syncs
     # and allocates per step, so it cannot be captured). True runs every step eagerly.
     enforce_eager: bool = False
@@ -265,6 +267,8 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         if any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise ConfigError(f"cuda_graph_batch_sizes must be positive, strictly increasing; got {sizes}")
+        if self.tiers.enabled and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("KV tiers (--host-kv-gib, --disk-kv-gib) need tensor_parallel_size 1")
         if self.parallel.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"with tensor parallelism device must be 'cpu' or 'cuda' (rank r takes cuda:r), "
                               f"got {self.device!r}")

@@ -29,11 +29,14 @@ from dataclasses import dataclass
 
 from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, KVEvent
 from engine.choices import ChoiceFork
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.kv_integrity import block_checksums
+from engine.kv_tiers.presence import TieredKVEvents
+from engine.kv_tiers.store import TieredKVStore
+from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.loader import load_model
 from engine.outputs import FinishReason, HeldBlocks, RequestOutput
 from engine.parallel.launcher import RankServiceFactory, create_model_runner
@@ -76,11 +79,15 @@ class LLMEngine:
             self.runner.sampler.grammar = GrammarCompiler(self.tokenizer)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        self.tiers = (TieredKVStore(config.tiers, self.runner.kv_cache, config.cache.block_size)
+                      if config.tiers.enabled and config.cache.enable_prefix_caching else None)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, demoter=self.tiers)
+        self._tier_events = (TieredKVEvents(self.block_manager.is_cached, self.tiers.lower_tier_of)
+                             if self.tiers is not None else None)
         spec = config.speculative
         self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len,
-                               NgramProposer(spec.ngram_min, spec.ngram_max))
+                               NgramProposer(spec.ngram_min, spec.ngram_max), loader=self.tiers)
         self.spec_stats = SpeculationStats()
         self._requests: dict[str, _Tracked] = {}
         self._held: dict[str, HeldBlocks] = {}
@@ -235,6 +242,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.last_step = None
+        if self.tiers is not None:
+            self.tiers.reap_writes()
         plan = self.batcher.schedule()
         if plan.is_empty:
             return []
@@ -248,6 +257,8 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         drafts = self._count_drafts(plan, result)
         self.last_step = StepStats.of(plan, seconds, drafts)
+        if self.tiers is not None:  # the recompute side of the load-or-recompute decision
+            self.tiers.cost.observe_prefill(self.last_step.prefill_tokens, seconds)
         self.batcher.postprocess(plan, result)
         outputs = []
         for request_id, sampled in result.sampled.items():
@@ -299,6 +310,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            num_tier_loaded_tokens=seq.num_tier_loaded_tokens,
             held=held,
             choice_first=choice_first if held is not None else (),
         )
@@ -329,8 +341,21 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
+    # ---- KV events and tiers ----------------------------------------------------------------------
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events since the last drain; with tiers, one per hash whose fastest tier changed."""
+        events = self.block_manager.drain_events()
+        if self.tiers is None or self._tier_events is None:
+            return events
+        return self._tier_events.translate(events, self.tiers.drain_changed_hashes())
+
+    def tier_stats(self) -> TierStatsSnapshot | None:
+        return self.tiers.snapshot() if self.tiers is not None else None
+
     def shutdown(self) -> None:
         """Stop tensor-parallel follower processes, if any (a single-process runner has none)."""
+        if self.tiers is not None:
+            self.tiers.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

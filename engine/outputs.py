@@ -41,6 +41,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or a remote prefill)
+    num_tier_loaded_tokens: int = 0  # of those, loaded from host memory or disk (KV tiers)
     error: str | None = None
     held: HeldBlocks | None = None  # a hold request's only output: the blocks now held for its transfer
     # A held request's sibling choices (n > 1): their first tokens, one per `choice_samplings` entry.

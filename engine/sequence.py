@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = "waiting"  # queued, never admitted; holds no blocks
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # holds blocks a remote prefill is writing; not scheduled
+    LOADING_KV = "loading_kv"  # holds blocks a lower KV tier (host, disk) is copying into; not scheduled
     RUNNING = "running"  # admitted: holds blocks for all its tokens; prefilling (in chunks) or decoding
     PREEMPTED = "preempted"  # blocks taken back under memory pressure; queued to recompute all its tokens
     FINISHED = "finished"  # finished or aborted; holds no blocks and is no longer in the batcher
@@ -40,6 +41,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # block table: block i holds tokens [i*bs, (i+1)*bs)
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (or prefilled remotely) at admission
+    num_tier_loaded_tokens: int = 0  # of num_cached_tokens, those loaded from a lower KV tier (host, disk)
     arrival_order: int = 0  # set by the batcher on add; preemption picks the highest (newest) running one
     num_preemptions: int = 0  # times its blocks were taken back (recompute cost, for metrics)
     finish_reason: FinishReason | None = None  # set when the batcher drops it

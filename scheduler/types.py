@@ -77,6 +77,14 @@ class KVEventKind(StrEnum):
     EVICTED = "evicted"
 
 
+class KVTier(StrEnum):
+    """Where on a worker a KV event's block lives (workers with --host-kv-gib / --disk-kv-gib)."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
 @dataclass(frozen=True)
 class SLO:
     ttft_ms: float  # time to first token, from arrival at the scheduler
@@ -253,3 +261,6 @@ StepSample = PrefillSample | DecodeSample | MixedSample
 class KVEvent:
     kind: KVEventKind
     block_hash: int
+    # STORED: the fastest tier holding it now; EVICTED: the last tier that held it. The prefix index
+    # counts GPU and host blocks as held and disk blocks as not (core/prefix_index.py says why).
+    tier: KVTier = KVTier.GPU

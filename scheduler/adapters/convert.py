@@ -20,6 +20,7 @@ from scheduler.types import (
     DecodeSample,
     KVEvent,
     KVEventKind,
+    KVTier,
     MixedSample,
     PrefillSample,
     RequestSummary,
@@ -47,6 +48,7 @@ _FAILURES = {
 }
 _FAILURES_FROM_PROTO = {v: k for k, v in _FAILURES.items()}
 _KV_KINDS = {pb.KVEvent.KIND_STORED: KVEventKind.STORED, pb.KVEvent.KIND_EVICTED: KVEventKind.EVICTED}
+_KV_TIERS = {pb.KVEvent.TIER_GPU: KVTier.GPU, pb.KVEvent.TIER_HOST: KVTier.HOST, pb.KVEvent.TIER_DISK: KVTier.DISK}
 
 
 class InvalidMessageError(ValueError):
@@ -137,7 +139,10 @@ def kv_event_from_proto(event: pb.KVEvent) -> KVEvent:
     kind = _KV_KINDS.get(event.kind)
     if kind is None:
         raise InvalidMessageError(f"KV event kind {event.kind} is not KIND_STORED or KIND_EVICTED")
-    return KVEvent(kind=kind, block_hash=event.block_hash)
+    tier = _KV_TIERS.get(event.tier)
+    if tier is None:
+        raise InvalidMessageError(f"KV event tier {event.tier} is not TIER_GPU, TIER_HOST or TIER_DISK")
+    return KVEvent(kind=kind, block_hash=event.block_hash, tier=tier)
 
 
 def summary_from_proto(request: pb.RouteRequest) -> RequestSummary:

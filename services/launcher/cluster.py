@@ -46,6 +46,14 @@ BILLING_READY = "billing consumer:"
 FAST_GROUP_RECOVERY = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000, "max.poll.interval.ms": 30000}
 
 
+def kv_tier_worker_args(options: ServeOptions, worker_name: str) -> list[str]:
+    """The `baton worker` KV-tier flags of one worker: its own disk subdirectory, the same sizes."""
+    argv = ["--host-kv-gib", str(options.host_kv_gib)] if options.host_kv_gib else []
+    if options.disk_kv_dir is not None and options.disk_kv_gib:
+        argv += ["--disk-kv-dir", str(options.disk_kv_dir / worker_name), "--disk-kv-gib", str(options.disk_kv_gib)]
+    return argv
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"
@@ -57,6 +65,11 @@ class ServeOptions:
     tier: Tier = "enterprise"  # the local organisation's tier
     worker_threads: int = 1  # torch CPU threads per worker
     num_blocks: int | None = None  # KV blocks per worker (None: the engine's default)
+    # KV tiers per worker (`baton worker --host-kv-gib/--disk-kv-dir/--disk-kv-gib`); each worker gets
+    # its own subdirectory of disk_kv_dir (a worker empties its directory at start-up).
+    host_kv_gib: float = 0.0
+    disk_kv_dir: Path | None = None
+    disk_kv_gib: float = 0.0
     safety: bool = True
     scheduler: bool = True
     grpc_port: int | None = 8001  # the gateway's internal gRPC API (services/gateway/grpc_api); None: off
@@ -150,6 +163,7 @@ class LocalCluster:
             argv += ["--model", spec.source, "--model-id", spec.served_name]
         if self.options.num_blocks:
             argv += ["--num-blocks", str(self.options.num_blocks)]
+        argv += kv_tier_worker_args(self.options, name)
         if scheduler:
             argv += ["--scheduler", scheduler]
         self.supervisor.start(self._spec(name, argv, log_line(WORKER_READY), ready_timeout_s=300))

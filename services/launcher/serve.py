@@ -94,6 +94,11 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tier", choices=list(TIERS), default="enterprise", help="tier of the local organisation")
     p.add_argument("--worker-threads", type=int, default=1, help="torch CPU threads per worker")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="per worker: pinned host memory for KV evicted from the GPU pool (0: off)")
+    p.add_argument("--disk-kv-dir", type=Path, default=None,
+                   help="disk KV tier: each worker uses (and empties) a subdirectory named after it")
+    p.add_argument("--disk-kv-gib", type=float, default=0.0, help="per worker: disk space for KV (0: off)")
     p.add_argument("--no-safety", action="store_true", help="do not start the safety service (unchecked!)")
     p.add_argument("--no-scheduler", action="store_true", help="route statically instead of via the scheduler")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -112,11 +117,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     for flag, port in (("--port", args.port), ("--grpc-port", grpc_port)):
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"{flag} {port}: a port is 1..65535")
+    if args.disk_kv_gib and args.disk_kv_dir is None:
+        raise ConfigError("--disk-kv-gib needs --disk-kv-dir (the directory the workers' block files go to)")
     if grpc_port == args.port:
         raise ConfigError(f"--grpc-port {grpc_port} is the gateway's --port; give each its own")
     return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, models=models,
                         data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
-                        num_blocks=args.num_blocks, safety=not args.no_safety,
+                        num_blocks=args.num_blocks, host_kv_gib=args.host_kv_gib, disk_kv_dir=args.disk_kv_dir,
+                        disk_kv_gib=args.disk_kv_gib, safety=not args.no_safety,
                         scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"),
                         grpc_port=grpc_port, gateway_processes=args.gateway_processes)
 

@@ -50,6 +50,7 @@ class ComponentStatus:
     ports: dict[str, int]  # Endpoint value -> port
     probes: tuple[Probe, ...]
     model: str | None = None  # workers: the model they serve
+    kv_tiers: tuple[str, ...] = ()  # workers with KV tiers: one gauge line per tier (host, disk)
 
     @property
     def healthy(self) -> bool:
@@ -105,8 +106,8 @@ def _component(name: str, ports: dict[Endpoint, int], pid: int | None, restarts:
     for endpoint, port in ports.items():
         probes += _probe(endpoint, port, str(run["gateway"]), str(run.get("grpc") or ""))
     is_worker = name.startswith("worker-") and Endpoint.GRPC in ports
-    model = _worker_model(ports[Endpoint.GRPC], run.get("cluster_token")) if is_worker else None
-    return ComponentStatus(name, pid, restarts, {e.value: p for e, p in ports.items()}, tuple(probes), model)
+    model, tiers = _worker_info(ports[Endpoint.GRPC], run.get("cluster_token")) if is_worker else (None, ())
+    return ComponentStatus(name, pid, restarts, {e.value: p for e, p in ports.items()}, tuple(probes), model, tiers)
 
 
 def _probe(endpoint: Endpoint, port: int, gateway_url: str, grpc_target: str) -> list[Probe]:
@@ -152,8 +153,9 @@ def _tcp(port: int) -> Probe:
         return Probe("tcp", port, False, str(e))
 
 
-def _worker_model(port: int, cluster_token: object) -> str | None:
-    """The worker's served model; GetStatus asks for the cluster token (the run file's)."""
+def _worker_info(port: int, cluster_token: object) -> tuple[str | None, tuple[str, ...]]:
+    """The worker's served model and its KV tier gauges; GetStatus asks for the cluster token (the run
+    file's)."""
     import grpc
 
     from rpcgen.baton.v1 import worker_pb2 as wpb
@@ -163,9 +165,16 @@ def _worker_model(port: int, cluster_token: object) -> str | None:
     token = ClusterToken(cluster_token) if isinstance(cluster_token, str) else None
     try:
         with sync_internal_channel(f"127.0.0.1:{port}", token) as channel:
-            return str(wpb_grpc.WorkerStub(channel).GetStatus(wpb.StatusRequest(), timeout=PROBE_TIMEOUT_S).model)
+            s = wpb_grpc.WorkerStub(channel).GetStatus(wpb.StatusRequest(), timeout=PROBE_TIMEOUT_S)
     except grpc.RpcError:
-        return None  # its health probe says why
+        return None, ()  # its health probe says why
+    return str(s.model), tuple(kv_tier_line(t.tier, t.occupied_blocks, t.capacity_blocks, t.pinned_blocks,
+                                            t.hit_blocks) for t in s.kv_tiers)
+
+
+def kv_tier_line(tier: str, occupied: int, capacity: int, pinned: int, hits: int) -> str:
+    """One KV tier's gauges as `baton status` prints them under its worker."""
+    return f"kv {tier}: {occupied}/{capacity} blocks, {pinned} pinned, {hits} hits"
 
 
 def _alive(pid: int) -> bool:
@@ -190,6 +199,7 @@ def render(status: ClusterStatus) -> str:
         lines.append(f"{c.name:<22} {c.pid or '-':>7} {c.restarts:>8}  {'up' if c.healthy else 'DOWN':<6} "
                      f"{c.model or '-':<24} {probes}")
         lines += [f"{'':<22} {p.check}:{p.port}: {p.detail}" for p in c.probes if not p.ok and p.detail]
+        lines += [f"{'':<22} {tier}" for tier in c.kv_tiers]
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from engine.block_manager import KVEvent, KVEventKind
+from engine.kv_tiers.types import Tier
 from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
@@ -42,6 +43,7 @@ from services.common.cluster_auth import ClusterToken, sync_internal_channel
 
 log = logging.getLogger(__name__)
 _UINT64 = (1 << 64) - 1
+_TIERS = {Tier.GPU: spb.KVEvent.TIER_GPU, Tier.HOST: spb.KVEvent.TIER_HOST, Tier.DISK: spb.KVEvent.TIER_DISK}
 _RPC_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 10.0
 
@@ -52,7 +54,8 @@ class TelemetryBuffer:
     def __init__(self, max_samples: int = 1024, max_events: int = 100_000) -> None:
         self._samples: deque[spb.StepSample] = deque(maxlen=max_samples)
         self._events: deque[spb.KVEvent] = deque(maxlen=max_events)
-        self._held: set[int] = set()  # block hashes the worker holds, per every KV event added so far
+        # block hash -> its tier (spb.KVEvent.Tier), per every KV event added so far: what the worker holds
+        self._held: dict[int, spb.KVEvent.Tier] = {}
         self._lock = threading.Lock()
 
     def add_step(self, stats: StepStats) -> None:
@@ -80,21 +83,23 @@ class TelemetryBuffer:
 
     def add_kv_events(self, events: list[KVEvent]) -> None:
         converted = [spb.KVEvent(kind=spb.KVEvent.KIND_STORED if e.kind is KVEventKind.STORED
-                                 else spb.KVEvent.KIND_EVICTED, block_hash=e.block_hash & _UINT64)
+                                 else spb.KVEvent.KIND_EVICTED, block_hash=e.block_hash & _UINT64,
+                                 tier=_TIERS[e.tier])
                      for e in events]
         with self._lock:
             for event in converted:
                 if event.kind == spb.KVEvent.KIND_STORED:
-                    self._held.add(event.block_hash)
+                    self._held[event.block_hash] = event.tier
                 else:
-                    self._held.discard(event.block_hash)
+                    self._held.pop(event.block_hash, None)
             self._events.extend(converted)
 
     def announce_held(self) -> None:
         """After a registration: the pending events become one STORED event per hash held now."""
         with self._lock:
             self._events.clear()
-            self._events.extend(spb.KVEvent(kind=spb.KVEvent.KIND_STORED, block_hash=h) for h in self._held)
+            self._events.extend(spb.KVEvent(kind=spb.KVEvent.KIND_STORED, block_hash=h, tier=tier)
+                                for h, tier in self._held.items())
 
     def take(self) -> tuple[list[spb.StepSample], list[spb.KVEvent]]:
         with self._lock:

@@ -76,6 +76,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of the engine, one process (and GPU: rank r takes cuda:r) each; "
                         "prefill and decode peers must use the same size")
+    _kv_tier_args(p)
+
+
+def _kv_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="pinned host memory for KV blocks evicted from the GPU pool (0: off); a prompt whose "
+                        "prefix is found there loads it instead of prefilling it")
+    p.add_argument("--disk-kv-dir", default="", help="directory of the disk KV tier (emptied at start-up)")
+    p.add_argument("--disk-kv-gib", type=float, default=0.0,
+                   help="disk space for KV blocks evicted from host memory (0: off; needs --disk-kv-dir)")
+    p.add_argument("--kv-load-min-speedup", type=float, default=1.0,
+                   help="load a block from host/disk only when its measured load time beats its measured "
+                        "recompute time by this factor (0: always load)")
 
 
 def _disagg_args(p: argparse.ArgumentParser) -> None:
@@ -126,6 +139,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine import is heavy, keep it lazy
     from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
+    from engine.kv_tiers.types import TierConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -136,6 +150,7 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
                               max_prefill_chunk=args.max_prefill_chunk),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
+        tiers=TierConfig.from_gib(args.host_kv_gib, args.disk_kv_dir, args.disk_kv_gib, args.kv_load_min_speedup),
     )
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
+from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.llm_engine import LLMEngine
 from engine.parallel.launcher import TensorParallelRunner
 from engine.step_stats import StepStats
@@ -40,6 +41,7 @@ from services.worker.prefill_service import PrefillService
 from services.worker.remote_prefill import RemotePrefill
 from services.worker.role_switch import RoleSwitcher
 from services.worker.servicer import WorkerServicer
+from services.worker.tier_metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "baton.v1.Worker"
@@ -52,6 +54,8 @@ class WorkerServer:
         self.engine = engine
         self.worker_id = config.worker_id or f"{config.role.value}-{uuid.uuid4().hex[:8]}"
         self.metrics = WorkerMetrics(config.role.value)
+        self.tier_metrics = TierMetrics(self.metrics.registry)
+        self._tier_snapshot: TierStatsSnapshot | None = None  # the KV tiers at the latest KV-event drain
         self.faults = WorkerFaults(config.faults)
         self.telemetry = TelemetryBuffer()
         self.intake = Intake()  # requests taken on, across role switches (intake.py)
@@ -180,7 +184,15 @@ class WorkerServer:
             held_blocks=s.held_blocks, quarantined_requests=quarantined,
             waiting_for_remote_kv=s.num_waiting_for_remote_kv,
             inflight_transfers=self._link.num_inflight if self._link is not None else 0,
-            draining=self._draining, requests_received=received)
+            draining=self._draining, requests_received=received, kv_tiers=self._kv_tier_status())
+
+    def _kv_tier_status(self) -> list[pb.KVTierStatus]:
+        snap = self._tier_snapshot
+        if snap is None:
+            return []
+        return [pb.KVTierStatus(tier=tier.value, capacity_blocks=cap, occupied_blocks=snap.occupied_blocks[tier],
+                                pinned_blocks=snap.pinned_blocks[tier], hit_blocks=snap.hit_blocks.get(tier, 0))
+                for tier, cap in snap.capacity_blocks.items() if cap]
 
     def _on_step(self, stats: StepStats) -> None:
         """Engine thread, after every step that ran something."""
@@ -196,6 +208,10 @@ class WorkerServer:
         assert self._async_engine is not None
         events = await self._async_engine.drain_kv_events()
         self.telemetry.add_kv_events(events)
+        tiers = await self._async_engine.tier_stats()
+        if tiers is not None:
+            self._tier_snapshot = tiers
+            self.tier_metrics.refresh(tiers)
 
     async def _drain_kv_events_forever(self) -> None:
         while True:

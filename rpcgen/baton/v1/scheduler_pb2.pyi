@@ -35,7 +35,7 @@ class StepSample(_message.Message):
     def __init__(self, kind: _Optional[_Union[StepSample.Kind, str]] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., attention_tokens_sq: _Optional[int] = ..., decode_seqs: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("kind", "block_hash")
+    __slots__ = ("kind", "block_hash", "tier")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
@@ -44,11 +44,21 @@ class KVEvent(_message.Message):
     KIND_UNSPECIFIED: KVEvent.Kind
     KIND_STORED: KVEvent.Kind
     KIND_EVICTED: KVEvent.Kind
+    class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TIER_GPU: _ClassVar[KVEvent.Tier]
+        TIER_HOST: _ClassVar[KVEvent.Tier]
+        TIER_DISK: _ClassVar[KVEvent.Tier]
+    TIER_GPU: KVEvent.Tier
+    TIER_HOST: KVEvent.Tier
+    TIER_DISK: KVEvent.Tier
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     kind: KVEvent.Kind
     block_hash: int
-    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hash: _Optional[int] = ...) -> None: ...
+    tier: KVEvent.Tier
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hash: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "address", "status")

@@ -303,7 +303,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining", "max_num_seqs", "inflight_prefill_requests", "running_context_tokens", "running_remaining_tokens", "requests_received", "max_prefill_chunk")
+    __slots__ = ("worker_id", "role", "model", "queue_depth", "running_seqs", "free_blocks", "total_blocks", "block_size", "inflight_prefill_tokens", "held_blocks", "quarantined_requests", "waiting_for_remote_kv", "inflight_transfers", "draining", "max_num_seqs", "inflight_prefill_requests", "running_context_tokens", "running_remaining_tokens", "requests_received", "max_prefill_chunk", "kv_tiers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,7 @@ class WorkerStatus(_message.Message):
     RUNNING_REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -344,7 +345,22 @@ class WorkerStatus(_message.Message):
     running_remaining_tokens: int
     requests_received: int
     max_prefill_chunk: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., inflight_prefill_requests: _Optional[int] = ..., running_context_tokens: _Optional[int] = ..., running_remaining_tokens: _Optional[int] = ..., requests_received: _Optional[int] = ..., max_prefill_chunk: _Optional[int] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., inflight_prefill_requests: _Optional[int] = ..., running_context_tokens: _Optional[int] = ..., running_remaining_tokens: _Optional[int] = ..., requests_received: _Optional[int] = ..., max_prefill_chunk: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+
+class KVTierStatus(_message.Message):
+    __slots__ = ("tier", "capacity_blocks", "occupied_blocks", "pinned_blocks", "hit_blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OCCUPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    capacity_blocks: int
+    occupied_blocks: int
+    pinned_blocks: int
+    hit_blocks: int
+    def __init__(self, tier: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., occupied_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ...) -> None: ...
 
 class InjectFaultRequest(_message.Message):
     __slots__ = ("fault", "times", "delay_s")

@@ -279,3 +279,16 @@ def test_safety_encoder_pools_and_batching_are_wired_to_its_settings(rendered: d
     settings = SafetySettings(**{k.removeprefix("BATON_SAFETY_").lower(): v for k, v in capacity.items()})
     assert (settings.encoder_runtime, settings.batching, settings.batch_wait_ms, settings.output_threads,
             settings.batch_max_texts) == ("onnx", "auto", 2.0, None, None)
+
+
+def test_kv_tiers_come_from_fleet_values_with_an_empty_dir_for_the_disk_tier(
+        rendered: dict[str, list[Manifest]]) -> None:
+    worker = _find(rendered["one-gpu-values.yaml"], "Deployment", "baton-worker-both")
+    args = _container(worker)["args"]
+    assert {"--host-kv-gib=16", "--disk-kv-dir=/var/lib/baton-kv", "--disk-kv-gib=64",
+            "--kv-load-min-speedup=1"} <= set(args)
+    mounts = {m["name"]: m["mountPath"] for m in _container(worker)["volumeMounts"]}
+    volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["kv-disk"] == "/var/lib/baton-kv" and volumes["kv-disk"]["emptyDir"] == {"sizeLimit": "65Gi"}
+    default_worker = _find(rendered["default"], "Deployment", "baton-worker-decode")
+    assert not [a for a in _container(default_worker)["args"] if "kv-gib" in a]  # off unless asked

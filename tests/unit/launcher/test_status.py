@@ -16,7 +16,14 @@ import pytest
 
 from services.launcher.process import free_port
 from services.launcher.rundir import RunDir, indexed_run_file
-from services.launcher.status import StatusExit, register_status_command
+from services.launcher.status import (
+    ClusterStatus,
+    ComponentStatus,
+    StatusExit,
+    kv_tier_line,
+    register_status_command,
+    render,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +120,10 @@ def test_status_and_serve_never_import_torch(tmp_path: Path) -> None:
         result = subprocess.run([sys.executable, "-c", check, *argv], capture_output=True, text=True, env=env,
                                 timeout=120)
         assert result.stdout.split() == [code, "False"], result.stderr
+
+
+def test_a_workers_kv_tier_gauges_print_under_it() -> None:
+    worker = ComponentStatus("worker-both", 1, 0, {"grpc": 1}, (), "SmolLM2-135M-Instruct",
+                             (kv_tier_line("host", 12, 512, 2, 40), kv_tier_line("disk", 0, 4096, 0, 0)))
+    text = render(ClusterStatus("run.json", 1, "ready", "http://127.0.0.1:1", None, (worker,), {}))
+    assert "kv host: 12/512 blocks, 2 pinned, 40 hits" in text and "kv disk: 0/4096 blocks, 0 pinned, 0 hits" in text

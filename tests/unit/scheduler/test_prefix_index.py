@@ -1,7 +1,7 @@
 import random
 
 from scheduler.core.prefix_index import PrefixIndex
-from scheduler.types import KVEvent, KVEventKind
+from scheduler.types import KVEvent, KVEventKind, KVTier
 
 STORED, EVICTED = KVEventKind.STORED, KVEventKind.EVICTED
 
@@ -65,3 +65,14 @@ def test_match_all_agrees_with_match_for_every_worker_through_evictions_and_hole
         for worker in range(12):
             assert matches.get(f"w{worker}", 0) == index.match(f"w{worker}", prompt)
         assert all(count > 0 for count in matches.values())  # only holders of the first block listed
+
+
+def test_a_block_demoted_to_host_still_counts_and_one_on_disk_does_not() -> None:
+    index = PrefixIndex()
+    index.apply("w1", stored(10, 11, 12))
+    index.apply("w1", [KVEvent(STORED, 11, KVTier.HOST)])  # demoted: loading it is far cheaper than a prefill
+    assert index.match("w1", [10, 11, 12]) == 3
+    index.apply("w1", [KVEvent(STORED, 11, KVTier.DISK)])  # a disk load costs about a recompute
+    assert index.match("w1", [10, 11, 12]) == 1 and index.match_all([10, 11, 12]) == {"w1": 1}
+    index.apply("w1", [KVEvent(STORED, 11, KVTier.GPU)])  # promoted back
+    assert index.match("w1", [10, 11, 12]) == 3

@@ -1,5 +1,5 @@
 """`baton worker` flags reach the engine config: --load-format dummy and --seed (benchmark workers),
---tensor-parallel-size, --speculative-ngram."""
+--tensor-parallel-size, --speculative-ngram, the KV tier flags."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.errors import ConfigError
+from engine.kv_tiers.types import TierConfig
 from engine.loader.loaded_model import load_model
 from services.worker.main import add_worker_args, build_engine_config
 
@@ -68,3 +70,16 @@ def test_nixl_progress_thread_follows_the_device_unless_set_and_reaches_the_tran
     assert build_worker_config(_parse("--nixl-progress-thread")).transfer.progress_thread is True
     assert build_worker_config(_parse("--no-nixl-progress-thread")).transfer.progress_thread is False
     assert build_worker_config(_parse("--nixl-threads", "4")).transfer.nixl_threads == 4
+
+
+def test_kv_tier_flags_reach_the_engine_config(tmp_path: Path) -> None:
+    config = build_engine_config(_parse("--host-kv-gib", "0.5", "--disk-kv-dir", str(tmp_path),
+                                        "--disk-kv-gib", "2", "--kv-load-min-speedup", "1.5"))
+    assert config.tiers == TierConfig(host_bytes=512 * 1024**2, disk_dir=str(tmp_path), disk_bytes=2 * 1024**3,
+                                      min_load_speedup=1.5)
+    assert not build_engine_config(_parse()).tiers.enabled  # off by default
+
+
+def test_a_disk_tier_without_a_directory_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--disk-kv-dir"):
+        build_engine_config(_parse("--disk-kv-gib", "1"))

@@ -11,6 +11,7 @@ from scheduler_harness import status
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from scheduler.adapters.convert import (
     InvalidMessageError,
+    kv_event_from_proto,
     response_from_decision,
     sample_from_proto,
     snapshot_from_status,
@@ -20,7 +21,18 @@ from scheduler.adapters.convert import (
 )
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.types import SLO, DecisionKind, MixedSample, PrefillSample, RequestSummary, RouteDecision, Tier
+from scheduler.types import (
+    SLO,
+    DecisionKind,
+    KVEvent,
+    KVEventKind,
+    KVTier,
+    MixedSample,
+    PrefillSample,
+    RequestSummary,
+    RouteDecision,
+    Tier,
+)
 
 
 def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:
@@ -135,3 +147,9 @@ def test_the_prompt_count_of_a_prefill_backlog_crosses_the_wire() -> None:
     counts = (snapshot.queue_depth, snapshot.inflight_prefill_tokens, snapshot.inflight_prefill_requests)
     assert counts == (1, 10_240, 5)
     assert status_from_snapshot(snapshot).inflight_prefill_requests == 5
+
+
+def test_a_kv_event_keeps_its_tier_and_an_older_workers_event_reads_as_gpu() -> None:
+    host = pb.KVEvent(kind=pb.KVEvent.KIND_STORED, block_hash=5, tier=pb.KVEvent.TIER_HOST)
+    assert kv_event_from_proto(host) == KVEvent(KVEventKind.STORED, 5, KVTier.HOST)
+    assert kv_event_from_proto(pb.KVEvent(kind=pb.KVEvent.KIND_EVICTED, block_hash=5)).tier is KVTier.GPU

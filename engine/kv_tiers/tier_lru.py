@@ -1,0 +1,88 @@
+"""Which block hashes one lower tier holds, in which slot, least recently used first (no torch).
+
+A slot is an index into the tier's storage (a row of the host buffer, a file name on disk). Entries
+pinned by an in-flight load are never chosen as victims: a promotion reads its slots after they were
+looked up, possibly several engine steps later, so an eviction meanwhile would hand it someone else's
+bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where `insert` put a hash, and what it pushed out to make room (None: a free slot was used)."""
+
+    slot: int
+    evicted_hash: int | None = None
+
+
+class TierLRU:
+    """Hash -> slot for one tier, bounded by `capacity` slots. Not thread-safe: the engine loop owns it."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._slots: OrderedDict[int, int] = OrderedDict()  # hash -> slot, oldest first
+        self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
+        self._pins: Counter[int] = Counter()  # hash -> loads reading it
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot_of(self, block_hash: int) -> int | None:
+        return self._slots.get(block_hash)
+
+    def touch(self, block_hash: int) -> None:
+        """Mark a hash as just used (a hit, or a re-demotion of a block already held here)."""
+        self._slots.move_to_end(block_hash)
+
+    def insert(self, block_hash: int) -> Placement | None:
+        """A slot for a new hash: a free one, else the least recently used unpinned entry's.
+
+        Returns None (changing nothing) when the tier is off or every entry is pinned."""
+        if block_hash in self._slots:
+            raise ValueError(f"hash {block_hash:#x} is already in this tier")
+        if self._free:
+            slot = self._free.pop()
+            self._slots[block_hash] = slot
+            return Placement(slot)
+        victim = next((h for h in self._slots if not self._pins[h]), None)
+        if victim is None:
+            return None
+        slot = self._slots.pop(victim)
+        self._slots[block_hash] = slot
+        return Placement(slot, victim)
+
+    def remove(self, block_hash: int) -> None:
+        """Forget a hash (its bytes turned out bad, or its write failed); its slot becomes free."""
+        if self._pins[block_hash]:
+            raise ValueError(f"hash {block_hash:#x} removed while a load reads it")
+        self._free.append(self._slots.pop(block_hash))
+
+    def pin(self, block_hash: int) -> None:
+        if block_hash not in self._slots:
+            raise KeyError(f"hash {block_hash:#x} is not in this tier")
+        self._pins[block_hash] += 1
+
+    def unpin(self, block_hash: int) -> None:
+        if self._pins[block_hash] <= 0:
+            raise ValueError(f"hash {block_hash:#x} unpinned more often than pinned")
+        self._pins[block_hash] -= 1
+        if not self._pins[block_hash]:
+            del self._pins[block_hash]
+
+    @property
+    def num_pinned(self) -> int:
+        """Entries some load still reads (0 once every load has finished or been cancelled)."""
+        return len(self._pins)
+
+    def is_pinned(self, block_hash: int) -> bool:
+        return bool(self._pins[block_hash])

@@ -1,0 +1,34 @@
+"""The multi-turn KV-tier benchmark's CPU smoke mode (loadtest/micro/bench_multiturn_tiers.py --smoke):
+both modes finish every turn, the tiered run loads history from host and disk, and greedy output is the
+same turn for turn. Figures are not asserted (timings on a shared CPU say nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_smoke_run_finishes_every_turn_with_tier_hits_and_identical_greedy_output(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    out = tmp_path / "multiturn.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "loadtest.micro.bench_multiturn_tiers", "--smoke",
+                           "--time-limit-s", "400", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    turns = report["workload"]["conversations"] * report["workload"]["turns"]
+    for mode in ("off", "on"):
+        assert not report["modes"][mode]["conversations_truncated"]
+        assert report["modes"][mode]["conversations"]["requests"] == turns
+        assert report["modes"][mode]["zero_hit"]["requests"] == report["workload"]["unique_prompts"]
+    assert report["modes"]["off"]["tiers"] is None
+    hits = report["modes"]["on"]["tiers"]["hit_blocks"]
+    assert hits.get("disk", 0) > 0 and sum(hits.values()) > 0
+    assert report["mismatched_greedy_turns"] == 0
+    assert "TTFT p50 hit" in proc.stdout  # the table
