@@ -48,9 +48,8 @@ class Answer:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, redis_server: EmbeddedRedis,
            kafka_broker: EmbeddedKafka, default_model_dir: Path) -> Iterator[Served]:
-    """`baton serve` with its defaults (disaggregated workers, the goodput scheduler) but the safety
-    service: on the shared 2-core machine its checks time out under this load (`safety_unavailable`
-    inside a stream; a fault of its own, not admission's), and this test is about admission."""
+    """`baton serve` with its defaults: disaggregated workers, the goodput scheduler, the safety service
+    (every prompt judged before placement, every stream's output filtered)."""
     key, port = generate_api_key(), free_port()
     database_url = postgres.create_database(f"baton_admission_{uuid.uuid4().hex[:6]}")
     env = {**os.environ, "BATON_API_KEY": key, "BATON_DATABASE_URL": database_url,
@@ -59,7 +58,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres,
     log = tmp_path_factory.mktemp("serve-admission") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--port", str(port), "--model",
-                                 str(default_model_dir), "--grpc-port", str(free_port()), "--no-safety"],
+                                 str(default_model_dir), "--grpc-port", str(free_port())],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_for(log, f"Baton is ready: http://127.0.0.1:{port}", proc, 240)
@@ -77,13 +76,13 @@ async def _chat(client: httpx.AsyncClient, url: str, key: str, body: dict[str, o
     if not body.get("stream"):
         response = await client.post(f"{url}/chat/completions", json=body, headers=headers)
         if response.status_code != 200:
-            return Answer(response.status_code, 0, False)
+            return Answer(response.status_code, 0, False, (_error_code(response.text),))
         choices = response.json()["choices"]
         return Answer(200, sum(c["finish_reason"] is not None for c in choices), True)
     finished, done, errors = 0, False, []
     async with client.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
-            return Answer(response.status_code, 0, False)
+            return Answer(response.status_code, 0, False, (_error_code((await response.aread()).decode()),))
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
                 done = True
@@ -93,6 +92,14 @@ async def _chat(client: httpx.AsyncClient, url: str, key: str, body: dict[str, o
                 if "error" in chunk:
                     errors.append(str(chunk["error"].get("code")))
     return Answer(200, finished, done, tuple(errors))
+
+
+def _error_code(body: str) -> str:
+    """The OpenAI error's code, so a failure says why (admission, safety, limits)."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200]
 
 
 def _body(text: str, max_tokens: int, stream: bool, n: int = 1) -> dict[str, object]:
@@ -117,5 +124,5 @@ def test_a_default_serve_answers_16_streams_an_n2_and_a_free_request_with_no_503
     streams, pair, free = asyncio.run(_everyone_at_once(served))
     assert [a.status for a in streams] == [200] * STREAMS
     assert [(a.done, a.choices, a.errors) for a in streams] == [(True, 1, ())] * STREAMS
-    assert (pair.status, pair.choices) == (200, 2)
-    assert (free.status, free.choices, free.done) == (200, 1, True)
+    assert (pair.status, pair.choices, pair.errors) == (200, 2, ())
+    assert (free.status, free.choices, free.done, free.errors) == (200, 1, True, ())
