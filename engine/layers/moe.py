@@ -136,3 +136,12 @@ class SparseMoeBlock(nn.Module):
             copy_checked(self.gate.weight.data, tensor, name)
         elif self.shared_expert_gate is not None:
             copy_checked(self.shared_expert_gate.weight.data, tensor, name)
+
+
+def expert_load_imbalance(counts: torch.Tensor) -> float:
+    """`[layers, E]` token counts -> the worst layer's most loaded expert over its mean expert (1.0: even);
+    layers that routed nothing are skipped."""
+    busy = counts[counts.sum(dim=1) > 0].double()
+    if busy.shape[0] == 0:
+        return 1.0
+    return float((busy.max(dim=1).values / busy.mean(dim=1)).max())

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from engine.layers.moe import expert_load_imbalance
+
 
 class ExpertLoadMeter:
     def __init__(self, read_load: Callable[[], torch.Tensor | None], registry: CollectorRegistry,
@@ -49,13 +51,5 @@ class ExpertLoadMeter:
             if count:
                 self.tokens.labels(str(expert)).inc(count)
         if sum(per_expert):
-            self.imbalance.set(layer_imbalance(delta))
+            self.imbalance.set(expert_load_imbalance(delta))
 
-
-def layer_imbalance(counts: torch.Tensor) -> float:
-    """`[layers, E]` -> max over layers of (max expert / mean expert); layers that routed nothing are skipped."""
-    totals = counts.sum(dim=1)
-    busy = counts[totals > 0].double()
-    if busy.shape[0] == 0:
-        return 1.0
-    return float((busy.max(dim=1).values / busy.mean(dim=1)).max())

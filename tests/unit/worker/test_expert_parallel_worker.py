@@ -16,11 +16,12 @@ from handoff_harness import transfer_config
 from prometheus_client import CollectorRegistry
 
 from engine.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig
+from engine.layers.moe import expert_load_imbalance
 from engine.llm_engine import LLMEngine
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
 from services.worker.config import WorkerConfig, WorkerRole
-from services.worker.expert_load import ExpertLoadMeter, layer_imbalance
+from services.worker.expert_load import ExpertLoadMeter
 from services.worker.main import add_worker_args, build_engine_config, build_worker_config
 from services.worker.server import WorkerServer
 
@@ -139,5 +140,5 @@ def test_meter_exports_per_interval_deltas_summed_over_layers() -> None:
 
 
 def test_imbalance_skips_layers_that_routed_nothing() -> None:
-    assert layer_imbalance(torch.tensor([[0, 0], [1, 3]])) == 1.5
-    assert layer_imbalance(torch.zeros(2, 4, dtype=torch.int64)) == 1.0
+    assert expert_load_imbalance(torch.tensor([[0, 0], [1, 3]])) == 1.5
+    assert expert_load_imbalance(torch.zeros(2, 4, dtype=torch.int64)) == 1.0
