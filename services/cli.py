@@ -138,6 +138,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     engine = _build_engine(args)
+    try:
+        return _chat_loop(engine, args)
+    finally:
+        engine.shutdown()  # expert-parallel followers leave the group with rank 0
+
+
+def _chat_loop(engine, args: argparse.Namespace) -> int:  # noqa: ANN001
     tok = engine.tokenizer
     messages: list[dict[str, str]] = []
     print("Baton chat on the local engine. Ctrl-D to quit.", flush=True)
