@@ -124,6 +124,7 @@ class ModelRunner:
         graphs = DecodeGraphRunner(self._decode_logits, buffers, sizes, self.max_model_len, mode,
                                    align=self.tp.barrier)
         graphs.capture()
+        self.model.reset_expert_load()  # capture ran the forward on padding rows
         if self.tp.world_size > 1:
             mark_collectives_captured()
         return graphs

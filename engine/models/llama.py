@@ -196,6 +196,11 @@ class LlamaForCausalLM(nn.Module):
         blocks = list(self._moe_blocks().values())
         return torch.stack([b.expert_tokens for b in blocks]).cpu() if blocks else None
 
+    def reset_expert_load(self) -> None:
+        """Zero the per-expert counts (after warm-up and graph capture, which route dummy rows)."""
+        for block in self._moe_blocks().values():
+            block.expert_tokens.zero_()
+
     def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
         """The sparse layers' MoE blocks by checkpoint name prefix (`model.layers.3.block_sparse_moe.`)."""
         if self.config.moe is None:

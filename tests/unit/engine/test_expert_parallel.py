@@ -72,6 +72,17 @@ def test_a_rank_loads_only_its_experts() -> None:
         assert torch.equal(block.experts.w2.data[local], weights[f"{prefix}experts.{expert}.down_proj.weight"])
 
 
+def test_each_moe_layer_counts_k_slots_per_token_until_reset() -> None:
+    config = CASES["qwen2-moe-shared-expert"]  # layer 0 dense, layer 1 sparse with top-3
+    model = build_model(config, TensorParallel())
+    run_steps(model, config, 1)
+    load = model.expert_load()
+    assert load is not None and load.shape == (1, 6)
+    assert int(load.sum()) == 3 * (6 + 5 + 3 + 1 + 3 + 3 * 3)  # k slots of every token of run_steps
+    model.reset_expert_load()
+    assert int(model.expert_load().sum()) == 0
+
+
 def test_token_slices_cover_every_token_once() -> None:
     for tokens in (0, 1, 3, 7, 8):
         slices = [ExpertParallel(rank=r, size=3).token_slice(tokens) for r in range(3)]
