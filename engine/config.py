@@ -207,7 +207,11 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism inside one worker: one process per GPU of the node, rank 0 drives.
+    """Tensor or expert parallelism inside one worker: one process per GPU of the node, rank 0 drives.
+
+    Expert parallelism (`expert_parallel_size`, MoE models) gives each rank `num_experts / ep` of
+    every MoE block's experts; attention and dense layers are replicated (engine/parallel/expert.py).
+    The two do not compose yet: one of the sizes must be 1.
 
     Ranks meet over TCP at `master_addr:master_port` (None: rank 0 picks a free port). The model's
     collectives use `distributed_backend` (None: NCCL on CUDA, gloo on CPU); control messages (the
@@ -215,6 +219,7 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     distributed_backend: str | None = None
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
@@ -223,9 +228,20 @@ class ParallelConfig:
     # node out of service, and TP all-reduces of decode-sized messages gain little from it.
     allow_nvls: bool = False
 
+    @property
+    def world_size(self) -> int:
+        """Processes (and GPUs) of the worker's group."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise ConfigError("tensor and expert parallelism together are not supported: set one of "
+                              f"tensor_parallel_size ({self.tensor_parallel_size}) and expert_parallel_size "
+                              f"({self.expert_parallel_size}) to 1")
         if self.distributed_backend not in (None, *DISTRIBUTED_BACKENDS):
             raise ConfigError(f"unknown distributed_backend {self.distributed_backend!r}; valid: None (auto), "
                               f"{', '.join(DISTRIBUTED_BACKENDS)}")
@@ -267,8 +283,9 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         if any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise ConfigError(f"cuda_graph_batch_sizes must be positive, strictly increasing; got {sizes}")
-        if self.tiers.enabled and self.parallel.tensor_parallel_size > 1:
-            raise ConfigError("KV tiers (--host-kv-gib, --disk-kv-gib) need tensor_parallel_size 1")
-        if self.parallel.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"with tensor parallelism device must be 'cpu' or 'cuda' (rank r takes cuda:r), "
-                              f"got {self.device!r}")
+        if self.tiers.enabled and self.parallel.world_size > 1:
+            raise ConfigError("KV tiers (--host-kv-gib, --disk-kv-gib) need tensor_parallel_size and "
+                              "expert_parallel_size 1")
+        if self.parallel.world_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"with tensor or expert parallelism device must be 'cpu' or 'cuda' "
+                              f"(rank r takes cuda:r), got {self.device!r}")

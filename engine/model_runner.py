@@ -90,9 +90,14 @@ class ModelRunner:
             model.to(self.dtype)
         model.load_weights(weights)
         model.eval()
-        log.info("model %s loaded in %.2fs (tp rank %d/%d)", self.model_config.architecture,
-                 time.perf_counter() - start, self.tp.rank, self.tp.size)
+        log.info("model %s loaded in %.2fs (tp rank %d/%d, ep rank %d/%d)", self.model_config.architecture,
+                 time.perf_counter() - start, self.tp.rank, self.tp.size, self.tp.expert.rank, self.tp.expert.size)
         return model
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Per-expert token counts of the MoE layers, `[sparse layers, E]` (see LlamaForCausalLM.expert_load).
+        Engine thread only: it reads device memory the next step writes."""
+        return self.model.expert_load()
 
     def release_graphs(self) -> None:
         """Before leaving a tensor-parallel group: drop the decode graphs (see DecodeGraphRunner.release)."""
@@ -105,19 +110,22 @@ class ModelRunner:
         cfg = self.config
         if cfg.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
             return None
-        if self.model_config.moe is not None and not fused_kernels_enabled():
-            return None  # the torch reference MoE loops over the experts it finds: a host sync per layer
+        if self.model_config.moe is not None and (not fused_kernels_enabled() or self.tp.expert.size > 1):
+            # The torch reference MoE loops over the experts it finds, and expert parallelism reads the
+            # all-to-all's counts: a host sync per layer either way.
+            return None
         sizes = capture_sizes(cfg.cuda_graph_batch_sizes, cfg.batcher.max_num_seqs)
         if not sizes:
             return None
         block_size = self.kv_spec.block_size
         max_blocks = min(-(-self.max_model_len // block_size), self.num_blocks)
         buffers = DecodeInputBuffers(max(sizes), max_blocks, block_size, self.device)
-        mode = "thread_local" if self.tp.size > 1 else "global"
+        mode = "thread_local" if self.tp.world_size > 1 else "global"
         graphs = DecodeGraphRunner(self._decode_logits, buffers, sizes, self.max_model_len, mode,
                                    align=self.tp.barrier)
         graphs.capture()
-        if self.tp.size > 1:
+        self.model.reset_expert_load()  # capture ran the forward on padding rows
+        if self.tp.world_size > 1:
             mark_collectives_captured()
         return graphs
 

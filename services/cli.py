@@ -56,6 +56,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE models: spread each layer's experts over this many processes (GPUs: rank r "
+                        "takes cuda:r), attention replicated")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -80,11 +83,12 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_engine(args: argparse.Namespace):  # noqa: ANN202 - engine import is heavy, keep it lazy
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, ParallelConfig
     from engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=args.model or "", dtype=args.dtype, device=args.device,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend,
+                          parallel=ParallelConfig(expert_parallel_size=args.expert_parallel_size))
     return LLMEngine(config)
 
 
@@ -121,7 +125,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tok.encode(args.prompt)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    result = _run_to_end(engine, prompt_ids, _params(args), stream)
+    try:
+        result = _run_to_end(engine, prompt_ids, _params(args), stream)
+    finally:
+        engine.shutdown()  # expert-parallel followers leave the group with rank 0
     if args.json:
         print(json.dumps(result))
     else:
@@ -131,6 +138,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     engine = _build_engine(args)
+    try:
+        return _chat_loop(engine, args)
+    finally:
+        engine.shutdown()  # expert-parallel followers leave the group with rank 0
+
+
+def _chat_loop(engine, args: argparse.Namespace) -> int:  # noqa: ANN001
     tok = engine.tokenizer
     messages: list[dict[str, str]] = []
     print("Baton chat on the local engine. Ctrl-D to quit.", flush=True)

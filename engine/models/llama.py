@@ -35,7 +35,7 @@ from engine.layers.mlp import SwiGLUMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.parallel.group import TensorParallel, check_tensor_parallel, kv_head_start, local_kv_heads
+from engine.parallel.group import TensorParallel, check_parallel, kv_head_start, local_kv_heads
 
 # HF projection name -> (merged module, shard index) for the projections we fuse.
 _MERGED = {
@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallel()
-        check_tensor_parallel(config, tp.size)
+        check_parallel(config, tp.size, tp.expert.size)
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, backend, tp)
@@ -189,6 +189,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Token slots routed to each expert since the model was built, `[sparse layers, E]` int64 on the
+        host (one copy from the device); None for a dense model."""
+        blocks = list(self._moe_blocks().values())
+        return torch.stack([b.expert_tokens for b in blocks]).cpu() if blocks else None
+
+    def reset_expert_load(self) -> None:
+        """Zero the per-expert counts (after warm-up and graph capture, which route dummy rows)."""
+        for block in self._moe_blocks().values():
+            block.expert_tokens.zero_()
 
     def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
         """The sparse layers' MoE blocks by checkpoint name prefix (`model.layers.3.block_sparse_moe.`)."""

@@ -1,8 +1,10 @@
-"""Tensor parallelism inside one worker: the group (`group`) and the one-process-per-rank launcher (`launcher`).
+"""Tensor and expert parallelism inside one worker: the group (`group`), the MoE experts' all-to-all
+(`expert`) and the one-process-per-rank launcher (`launcher`).
 
 `launcher` is imported on demand (it pulls in the model runner); `group` is what layers import.
 """
 
+from engine.parallel.expert import ExpertParallel
 from engine.parallel.group import (
     TensorParallel,
     check_tensor_parallel,
@@ -13,6 +15,7 @@ from engine.parallel.group import (
 )
 
 __all__ = [
+    "ExpertParallel",
     "TensorParallel",
     "check_tensor_parallel",
     "free_port",

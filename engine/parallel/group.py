@@ -1,5 +1,9 @@
 """One worker's tensor-parallel group: its rank, size, device, and the few collectives a Llama needs.
 
+Under expert parallelism (`expert`, engine/parallel/expert.py) the worker's processes are the expert
+ranks and the tensor-parallel size is 1: attention and dense layers are replicated, the control
+messages below go to every process of the group (`world_rank`, `world_size`).
+
 Passed explicitly to every layer that shards (no global "current group"), so a model built with
 `TensorParallel()` (size 1) runs the exact single-GPU code path and touches torch.distributed never.
 
@@ -23,9 +27,7 @@ import torch.distributed as dist
 
 from engine.config import ModelConfig, ParallelConfig
 from engine.errors import ConfigError
-
-# torch 2.13 renamed all_gather_into_tensor; the GPU image's torch 2.11 only has the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from engine.parallel.expert import ExpertParallel, all_gather_flat, check_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,21 @@ class TensorParallel:
     size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cpu_group: Any = None  # gloo ProcessGroup for control messages; None: the default group (gloo on CPU)
+    expert: ExpertParallel = field(default_factory=ExpertParallel)  # MoE experts' sharding
+
+    @property
+    def world_rank(self) -> int:
+        """This process's rank in the worker's group (tensor ranks within expert ranks)."""
+        return self.expert.rank * self.size + self.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.size * self.expert.size
 
     @property
     def is_driver(self) -> bool:
         """Rank 0 owns the batcher and the sampler; the others only run the model."""
-        return self.rank == 0
+        return self.world_rank == 0
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """`(start, size)` of this rank's even share of `total` rows; `total` must divide evenly."""
@@ -60,31 +72,31 @@ class TensorParallel:
         # The concatenated form ([size * rows, n]): gloo rejects the stacked one.
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty((self.size * flat.shape[0], flat.shape[1]), dtype=x.dtype, device=x.device)
-        _all_gather_flat(out, flat)
+        all_gather_flat(out, flat)
         gathered = out.view(self.size, flat.shape[0], flat.shape[1]).transpose(0, 1)  # [rows, size, n]
         return gathered.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's `obj` on every rank (pickled, over the gloo control group)."""
-        if self.size == 1:
+        if self.world_size == 1:
             return obj
         box = [obj if self.is_driver else None]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def barrier(self) -> None:
-        if self.size > 1:
+        if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
 
 def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_type: str) -> TensorParallel:
     """Join the group as `rank` (blocks until every rank has joined); rank r takes cuda:r on CUDA."""
-    size = config.tensor_parallel_size
+    size = config.world_size
     backend = config.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
     device = torch.device("cpu")
     if device_type == "cuda":
         if torch.cuda.device_count() < size:
-            raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, found {torch.cuda.device_count()}")
+            raise ConfigError(f"a worker group of {size} ranks needs {size} GPUs, found {torch.cuda.device_count()}")
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     if not config.allow_nvls:
@@ -93,7 +105,10 @@ def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_ty
     dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
                             world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return TensorParallel(rank=rank, size=size, device=device, cpu_group=cpu_group)
+    # One of the two sizes is 1 (ParallelConfig), so both kinds of collective use the default group.
+    tp_size = config.tensor_parallel_size
+    expert = ExpertParallel(rank=rank // tp_size, size=config.expert_parallel_size)
+    return TensorParallel(rank=rank % tp_size, size=tp_size, device=device, cpu_group=cpu_group, expert=expert)
 
 
 # Set once this process captured NCCL collectives into CUDA graphs (ModelRunner does under TP).
@@ -134,6 +149,12 @@ def kv_head_start(num_kv_heads: int, tp: TensorParallel) -> int:
     """First KV head of this rank. With fewer KV heads than ranks, ranks r * kv / tp share one head:
     exactly the KV head of the query heads rank r holds (query head h reads KV head h // (H / kv))."""
     return tp.rank * num_kv_heads // tp.size
+
+
+def check_parallel(config: ModelConfig, tp_size: int, ep_size: int) -> None:
+    """Reject a model that cannot be sharded `tp_size` ways or its experts `ep_size` ways."""
+    check_tensor_parallel(config, tp_size)
+    check_expert_parallel(config.moe.num_experts if config.moe is not None else None, ep_size)
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:

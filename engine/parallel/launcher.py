@@ -50,7 +50,7 @@ from engine.kv_cache import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.parallel.group import (
     TensorParallel,
-    check_tensor_parallel,
+    check_parallel,
     free_port,
     init_tensor_parallel,
     shutdown_tensor_parallel,
@@ -98,9 +98,9 @@ class FollowerCallError(RuntimeError):
 def create_model_runner(config: EngineConfig, model_config: ModelConfig,
                         weights: Iterable[tuple[str, torch.Tensor]],
                         rank_service: RankServiceFactory | None = None) -> ModelRunner | TensorParallelRunner:
-    """The runner for `config.parallel.tensor_parallel_size`: in-process for 1, else rank 0 of a group.
-    `rank_service` is only used with followers (see the module docstring)."""
-    if config.parallel.tensor_parallel_size == 1:
+    """The runner for `config.parallel`: in-process for one rank, else rank 0 of a group (tensor or
+    expert parallel). `rank_service` is only used with followers (see the module docstring)."""
+    if config.parallel.world_size == 1:
         return ModelRunner(config, model_config, weights)
     return TensorParallelRunner(config, model_config, weights, rank_service)
 
@@ -112,8 +112,10 @@ def _device_type(config: EngineConfig) -> str:
 class TensorParallelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  weights: Iterable[tuple[str, torch.Tensor]], rank_service: RankServiceFactory | None = None) -> None:
-        size = config.parallel.tensor_parallel_size
-        check_tensor_parallel(model_config, size)  # fail before starting any process
+        parallel = config.parallel
+        size = parallel.world_size
+        # Fail before starting any process.
+        check_parallel(model_config, parallel.tensor_parallel_size, parallel.expert_parallel_size)
         port = config.parallel.master_port or free_port(config.parallel.master_addr)
         ctx = mp.get_context("spawn")
         self._group_lock = threading.Lock()  # one broadcast + its collectives at a time (module docstring)
@@ -130,7 +132,8 @@ class TensorParallelRunner:
             shutdown_tensor_parallel()
             raise
         self._closed = False
-        log.info("tensor parallel group of %d ranks ready", size)
+        log.info("worker group of %d ranks ready (tensor parallel %d, expert parallel %d)", size,
+                 parallel.tensor_parallel_size, parallel.expert_parallel_size)
 
     # -- the ModelRunner surface the engine uses ---------------------------------------------------
     @property
@@ -159,6 +162,10 @@ class TensorParallelRunner:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    def expert_load(self) -> torch.Tensor | None:
+        """Rank 0's per-expert counts: every rank routes every token, so they are the whole group's."""
+        return self.runner.expert_load()
+
     def execute(self, plan: BatchPlan) -> StepResult:
         # Followers never sample, so the live token views (penalties, seeds) stay here.
         slim = BatchPlan(chunks=tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=())
@@ -181,7 +188,7 @@ class TensorParallelRunner:
         returns their results, rank 1 first. Raises FollowerCallError if any follower raised."""
         with self._group_lock:
             self.tp.broadcast_object(RunnerCall(method, args, target="service"))
-            gathered: list[Any] = [None] * self.tp.size
+            gathered: list[Any] = [None] * self.tp.world_size
             dist.gather_object(None, gathered, dst=0, group=self.tp.cpu_group)
         results = gathered[1:]
         errors = [r for r in results if isinstance(r, FollowerError)]

@@ -10,8 +10,10 @@ dummy bf16 weights (~61 GB), Triton attention, the fused MoE kernel, CUDA graphs
 - decode (batch {1, 64} x context 1k, KV filled with random values, contexts set directly as in
   bench_decode.py): floor_ms = (weights read + KV bytes) / the copy bandwidth timed here, where
   the weights read count the attention, router, norm and LM-head weights once plus, per layer, the
-  experts this batch actually routed to (`experts_routed`: counted by an eager pass of the same step
-  with hooks on the routers; between 8 at batch 1 and 128). of_floor = floor_ms / step_ms.
+  experts this batch actually routed to (`experts_routed`: from the MoE blocks' per-expert counts
+  over an eager pass of the same step; between 8 at batch 1 and 128). of_floor = floor_ms / step_ms.
+  `expert_imbalance`: that pass's most loaded expert over the mean expert, worst layer (what the
+  worker exports as baton_moe_expert_imbalance; random dummy weights route near-evenly).
 - prefill (one prompt of 4k tokens, one eager step): FLOPs over the ACTIVE parameters (2 x active
   layer matmul parameters x T + attention + one LM-head row; engine/param_count.py);
   of_matmul = achieved TFLOP/s / the measured 8192^3 bf16 matmul rate.
@@ -35,7 +37,7 @@ from types import FrameType
 import torch
 
 from engine.config import ModelConfig
-from engine.layers.moe import SparseMoeBlock
+from engine.layers.moe import expert_load_imbalance
 from engine.param_count import count_parameters
 from loadtest.micro.bench_decode import (
     BLOCK,
@@ -59,8 +61,8 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, h
 SMOKE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
              moe_intermediate_size=32)
-COLUMNS = ["case", "batch", "ctx", "tokens", "step_ms", "replay_ms", "experts_routed", "floor_ms", "of_floor",
-           "replay_of_floor", "tflop_s", "of_matmul", "timed_out"]
+COLUMNS = ["case", "batch", "ctx", "tokens", "step_ms", "replay_ms", "experts_routed", "expert_imbalance", "floor_ms",
+           "of_floor", "replay_of_floor", "tflop_s", "of_matmul", "timed_out"]
 
 
 class TimeLimit(Exception):
@@ -82,31 +84,23 @@ def time_limit(seconds: int) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def experts_routed_per_layer(runner, plan) -> float:  # noqa: ANN001
-    """Distinct experts the step's tokens routed to, averaged over the sparse layers (one eager pass)."""
-    counts: list[int] = []
-    top_k = runner.model_config.moe.top_k
-
-    def count(module: torch.nn.Module, inputs: object, logits: torch.Tensor) -> None:
-        counts.append(torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel())
-
-    hooks = [m.gate.register_forward_hook(count) for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
-    try:
-        inputs = runner.prepare_inputs(plan.chunks)
-        runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return sum(counts) / len(counts)
+def step_routing(runner, plan) -> tuple[float, float]:  # noqa: ANN001
+    """One eager pass of the step, read from the MoE blocks' per-expert counts: the distinct experts its
+    tokens routed to, averaged over the sparse layers, and the worst layer's max / mean expert load."""
+    before = runner.expert_load()
+    inputs = runner.prepare_inputs(plan.chunks)
+    runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta)
+    step = runner.expert_load() - before
+    return float((step > 0).sum(dim=1).double().mean()), expert_load_imbalance(step)
 
 
 def decode_row(runner, batch: int, ctx: int, args: argparse.Namespace, ceilings: dict) -> dict:  # noqa: ANN001
     plan = decode_plan(batch, ctx, runner.num_blocks, seed=batch * 7 + ctx)
-    routed = experts_routed_per_layer(runner, plan)
+    routed, imbalance = step_routing(runner, plan)
     step_ms = median_ms(lambda: runner.execute(plan), args.iters)
     weights, kv = decode_bytes(runner.model_config, batch, ctx, 1, experts_routed_per_layer=routed)
     row = {"case": "decode", "batch": batch, "ctx": ctx, "step_ms": step_ms, "experts_routed": routed,
-           "weight_gb": weights / 1e9, "kv_gb": kv / 1e9}
+           "expert_imbalance": imbalance, "weight_gb": weights / 1e9, "kv_gb": kv / 1e9}
     if runner.graphs is not None and batch <= runner.graphs.max_batch:
         with torch.inference_mode():
             runner.graphs.run(plan.chunks)

@@ -100,6 +100,9 @@ class WorkerConfig:
     # The engine's ranks (one process and GPU each). prefill/decode peers must have equal sizes: rank r
     # hands its KV shard to the peer's rank r (the handshake refuses a mismatch naming tp_size).
     tensor_parallel_size: int = 1
+    # MoE experts sharded over this many ranks (attention replicated, so every rank holds the whole
+    # KV cache): co-located workers only, KV hand-off to every replica is not implemented.
+    expert_parallel_size: int = 1
     allow_fault_injection: bool = False
     faults: FaultConfig = field(default_factory=FaultConfig)
     policy: DisaggPolicy = field(default_factory=DisaggPolicy)
@@ -117,6 +120,12 @@ class WorkerConfig:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_grace_s >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.expert_parallel_size > 1 and self.uses_nixl:
+            raise ValueError(f"--expert-parallel-size needs --role both (this worker is {self.role.value}): "
+                             "every expert-parallel rank holds a full KV cache, and handing KV off to each "
+                             "replica is not implemented")
 
     @property
     def uses_nixl(self) -> bool:

@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of the engine, one process (and GPU: rank r takes cuda:r) each; "
                         "prefill and decode peers must use the same size")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE models: ranks that each hold 1/N of every MoE layer's experts, one process (and "
+                        "GPU) each; attention is replicated; --role both only; not with --tensor-parallel-size")
     _kv_tier_args(p)
 
 
@@ -124,7 +127,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
         host=args.host, port=args.port, advertise_address=args.advertise_address, worker_id=args.worker_id,
         scheduler_address=args.scheduler, metrics_port=args.metrics_port, prefill_peers=peers,
         heartbeat_interval_s=args.heartbeat_interval_s, drain_grace_s=args.drain_grace_s,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
         allow_fault_injection=args.allow_fault_injection, faults=FaultConfig(),
         policy=DisaggPolicy(args.min_remote_prompt_tokens, args.min_remote_uncached_tokens,
                             args.max_cached_fraction),
@@ -148,7 +151,8 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
                           enable_prefix_caching=not args.no_prefix_caching),
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_chunk=args.max_prefill_chunk),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                expert_parallel_size=args.expert_parallel_size),
         speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
         tiers=TierConfig.from_gib(args.host_kv_gib, args.disk_kv_dir, args.disk_kv_gib, args.kv_load_min_speedup),
     )

@@ -41,6 +41,9 @@ class RoleSwitcher:
         server = self._server
         if role is server.config.role:
             return False
+        if role is not WorkerRole.BOTH and server.config.expert_parallel_size > 1:
+            log.error("scheduler asked for role %s; an expert-parallel worker serves role both only", role.value)
+            return False
         if not server.is_idle():
             log.warning("role switch to %s deferred: work in flight (the scheduler asks again)", role.value)
             return False

@@ -31,6 +31,7 @@ from rpcgen.baton.v1 import worker_pb2_grpc
 from services.common.cluster_auth import internal_server
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.decode_service import DecodeService
+from services.worker.expert_load import ExpertLoadMeter
 from services.worker.faults import WorkerFaults
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 from services.worker.intake import Intake
@@ -56,6 +57,8 @@ class WorkerServer:
         self.metrics = WorkerMetrics(config.role.value)
         self.tier_metrics = TierMetrics(self.metrics.registry)
         self._tier_snapshot: TierStatsSnapshot | None = None  # the KV tiers at the latest KV-event drain
+        self._expert_load = (ExpertLoadMeter(engine.runner.expert_load, self.metrics.registry)
+                             if engine.model_config.moe is not None else None)
         self.faults = WorkerFaults(config.faults)
         self.telemetry = TelemetryBuffer()
         self.intake = Intake()  # requests taken on, across role switches (intake.py)
@@ -199,6 +202,8 @@ class WorkerServer:
         self.metrics.observe_step(stats)
         self.metrics.free_blocks.set(self.engine.block_manager.num_free_blocks)
         self.telemetry.add_step(stats)
+        if self._expert_load is not None:
+            self._expert_load.maybe_observe()
 
     def _on_reclaimable(self, engine_rid: str) -> None:
         if self._decode is not None:

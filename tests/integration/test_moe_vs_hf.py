@@ -72,12 +72,14 @@ def test_batched_small_prefill_chunks_match_hf(moe_dir: Path, prompts: list[list
     assert engine.generate(prompts, GREEDY) == hf_greedy
 
 
-def test_baton_generate_serves_the_moe_checkpoint(moe_dir: Path, hf_greedy: list[list[int]],
+@pytest.mark.parametrize("expert_parallel_size", ["1", "2"])
+def test_baton_generate_serves_the_moe_checkpoint(moe_dir: Path, hf_greedy: list[list[int]], expert_parallel_size: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """With 2: two gloo ranks, each loading half the experts from the checkpoint."""
     from services.cli import main
 
     rc = main(["generate", "--model", str(moe_dir), "--chat", QUESTIONS[0], "--temperature", "0",
-               "--max-tokens", str(NEW_TOKENS), "--json"])
+               "--max-tokens", str(NEW_TOKENS), "--json", "--expert-parallel-size", expert_parallel_size])
     result = json.loads(capsys.readouterr().out)
     assert rc == 0 and result["token_ids"] == hf_greedy[0][:len(result["token_ids"])]
     assert result["finish_reason"] == "stop" or len(result["token_ids"]) == NEW_TOKENS

@@ -292,3 +292,32 @@ def test_kv_tiers_come_from_fleet_values_with_an_empty_dir_for_the_disk_tier(
     assert mounts["kv-disk"] == "/var/lib/baton-kv" and volumes["kv-disk"]["emptyDir"] == {"sizeLimit": "65Gi"}
     default_worker = _find(rendered["default"], "Deployment", "baton-worker-decode")
     assert not [a for a in _container(default_worker)["args"] if "kv-gib" in a]  # off unless asked
+
+
+def _render_with_both_fleet(**fleet: Any) -> list[Manifest]:
+    """cpu-values.yaml with its `both` fleet changed, on CUDA."""
+    helm = require_module("helm_python")
+    values = _values("cpu-values.yaml")
+    values["workerDefaults"]["device"] = "cuda"
+    values["fleets"]["both"].update(fleet)
+    files = helm.Chart.load(str(CHART)).render(values, name="baton", namespace="llm")
+    return [doc for path, text in sorted(files.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def test_an_expert_parallel_fleet_takes_one_gpu_per_expert_rank(rendered: dict[str, list[Manifest]]) -> None:
+    container = _container(_find(_render_with_both_fleet(expertParallelSize=4), "Deployment", "baton-worker-both"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert "--expert-parallel-size=4" in container["args"] and "--tensor-parallel-size=1" in container["args"]
+    default = _container(_find(rendered["xpyd-tp-values.yaml"], "Deployment", "baton-worker-decode"))
+    assert "--expert-parallel-size=1" in default["args"]
+
+
+@pytest.mark.parametrize(("fleet", "message"), [
+    ({"expertParallelSize": 2, "tensorParallelSize": 2}, "cannot both be above 1"),
+    ({"expertParallelSize": 2, "role": "prefill"}, "needs role both"),
+])
+def test_unsupported_expert_parallel_fleets_fail_to_render(fleet: dict[str, Any], message: str) -> None:
+    errors = require_module("helm_python.errors")
+    with pytest.raises(errors.HelmRenderError, match=message):
+        _render_with_both_fleet(**fleet)

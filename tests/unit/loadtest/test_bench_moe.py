@@ -21,6 +21,9 @@ def test_smoke_run_reports_decode_and_prefill_rows(tmp_path: Path, monkeypatch: 
         ("decode", 1, None), ("decode", 64, None), ("prefill", None, 64)]
     top_k, experts = bench_moe.SMOKE["num_experts_per_tok"], bench_moe.SMOKE["num_experts"]
     assert rows[0]["experts_routed"] == top_k and top_k < rows[1]["experts_routed"] <= experts
+    # batch 1: top_k experts hold one slot each, the mean over all experts is top_k / experts
+    assert rows[0]["expert_imbalance"] == experts / top_k and 1.0 <= rows[1]["expert_imbalance"] < rows[0][
+        "expert_imbalance"]
 
 
 def test_time_limit_interrupts_the_run() -> None:
