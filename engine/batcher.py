@@ -38,13 +38,14 @@ from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
 from engine.config import BatcherConfig
 from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
-from engine.kv_tiers.types import KVLoader, LoadState
+from engine.kv_tiers.types import KVLoader
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
 from engine.sequence_checks import check_new_sequence
 from engine.speculative.base import DraftProposer
 from engine.speculative.decode_draft import DraftRoom, place_draft
 from engine.step_chunks import accepted_draft, next_chunk
+from engine.tier_load_queue import TierLoadQueue
 from engine.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,7 @@ class Batcher:
         self._waiting = WaitingQueue()  # WAITING / PREEMPTED, admission order
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
-        self._loading: dict[str, Sequence] = {}  # LOADING_KV: hold blocks a lower tier copies into
-        self._loader = loader
+        self._loading = TierLoadQueue(loader)  # LOADING_KV: hold blocks a lower tier copies into
         self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
         self._copies: list[tuple[int, int]] = []  # this plan's copy-on-write block copies
         self._next_arrival = 0  # arrival_order of the next added sequence
@@ -224,9 +224,7 @@ class Batcher:
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self._remote[request_id]
         elif seq.status is SequenceStatus.LOADING_KV:
-            assert self._loader is not None
-            self._loader.cancel(request_id)  # returns once no copy writes into its blocks
-            del self._loading[request_id]
+            self._loading.cancel(request_id)  # returns once no copy writes into its blocks
         else:
             self._waiting.remove(seq)
         self._free_blocks(seq)
@@ -344,7 +342,7 @@ class Batcher:
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_cached  # a resumed sequence keeps its first admission's count
             seq.block_ids, seq.num_computed_tokens = block_ids, num_cached
-            if self._start_load(seq):
+            if self._loading.start(seq):
                 continue
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)
@@ -353,29 +351,13 @@ class Batcher:
             budget -= n
 
     # ---- KV tiers -------------------------------------------------------------------------------
-    def _start_load(self, seq: Sequence) -> bool:
-        """Start promoting seq's prefix blocks found in a lower tier; True when seq now waits for them."""
-        if self._loader is None:
-            return False
-        if not self._loader.start_load(seq.request_id, seq.all_token_ids, seq.block_ids, seq.num_computed_tokens):
-            return False
-        seq.status = SequenceStatus.LOADING_KV
-        self._loading[seq.request_id] = seq
-        return True
-
     def _finish_loads(self) -> None:
         """Move sequences whose load finished to the running list, the landed tokens computed."""
-        assert self._loader is not None or not self._loading
-        for request_id, seq in list(self._loading.items()):
-            assert self._loader is not None
-            result = self._loader.poll(request_id)
-            if result.state is LoadState.PENDING:
-                continue
-            del self._loading[request_id]
-            seq.num_computed_tokens += result.num_loaded_tokens
+        for seq, loaded in self._loading.finished():
+            seq.num_computed_tokens += loaded
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens += result.num_loaded_tokens
-                seq.num_tier_loaded_tokens = result.num_loaded_tokens
+                seq.num_cached_tokens += loaded
+                seq.num_tier_loaded_tokens = loaded
             self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)
