@@ -25,7 +25,7 @@ from types import TracebackType
 
 from loadtest.experiments.distserve_cluster import stop_in_reverse
 from services.launcher.cluster import BILLING_READY, FAST_GROUP_RECOVERY
-from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
+from services.launcher.infra import EmbeddedInfra, InfraConfig
 from services.launcher.process import SupervisedProcess, free_port
 from services.launcher.serve import ensure_api_key, migrate_database
 
@@ -63,7 +63,7 @@ class ProductStack:
         endpoints = self.infra.start()
         migrate_database(endpoints.database_url)
         asyncio.run(ensure_api_key(endpoints.database_url, self.api_key, "enterprise"))
-        infra_env = _infra_env(endpoints)
+        infra_env = endpoints.env()
         safety = self._start_safety()
         self._start_billing(infra_env)
         self.gateway_env = {**self.env, **infra_env, "BATON_SAFETY_ADDRESS": safety}
@@ -98,7 +98,3 @@ class ProductStack:
         stop_in_reverse(self.processes)
         self.infra.stop()
 
-
-def _infra_env(endpoints: InfraEndpoints) -> dict[str, str]:
-    return {"BATON_DATABASE_URL": endpoints.database_url, "BATON_REDIS_URL": endpoints.redis_url,
-            "BATON_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap}

@@ -101,8 +101,7 @@ class LocalCluster:
         self.supervisor = supervisor
         self.restart = restart or RestartPolicy()
         self.python = sys.executable
-        self.infra_env = {"BATON_DATABASE_URL": endpoints.database_url, "BATON_REDIS_URL": endpoints.redis_url,
-                          "BATON_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap}
+        self.infra_env = endpoints.env()
         self.ports: dict[str, int] = {}  # "<child>", "<child>-metrics" and "gateway-grpc" -> port
         self.served: dict[str, dict[Endpoint, int]] = {}  # child -> what it serves on which port
 

@@ -42,6 +42,11 @@ class InfraEndpoints:
     redis_url: str
     kafka_bootstrap: str
 
+    def env(self) -> dict[str, str]:
+        """The settings that point a child (gateway, billing) at these services."""
+        return {"BATON_DATABASE_URL": self.database_url, "BATON_REDIS_URL": self.redis_url,
+                "BATON_KAFKA_BOOTSTRAP": self.kafka_bootstrap}
+
 
 class EmbeddedInfra:
     def __init__(self, config: InfraConfig) -> None:
