@@ -7,9 +7,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.baton-installed
 MODEL_STAMP := $(VENV)/.baton-model-ready
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30 --file-durations=25
+# TEST_WORKERS=2: `make test` on two pytest-xdist workers, grouped so that each expensive fixture (a gateway
+# stack, a worker cluster, a module's own `baton serve`) starts in one worker only (tests/support/xdist_groups.py).
+TEST_WORKERS ?= 0
+XDIST_ARGS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: setup system-deps model serve test lint gpu-test image clean
+.PHONY: setup system-deps model serve test lint gpu-test lab-test bench-gpu bench-disagg bench-distserve bench-tp70b image clean
 
 setup: $(STAMP)
 
@@ -41,7 +45,7 @@ serve: model system-deps
 	$(VENV)/bin/baton serve
 
 test: model system-deps
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -52,6 +56,23 @@ lint: setup
 # worker, so one hang is one failure, not a wedged suite.
 gpu-test:
 	pytest -m gpu tests/gpu -n 1 --timeout 300 --timeout-method thread
+
+# The lab (lab/: experiments, micro-benchmarks, GPU suites) in its CPU smoke modes, and the GPU suites
+# that produce docs/benchmarks.md's figures (OUT=folder for results; ARGS= extra flags to the suite).
+lab-test: model
+	$(VENV)/bin/pytest tests/unit/lab $(PYTEST_ARGS)
+
+bench-gpu:
+	bash lab/suites/gpu_suite.sh $(ARGS)
+
+bench-disagg:
+	bash lab/suites/disagg_suite.sh $(ARGS)
+
+bench-distserve:
+	bash lab/suites/distserve_suite.sh $(ARGS)
+
+bench-tp70b:
+	bash lab/suites/tp70b_suite.sh $(ARGS)
 
 # The CPU services image with buildah: a debootstrap base FROM scratch, the build, a smoke test.
 image:

@@ -29,18 +29,17 @@ from typing import Any
 from engine.batch import TokenLogprobs
 from engine.block_manager import KVEvent
 from engine.choices import ChoiceFork
+from engine.chunk_stream import OnPrefilled
 from engine.errors import EngineError, OutOfBlocksError
 from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, RequestOutput
+from engine.remote_commit import ABORTED_BEFORE_COMMIT, COMMITTED, CommitOutcome, CommitStatus, commit_failed
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
-
-
-ABORTED_BEFORE_COMMIT = "the request was aborted before its KV was committed"
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,20 @@ class AsyncEngine:
     # ---- public API (event loop side) -----------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, *, hold_for_s: float | None = None,
-                       checksum_hold: bool = False,
-                       choice_samplings: tuple[SamplingParams, ...] = ()) -> AsyncIterator[RequestOutput]:
+                       checksum_hold: bool = False, checksum_slices: int = 1,
+                       choice_samplings: tuple[SamplingParams, ...] = (),
+                       on_prefilled: OnPrefilled | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises the engine's typed error for bad input.
 
-        `hold_for_s`, `checksum_hold`, `choice_samplings`: prefill only, see `LLMEngine.add_request`.
+        `hold_for_s`, `checksum_hold`, `checksum_slices`, `choice_samplings`, `on_prefilled` (called on the
+        engine thread): prefill only, see `LLMEngine.add_request`.
         """
         rid = request_id or f"req-{next(self._ids)}"
         stream = self._open(rid)
         await self._call(lambda: self.engine.add_request(rid, prompt_token_ids, params, hold_for_s=hold_for_s,
-                                                         checksum_hold=checksum_hold,
-                                                         choice_samplings=choice_samplings), rid_on_error=rid)
+                                                         checksum_hold=checksum_hold, checksum_slices=checksum_slices,
+                                                         choice_samplings=choice_samplings, on_prefilled=on_prefilled),
+                         rid_on_error=rid)
         async for out in self._drain(rid, stream):
             yield out
 
@@ -140,16 +142,17 @@ class AsyncEngine:
     def commit_remote_threadsafe(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None,
                                  verify: Callable[[], str],
                                  forks: Callable[[], tuple[ChoiceFork, ...]] = tuple,
-                                 ) -> concurrent.futures.Future[str]:
+                                 ) -> concurrent.futures.Future[CommitOutcome]:
         """The remote prefill's KV landed: run `verify` (e.g. checksums of the landed blocks) and, if it
         finds no problem, put the sequence into the batch with its first token, in one pass between
         steps. Callable from any thread (the KV link's, the moment the DONE notice arrives): queued for
-        the next step boundary, never blocking the caller. The future holds the problem ("" when
-        committed); on a problem nothing is committed and the caller still owns (and must abort) the
-        reservation. A request aborted meanwhile is never committed (ABORTED_BEFORE_COMMIT).
+        the next step boundary, never blocking the caller. The future holds the outcome: unless
+        COMMITTED nothing is committed and the caller still owns (and must abort) the reservation;
+        `verify`'s problem is REJECTED, a raise FAILED. A request aborted meanwhile is never committed
+        (ABORTED).
         `forks` (n > 1), asked for on the engine thread at the commit (so a choice aborted until then
         is left out): sibling choices forked from the committed prompt; open their streams first."""
-        done: concurrent.futures.Future[str] = concurrent.futures.Future()
+        done: concurrent.futures.Future[CommitOutcome] = concurrent.futures.Future()
 
         def commit() -> None:
             seq = self.engine.batcher.get(request_id)
@@ -160,10 +163,10 @@ class AsyncEngine:
                 problem = verify()
                 if not problem:
                     self._publish(self.engine.commit_remote(request_id, first_token_id, first_logprobs, forks()))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                done.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - handed to the caller as FAILED
+                done.set_result(commit_failed(e))
             else:
-                done.set_result(problem)
+                done.set_result(CommitOutcome(CommitStatus.REJECTED, problem) if problem else COMMITTED)
 
         self._submit(commit)
         return done

@@ -11,9 +11,10 @@ prefilling. A block whose ref count drops to 0 but carries a registered hash is 
 an LRU of cached-free blocks that a later prompt with the same prefix can revive. Cached-free blocks
 are handed out for new content (EVICTED event) only when the plain free list is empty, oldest first.
 
-KV tiers. With a `BlockDemoter` (engine/kv_tiers), an evicted block's hash and id are handed to it
-*before* the block is returned for new content, so its bytes can be copied below the GPU (host memory,
-disk) while they are still intact: the hash is demoted, not dropped. The EVICTED event then only says
+KV tiers. With a `BlockDemoter` (engine/kv_tiers), a block that becomes cached-free is offered to it
+(its KV is final: it may start copying it below the GPU in the background), and an evicted block's hash
+and id are handed to it *before* the block is returned for new content, so its bytes are kept below the
+GPU (host memory, disk) while they are still intact: the hash is demoted, not dropped. The EVICTED event then only says
 that the GPU pool lost it; the engine turns that into a tier-carrying event for the scheduler.
 
 Invariants (checked by the tests):
@@ -27,31 +28,21 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
 from engine.errors import OutOfBlocksError
-from engine.kv_tiers.types import Tier
 from tokenization.block_hashes import block_hashes, hash_block
 
-
-class KVEventKind(StrEnum):
-    STORED = "stored"  # a computed block's hash became reusable on this worker
-    EVICTED = "evicted"  # that block was handed out for other content; the hash is gone
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    """What the scheduler's prefix index learns from this worker (sent with heartbeats)."""
-
-    kind: KVEventKind
-    block_hash: int
-    tier: Tier = Tier.GPU  # STORED: the fastest tier now holding it; EVICTED: the last tier that held it
+# What the scheduler's prefix index learns from this worker (sent with heartbeats); the engine and the
+# scheduler share the vocabulary from the ground floor.
+from tokenization.kv_blocks import KVEvent, KVEventKind
 
 
 class BlockDemoter(Protocol):
-    """Receives each evicted cached block before it is reused (engine/kv_tiers/store.py)."""
+    """Receives each cached-free block, and each evicted one before it is reused (engine/kv_tiers/store.py)."""
+
+    def offer(self, block_id: int, block_hash: int) -> None:
+        """The block just became cached-free: its bytes are final until it is evicted (`demote`)."""
 
     def demote(self, block_id: int, block_hash: int) -> None:
         """Copy (or start copying, ordered before any later write into the block) its bytes below the GPU."""
@@ -251,6 +242,8 @@ class BlockManager:
             self._register(h, block)  # its twin was evicted meanwhile: this copy now serves the hash
         if h is not None and self._cached[h] == block:
             self._cached_free[block] = None
+            if self._demoter is not None:
+                self._demoter.offer(block, h)
         else:
             self._hashes[block] = None
             self._free.append(block)

@@ -4,7 +4,8 @@ Every per-family difference of the Llama family is a field of `ModelConfig`, so 
 implementation (`engine/models/llama.py`) and no `if family == ...` branches outside `from_hf_config`.
 Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral) are that model with some MLPs replaced by
 a sparse MoE block; what differs between them (routing, shared expert, weight names, which layers are
-sparse) is a `MoeConfig` (engine/moe_config.py).
+sparse) is a `MoeConfig` (engine/moe_config.py). DeepSeek-V2/V3 are that MoE model with multi-head
+latent attention in place of GQA: an `MlaConfig` (engine/mla_config.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.kv_tiers.types import TierConfig
+from engine.mla_config import MlaConfig, mla_config_from_hf, yarn_mscale
 from engine.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config_from_hf
+from engine.quant.config import QUANTIZATION_METHODS, Fp8Config, checkpoint_fp8_config
 from engine.sampling_params import MAX_DRAFT_TOKENS
 
 SUPPORTED_ARCHITECTURES = (
@@ -29,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
 _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ATTENTION_BACKENDS = ("torch", "triton")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo")
 # Decode batch sizes captured as CUDA graphs (vLLM-like ladder); a decode batch runs the smallest
@@ -47,6 +51,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN ("yarn" rope_type, DeepSeek): interpolate low frequencies by `factor`, keep high ones, ramp
+    between the `beta_fast`/`beta_slow` rotation counts; cos/sin are scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -59,7 +75,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2/2.5; Llama with attention_bias)
     o_proj_bias: bool = False  # bias on o_proj too (Llama's attention_bias; Qwen2 has none there)
@@ -67,6 +83,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # None: every layer has a dense MLP of `intermediate_size`
+    mla: MlaConfig | None = None  # DeepSeek's latent attention; `head_dim` is then its rotary dim
+    fp8: Fp8Config | None = None  # the checkpoint's own FP8 weight format (its quantization_config)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -92,7 +110,10 @@ class ModelConfig:
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        mla = mla_config_from_hf(arch, hf, _rope_params(hf))
+        head_dim = mla.qk_rope_head_dim if mla else hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if mla is not None and hf.get("attention_bias"):
+            raise ConfigError(f"{arch} with attention_bias is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -102,7 +123,7 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if mla else hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
@@ -115,6 +136,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=moe_config_from_hf(arch, hf),
+            mla=mla,
+            fp8=checkpoint_fp8_config(hf),
         )
 
     @classmethod
@@ -137,19 +160,38 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(hf.get("rope_theta") or _rope_params(hf).get("rope_theta") or 10000.0)
 
 
-def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | YarnScaling | None:
     rs = _rope_params(hf)
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "yarn":
+        return _yarn_scaling(rs, hf)
     if kind != "llama3":
-        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, llama3, yarn")
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs["low_freq_factor"]),
         high_freq_factor=float(rs["high_freq_factor"]),
         original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
     )
+
+
+def _yarn_scaling(rs: dict[str, Any], hf: dict[str, Any]) -> YarnScaling:
+    """transformers' `_compute_yarn_parameters` inputs; DeepSeek's attention factor is
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    original = int(rs.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048))
+    factor = float(rs.get("factor") or hf.get("max_position_embeddings", original) / original)
+    attention = rs.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor, 1.0))
+    if rs.get("truncate") is False:
+        raise ConfigError("yarn rope scaling with truncate=false is not supported")
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                       attention_factor=float(attention))
 
 
 @dataclass(frozen=True)
@@ -160,8 +202,13 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8_e4m3": one byte per value with per-layer K and V scales, twice
+    # the tokens in the same memory (engine/kv_cache.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -207,11 +254,15 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor or expert parallelism inside one worker: one process per GPU of the node, rank 0 drives.
+    """Tensor, pipeline or expert parallelism inside one worker: one process per GPU, rank 0 drives.
 
     Expert parallelism (`expert_parallel_size`, MoE models) gives each rank `num_experts / ep` of
     every MoE block's experts; attention and dense layers are replicated (engine/parallel/expert.py).
     The two do not compose yet: one of the sizes must be 1.
+
+    Pipeline parallelism (`pipeline_parallel_size`) splits the layers over stages; it composes with
+    tensor parallelism: world rank = stage * tensor_parallel_size + tensor rank (engine/parallel/pipeline.py).
+    A step's batch goes through the stages in `pipeline_microbatches` pieces (None: one per stage).
 
     Ranks meet over TCP at `master_addr:master_port` (None: rank 0 picks a free port). The model's
     collectives use `distributed_backend` (None: NCCL on CUDA, gloo on CPU); control messages (the
@@ -220,6 +271,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
     distributed_backend: str | None = None
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
@@ -231,13 +284,21 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Processes (and GPUs) of the worker's group."""
-        return self.tensor_parallel_size * self.expert_parallel_size
+        return self.tensor_parallel_size * self.expert_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.expert_parallel_size < 1:
             raise ConfigError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ConfigError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
+        if self.pipeline_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise ConfigError("pipeline and expert parallelism together are not supported: set one of "
+                              f"pipeline_parallel_size ({self.pipeline_parallel_size}) and expert_parallel_size "
+                              f"({self.expert_parallel_size}) to 1")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
             raise ConfigError("tensor and expert parallelism together are not supported: set one of "
                               f"tensor_parallel_size ({self.tensor_parallel_size}) and expert_parallel_size "
@@ -258,6 +319,9 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    # "fp8": quantize an unquantized checkpoint's dense projections to FP8 at load (engine/quant/); an
+    # FP8 checkpoint runs as stored either way. None: as the checkpoint is.
+    quantization: str | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     cache_dir: str | None = None  # where the default model is prepared (None: ~/.cache/baton)
@@ -278,14 +342,17 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown attention backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; valid: none, "
+                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"unknown load_format {self.load_format!r}; valid: auto, safetensors, gguf, dummy")
         sizes = self.cuda_graph_batch_sizes
         if any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise ConfigError(f"cuda_graph_batch_sizes must be positive, strictly increasing; got {sizes}")
         if self.tiers.enabled and self.parallel.world_size > 1:
-            raise ConfigError("KV tiers (--host-kv-gib, --disk-kv-gib) need tensor_parallel_size and "
-                              "expert_parallel_size 1")
+            raise ConfigError("KV tiers (--host-kv-gib, --disk-kv-gib) need tensor_parallel_size, "
+                              "pipeline_parallel_size and expert_parallel_size 1")
         if self.parallel.world_size > 1 and self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"with tensor or expert parallelism device must be 'cpu' or 'cuda' "
+            raise ConfigError(f"with tensor, pipeline or expert parallelism device must be 'cpu' or 'cuda' "
                               f"(rank r takes cuda:r), got {self.device!r}")

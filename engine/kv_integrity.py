@@ -2,18 +2,11 @@
 
 They guard the KV hand-off: the prefill engine checksums a finished prompt's blocks in the step that
 resolved them, the numbers travel in the transfer's DONE notice, and the decode engine recomputes
-them over the landed blocks before the sequence joins its batch. A block's bytes are read as int16
-words x_0..x_{W-1} and folded Fletcher-style into two exact integer sums:
+them over the landed blocks before the sequence joins its batch. The checksum's definition and its
+torch reference are in engine/block_checksum.py.
 
-    A = sum(x_i)                  B = sum(((i mod 65521) + 1) * x_i)
-    checksum = (A mod 2^32) << 32 | (B mod 2^32)
-
-Any single flipped byte changes x_i by 0 < |d| < 2^16, hence A by d, which is never 0 mod 2^32:
-detection is guaranteed. B (position-weighted) also catches swapped words or blocks landing at the
-wrong id. It is not a cryptographic hash; it guards against transport and indexing bugs.
-
-Two implementations of the one definition: this module's torch reference (CPU, and CUDA when
-triton is missing) and a bandwidth-bound Triton kernel (engine/kernels/kv_checksum.py) that reads
+Two implementations of the one definition: the torch reference (CPU, and CUDA when triton is
+missing) and a bandwidth-bound Triton kernel (engine/kernels/kv_checksum.py) that reads
 each block once with no temporaries, so checksumming a 2k-token prompt of an 8B model (256 MiB) is a
 fraction of a millisecond instead of the ~3 ms the reference's gather + float64 temporaries cost.
 Both run on the caller's current stream: called on the engine thread right after a step, the
@@ -28,12 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-CHECKSUM_MOD = 65521  # largest prime below 2^16, as in Adler-32
-_LOW32 = 0xFFFFFFFF
-_CHUNK_BLOCKS = 16  # reference: bounds the float64 temporary to 4 * 16 * bytes_per_block bytes
-# Reference: B is summed in float64 (a BLAS matrix-vector product, far cheaper than int64 multiply +
-# sum on CPU): every product is an integer below 2^31, so partial sums stay exact below 2^53.
-_SEGMENT_WORDS = 1 << 21
+from engine.block_checksum import reference_checksums
 
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
@@ -51,36 +39,48 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[in
     return [v & 0xFFFFFFFFFFFFFFFF for v in packed.tolist()]
 
 
+def head_slice_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int], num_slices: int) -> list[int]:
+    """The checksums of each block as the ranks of a decode worker of TP size `num_slices` hold it
+    (heterogeneous TP: rank j holds heads [j * H/s, (j+1) * H/s) of the block, contiguous), rank-major:
+    every block's slice 0 first. One slice is `block_checksums`. Costs one copy of the blocks."""
+    if num_slices == 1 or not block_ids:
+        return block_checksums(kv_cache, block_ids)
+    heads = kv_cache.shape[4] // num_slices
+    if heads * num_slices != kv_cache.shape[4]:
+        raise ValueError(f"{num_slices} slices do not divide {kv_cache.shape[4]} KV heads")
+    blocks = _selected(kv_cache, block_ids)
+    return [s for j in range(num_slices) for s in _all_checksums(blocks.narrow(4, j * heads, heads))]
+
+
+def layer_slice_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int], first_layer: int,
+                          num_layers: int) -> list[int]:
+    """The checksums of layers [first_layer, first_layer + num_layers) of each block, each slice read as
+    a block of its own: what a pipeline stage holding just those layers computes over its blocks
+    (its KV cache is `[num_blocks, stage layers, ...]`), so a decode worker of fewer stages can check
+    each prefill stage's part of its blocks. Costs one copy of the slices, unless they are whole blocks."""
+    if not 0 <= first_layer < first_layer + num_layers <= kv_cache.shape[1]:
+        raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are outside the "
+                         f"{kv_cache.shape[1]} layers of a block")
+    if num_layers == kv_cache.shape[1] or not block_ids:
+        return block_checksums(kv_cache, block_ids)
+    return _all_checksums(_selected(kv_cache, block_ids).narrow(1, first_layer, num_layers))
+
+
+def _selected(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    return kv_cache.index_select(0, torch.tensor(list(block_ids), device=kv_cache.device))
+
+
+def _all_checksums(blocks: torch.Tensor) -> list[int]:
+    """The checksums of every block of a (possibly strided) view, as contiguous blocks of its shape."""
+    return block_checksums(blocks.contiguous(), list(range(blocks.shape[0])))
+
+
 def mismatched_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], expected: Sequence[int]) -> list[int]:
     """The block ids whose checksum differs from `expected` (same order as `block_ids`)."""
     if len(expected) != len(block_ids):
         raise ValueError(f"{len(expected)} checksums for {len(block_ids)} blocks")
     actual = block_checksums(kv_cache, block_ids)
     return [bid for bid, got, want in zip(block_ids, actual, expected, strict=True) if got != want]
-
-
-def reference_checksums(words: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    """The definition, in torch: int64 [len(block_ids)] packed (A << 32 | B) of `words[block_ids]`."""
-    weights = (torch.arange(words.shape[1], device=words.device, dtype=torch.int64) % CHECKSUM_MOD + 1).double()
-    chunks = [_chunk_checksums(words, weights, block_ids[start:start + _CHUNK_BLOCKS])
-              for start in range(0, len(block_ids), _CHUNK_BLOCKS)]
-    return torch.cat(chunks)
-
-
-def pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(A mod 2^32) << 32 | (B mod 2^32), elementwise on int64 tensors."""
-    return (a & _LOW32) << 32 | (b & _LOW32)
-
-
-def _chunk_checksums(words: torch.Tensor, weights: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    ids = torch.tensor(block_ids, dtype=torch.long).to(words.device, non_blocking=True)
-    x = words.index_select(0, ids)  # [chunk, W] int16
-    a = x.sum(dim=1, dtype=torch.int64)
-    b = torch.zeros_like(a)
-    for seg in range(0, x.shape[1], _SEGMENT_WORDS):
-        cols = slice(seg, seg + _SEGMENT_WORDS)
-        b += torch.mv(x[:, cols].double(), weights[cols]).to(torch.int64)
-    return pack(a, b)
 
 
 @functools.cache

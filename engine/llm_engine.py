@@ -31,9 +31,11 @@ from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
 from engine.block_manager import BlockManager, KVEvent
 from engine.choices import ChoiceFork
+from engine.chunk_stream import ChunkStreams, OnPrefilled
 from engine.config import EngineConfig, ModelConfig
+from engine.engine_view import EngineView
 from engine.errors import InvalidRequestError
-from engine.kv_integrity import block_checksums
+from engine.kv_integrity import head_slice_checksums
 from engine.kv_tiers.presence import TieredKVEvents
 from engine.kv_tiers.store import TieredKVStore
 from engine.kv_tiers.tier_stats import TierStatsSnapshot
@@ -60,6 +62,7 @@ class _Tracked:
     stop_ids: frozenset[int]
     hold_for_s: float | None = None  # stop after the first token and hold the blocks this long
     checksum_hold: bool = False  # checksum the held blocks in the step that finishes the prefill
+    checksum_slices: int = 1  # ... per head slice, for a decode worker of this TP size (heterogeneous TP)
     started_at: float | None = None  # engine clock at its first scheduled chunk (queue wait ends)
 
 
@@ -86,11 +89,13 @@ class LLMEngine:
         self._tier_events = (TieredKVEvents(self.block_manager.is_cached, self.tiers.lower_tier_of)
                              if self.tiers is not None else None)
         spec = config.speculative
+        self.view = EngineView(self.runner, self.block_manager)  # what a worker reads (engine_view.py)
         self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len,
                                NgramProposer(spec.ngram_min, spec.ngram_max), loader=self.tiers)
         self.spec_stats = SpeculationStats()
         self._requests: dict[str, _Tracked] = {}
         self._held: dict[str, HeldBlocks] = {}
+        self._chunk_streams = ChunkStreams(self.runner.kv_cache, config.cache.block_size)
         self.last_step: StepStats | None = None  # what the latest step ran; None if it ran nothing
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -99,32 +104,43 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, hold_for_s: float | None = None, checksum_hold: bool = False,
-                    choice_samplings: tuple[SamplingParams, ...] = ()) -> None:
+                    *, hold_for_s: float | None = None, checksum_hold: bool = False, checksum_slices: int = 1,
+                    choice_samplings: tuple[SamplingParams, ...] = (),
+                    on_prefilled: OnPrefilled | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (and changes nothing) on bad input.
 
         `hold_for_s`: prefill only (see the module docstring): one output with the first token and
         `held` set, then the blocks stay held under `request_id` until `release_held` or the lease
         expires. `checksum_hold`: `held.checksums` are computed right after the step that finished the
-        prefill (on the engine's stream, so ordered after its KV writes; one small read-back).
+        prefill (on the engine's stream, so ordered after its KV writes; one small read-back);
+        `checksum_slices` > 1: per head slice, as a decode worker of that TP size holds the blocks.
         `choice_samplings` (held only; n > 1): the first token is also sampled under each of these, from
-        the same logits, and returned in the held output's `choice_first`.
+        the same logits, and returned in the held output's `choice_first`. `on_prefilled` (held only):
+        KV streaming, told after each step which blocks a chunk filled (engine/chunk_stream.py).
         """
         if hold_for_s is not None and not hold_for_s > 0:
             raise InvalidRequestError(f"hold_for_s must be > 0, got {hold_for_s}")
         if choice_samplings and (hold_for_s is None
                                  or not all(isinstance(p, SamplingParams) for p in choice_samplings)):
             raise InvalidRequestError("choice_samplings need a held prefill and a SamplingParams each")
+        if checksum_slices < 1 or self.runner.kv_spec.num_kv_heads % checksum_slices:
+            raise InvalidRequestError(f"checksum_slices {checksum_slices} does not divide the KV heads")
         if request_id in self._held:
             raise InvalidRequestError(f"duplicate request id {request_id!r} (its blocks are still held)")
+        if on_prefilled is not None and hold_for_s is None:
+            raise InvalidRequestError("on_prefilled streams a held prefill's blocks: it needs hold_for_s")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         self._requests[request_id].hold_for_s = hold_for_s
         self._requests[request_id].checksum_hold = checksum_hold
+        self._requests[request_id].checksum_slices = checksum_slices
         seq.choice_samplings = tuple(choice_samplings)
+        if on_prefilled is not None:
+            self._chunk_streams.add(request_id, on_prefilled)
         try:
             self.batcher.add(seq)
         except Exception:
             del self._requests[request_id]
+            self._chunk_streams.drop(request_id)
             raise
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
@@ -170,6 +186,7 @@ class LLMEngine:
         so only `release_held` (after the transfer is terminal) or the lease frees them.
         """
         tracked = self._requests.pop(request_id, None)
+        self._chunk_streams.drop(request_id)
         existed = self.batcher.abort(request_id)
         return existed or tracked is not None
 
@@ -243,7 +260,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.last_step = None
         if self.tiers is not None:
-            self.tiers.reap_writes()
+            self.tiers.between_steps()  # the last step's demotion copies as one batch; disk writes reaped
         plan = self.batcher.schedule()
         if plan.is_empty:
             return []
@@ -260,6 +277,7 @@ class LLMEngine:
         if self.tiers is not None:  # the recompute side of the load-or-recompute decision
             self.tiers.cost.observe_prefill(self.last_step.prefill_tokens, seconds)
         self.batcher.postprocess(plan, result)
+        self._chunk_streams.after_step(plan)
         outputs = []
         for request_id, sampled in result.sampled.items():
             tracked = self._requests.get(request_id)
@@ -321,7 +339,9 @@ class LLMEngine:
         assert tracked.hold_for_s is not None
         block_ids = tuple(self.batcher.detach(seq.request_id))
         del self._requests[seq.request_id]
-        checksums = tuple(block_checksums(self.runner.kv_cache, block_ids)) if tracked.checksum_hold else None
+        self._chunk_streams.drop(seq.request_id)
+        checksums = (tuple(head_slice_checksums(self.runner.kv_cache, block_ids, tracked.checksum_slices))
+                     if tracked.checksum_hold else None)
         now = self._clock()
         held = HeldBlocks(block_ids, seq.num_prompt_tokens, seq.num_cached_tokens, now + tracked.hold_for_s,
                           checksums, started_at=tracked.started_at or now, finished_at=now)

@@ -15,6 +15,11 @@ logits are all-gathered, so every rank holds them whole, but only rank 0 samples
 only to rank 0's batcher, and they reach the other ranks inside the next plan. Followers return an
 empty `StepResult`. Decode graphs capture the NCCL collectives too: every rank replays the same graph
 for the same plan, so the captured all-reduces meet.
+
+Pipeline parallelism: every rank runs `execute` on the same plan too; each stage runs its layers over
+the step's micro-batches and passes activations on (engine/parallel/pipeline.py), the last stage's
+logits come back to rank 0, which samples. Steps run eagerly (no decode graphs yet), and each stage's
+KV cache holds its layers only, sized so that every stage has the same number of blocks.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.input_buffers import DecodeInputBuffers
 from engine.kernels.dispatch import fused_kernels_enabled
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import kv_cache_spec_for, kv_dtype_name
 from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TensorParallel, local_kv_heads, mark_collectives_captured
+from engine.parallel.pipeline import Activations, MicroBatch, PipelineSchedule, max_stage_layers, split_microbatches
+from engine.quant.config import resolve_fp8_config
 from engine.sampler import Sampler
 from engine.speculative.verify import accept_drafts, verification_rows
 
@@ -67,20 +74,26 @@ class ModelRunner:
                                  model_config.max_position_embeddings)
         self.backend = get_attention_backend(config.attention_backend)
         self.model = self._build_model(weights)
-        self.kv_spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
+        stage = self.tp.pipeline
+        self.kv_spec = kv_cache_spec_for(
+            num_layers=len(stage.layers(model_config.num_layers)),  # this stage's layers
             num_kv_heads=local_kv_heads(model_config.num_kv_heads, self.tp.size),  # this rank's heads
             head_dim=model_config.head_dim,
+            latent_dim=model_config.mla.latent_dim if model_config.mla else None,
             block_size=config.cache.block_size,
-            dtype=config.dtype,
+            dtype=kv_dtype_name(config.dtype, config.cache.kv_cache_dtype),
         )
-        self.num_blocks = config.cache.num_blocks or self.kv_spec.num_blocks_for(config.cache.memory_bytes)
+        # Block ids are the same on every stage: size the pool for the largest stage.
+        sizing = replace(self.kv_spec, num_layers=max_stage_layers(model_config.num_layers, stage.size))
+        self.num_blocks = config.cache.num_blocks or sizing.num_blocks_for(config.cache.memory_bytes)
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and model_config.mla is None:  # MLA's kernels compile on first use
             self.backend.warm_up(self.kv_cache, model_config.num_heads // self.tp.size,
                                  config.batcher.max_num_seqs, self.dtype)
         self.graphs = self._build_graphs()
+        self.schedule = (PipelineSchedule(stage, model_config.hidden_size, model_config.vocab_size, self.dtype,
+                                          self.device) if stage.size > 1 else None)
 
     def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -88,10 +101,14 @@ class ModelRunner:
         with torch.device(self.device):
             model = cast(LlamaForCausalLM, cls(self.model_config, self.backend, self.tp))
             model.to(self.dtype)
+        fp8 = resolve_fp8_config(self.config.quantization, self.model_config.fp8)
+        if fp8 is not None:
+            model.use_fp8(fp8)  # after .to(dtype), which would cast e4m3 storage back up
         model.load_weights(weights)
         model.eval()
-        log.info("model %s loaded in %.2fs (tp rank %d/%d, ep rank %d/%d)", self.model_config.architecture,
-                 time.perf_counter() - start, self.tp.rank, self.tp.size, self.tp.expert.rank, self.tp.expert.size)
+        log.info("model %s loaded in %.2fs (tp rank %d/%d, ep rank %d/%d, pp stage %d/%d)",
+                 self.model_config.architecture, time.perf_counter() - start, self.tp.rank, self.tp.size,
+                 self.tp.expert.rank, self.tp.expert.size, self.tp.pipeline.rank, self.tp.pipeline.size)
         return model
 
     def expert_load(self) -> torch.Tensor | None:
@@ -109,6 +126,8 @@ class ModelRunner:
         """Capture decode graphs, or None where steps run eagerly (see the module docstring)."""
         cfg = self.config
         if cfg.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
+            return None
+        if self.tp.pipeline.size > 1:  # a stage's graph would end at a send: not built yet
             return None
         if self.model_config.moe is not None and (not fused_kernels_enabled() or self.tp.expert.size > 1):
             # The torch reference MoE loops over the experts it finds, and expert parallelism reads the
@@ -146,6 +165,8 @@ class ModelRunner:
         masks = self.sampler.begin([*rows, *extra.rows]) if self.tp.is_driver else None  # overlaps the forward
         if self.graphs is not None and self.graphs.can_run(plan.chunks):
             logits = self._sampled_rows(self.graphs.run(plan.chunks), plan.chunks)
+        elif self.schedule is not None:
+            logits = self._run_pipelined(self.schedule, plan.chunks)
         else:
             logits = self._run_eager(plan.chunks)
         if logits is None or not self.tp.is_driver:
@@ -165,7 +186,8 @@ class ModelRunner:
         of this step's KV writes."""
         src = self._tensor([s for s, _ in copies], torch.int64)
         dst = self._tensor([d for _, d in copies], torch.int64)
-        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+        raw = self.kv_cache.view(torch.uint8)  # bytes: index_copy_ has no float8 kernel on CPU
+        raw.index_copy_(0, dst, raw.index_select(0, src))
 
     def _run_eager(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """Logits of the sampling chunks' sampled rows (the last, or every verified position of a
@@ -175,6 +197,23 @@ class ModelRunner:
         if inputs.sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def _run_pipelined(self, schedule: PipelineSchedule, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """`_run_eager` through this rank's pipeline stage, in micro-batches (engine/parallel/pipeline.py):
+        the sampled rows' logits on rank 0 and the last stage, None elsewhere."""
+        count = self.config.parallel.pipeline_microbatches or schedule.pp.size
+        inputs = [self.prepare_inputs(group) for group in split_microbatches(chunks, count)]
+        micro = [MicroBatch(i.input_ids.numel(), i.sample_rows.numel()) for i in inputs]
+
+        def stage(i: int, incoming: Activations | None) -> Activations:
+            x = inputs[i]
+            return self.model.forward_stage(x.input_ids, x.positions, self.kv_cache, x.meta, incoming)
+
+        def logits(i: int, out: Activations) -> torch.Tensor | None:
+            rows = inputs[i].sample_rows
+            return self.model.compute_logits(out.hidden.index_select(0, rows)) if rows.numel() else None
+
+        return schedule.run(micro, stage, logits)
 
     def _sampled_rows(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """The graph computed logits for every row; keep the rows of chunks that sample."""
@@ -234,4 +273,8 @@ class ModelRunner:
         """Fill the whole KV pool with N(0, 1) values. Benchmarks only: they set context lengths
         directly instead of prefilling, and timing kernels on the zeroed pool would flatter them."""
         gen = torch.Generator(device=self.device).manual_seed(seed + self.tp.rank)
-        self.kv_cache.normal_(generator=gen)
+        if not self.kv_spec.is_fp8:
+            self.kv_cache.normal_(generator=gen)
+            return
+        for chunk in self.kv_cache.split(1024):  # float8 has no normal_: fill through bf16 temporaries
+            chunk.copy_(torch.empty(chunk.shape, dtype=torch.bfloat16, device=self.device).normal_(generator=gen))

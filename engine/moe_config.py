@@ -8,17 +8,24 @@ only in the fields below, read from a Hugging Face config.json by `moe_config_fr
   `norm_topk_prob` (Qwen3-MoE releases set it, Qwen1.5/2-MoE do not).
 - Shared expert (Qwen2-MoE; DeepSeek's `shared_experts` have the same shape): a dense MLP every token
   goes through beside its routed experts, optionally scaled by `sigmoid(x . shared_expert_gate)`.
-- Sparse layers: Qwen's `decoder_sparse_step` / `mlp_only_layers` leave some layers dense.
+- Sparse layers: Qwen's `decoder_sparse_step` / `mlp_only_layers` leave some layers dense; DeepSeek's
+  `first_k_dense_replace` / `moe_layer_freq` likewise.
+- DeepSeek-V2/V3 route through `GroupedRouting`: experts are split into groups, each token first keeps
+  its best `topk_groups` groups, then its top k experts among them; scores are a softmax (V2) or
+  sigmoids plus a per-expert bias that steers the choice but not the weights (V3), and the kept
+  weights are scaled by `routed_scaling_factor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.mla_config import MLA_ARCHITECTURES
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *MLA_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,36 @@ class ExpertWeightNames:
 
 QWEN_EXPERT_NAMES = ExpertWeightNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERT_NAMES = ExpertWeightNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+DEEPSEEK_EXPERT_NAMES = ExpertWeightNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",
+                                          shared_expert="shared_experts")
+
+
+class RouterScoring(Enum):
+    SOFTMAX = "softmax"  # over every expert's logit (DeepSeek-V2)
+    SIGMOID = "sigmoid"  # each expert's logit on its own (DeepSeek-V3)
+
+
+class GroupScore(Enum):
+    """How a group of experts is ranked when choosing a token's groups."""
+
+    MAX = "max"  # its best expert's score (V2's group_limited_greedy)
+    TOP2_SUM = "top2_sum"  # the sum of its two best biased scores (V3)
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's group-limited top-k (module docstring); one group of every expert is plain top-k."""
+
+    scoring: RouterScoring
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: GroupScore = GroupScore.MAX
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # V3's `gate.e_score_correction_bias [E]`, added for the choice only
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ConfigError(f"need 1 <= topk_groups <= n_group, got {self.topk_groups}, {self.num_groups}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,7 @@ class MoeConfig:
     names: ExpertWeightNames = QWEN_EXPERT_NAMES
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # the shared expert's output is scaled by sigmoid(x . gate)
+    grouped: GroupedRouting | None = None  # None: softmax top-k (Qwen, Mixtral)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -58,6 +96,9 @@ class MoeConfig:
                 f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
         if self.shared_expert_gated and not self.shared_expert_intermediate_size:
             raise ConfigError("shared_expert_gated needs a shared expert (shared_expert_intermediate_size > 0)")
+        if self.grouped is not None and self.num_experts % self.grouped.num_groups:
+            raise ConfigError(f"num_experts ({self.num_experts}) must be a multiple of n_group "
+                              f"({self.grouped.num_groups})")
 
     @property
     def has_shared_expert(self) -> bool:
@@ -70,9 +111,11 @@ def moe_config_from_hf(arch: str, hf: dict[str, Any]) -> MoeConfig | None:
         return None
     num_layers = hf["num_hidden_layers"]
     # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts` (an attribute alias).
-    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     if not num_experts:
         raise ConfigError(f"{arch} config has no num_experts / num_local_experts")
+    if arch in MLA_ARCHITECTURES:
+        return _deepseek_moe_config(arch, hf, num_experts)
     if arch == "MixtralForCausalLM":
         return MoeConfig(num_experts=num_experts, top_k=hf.get("num_experts_per_tok", 2),
                          intermediate_size=hf["intermediate_size"], renormalize=True,
@@ -88,6 +131,32 @@ def moe_config_from_hf(arch: str, hf: dict[str, Any]) -> MoeConfig | None:
         sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
         shared_expert_intermediate_size=shared,
         shared_expert_gated=bool(shared),  # Qwen2-MoE's shared expert always has its sigmoid gate
+    )
+
+
+def _deepseek_moe_config(arch: str, hf: dict[str, Any], num_experts: int) -> MoeConfig:
+    """DeepSeek-V2/V3: `first_k_dense_replace` dense layers, then every `moe_layer_freq`-th layer sparse."""
+    first_dense, freq = hf.get("first_k_dense_replace") or 0, hf.get("moe_layer_freq") or 1
+    v3 = arch == "DeepseekV3ForCausalLM"
+    renormalize = bool(hf.get("norm_topk_prob", v3))
+    grouped_topk = v3 or hf.get("topk_method") == "group_limited_greedy"
+    scaling = float(hf.get("routed_scaling_factor") or 1.0)
+    routing = GroupedRouting(
+        scoring=RouterScoring.SIGMOID if v3 else RouterScoring.SOFTMAX,
+        num_groups=(hf.get("n_group") or 1) if grouped_topk else 1,
+        topk_groups=(hf.get("topk_group") or 1) if grouped_topk else 1,
+        group_score=GroupScore.TOP2_SUM if v3 else GroupScore.MAX,
+        # DeepSeek-V2's own code scales only weights it did not renormalise (V3 does both).
+        routed_scaling_factor=1.0 if renormalize and not v3 else scaling,
+        score_correction_bias=v3,
+    )
+    moe_size = hf["moe_intermediate_size"]
+    return MoeConfig(
+        num_experts=num_experts, top_k=hf["num_experts_per_tok"], intermediate_size=moe_size,
+        renormalize=renormalize,
+        sparse_layers=tuple(i for i in range(hf["num_hidden_layers"]) if i >= first_dense and i % freq == 0),
+        names=DEEPSEEK_EXPERT_NAMES, shared_expert_intermediate_size=moe_size * (hf.get("n_shared_experts") or 0),
+        grouped=routing,
     )
 
 
@@ -108,4 +177,6 @@ def moe_block_hf_shapes(moe: MoeConfig, hidden_size: int) -> dict[str, tuple[int
         shapes[f"{shared}.down_proj.weight"] = (hidden_size, size)
     if moe.shared_expert_gated:
         shapes[f"{names.shared_expert}_gate.weight"] = (1, hidden_size)
+    if moe.grouped is not None and moe.grouped.score_correction_bias:
+        shapes["gate.e_score_correction_bias"] = (moe.num_experts,)
     return shapes

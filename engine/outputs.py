@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from engine.batch import SampledToken, TokenLogprobs
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context window
-    ABORT = "abort"  # the caller aborted it
-    ERROR = "error"  # the engine failed the request (e.g. KV integrity check)
+from tokenization.finish_reason import FinishReason  # defined on the ground floor: the gateway speaks it too
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class SamplingParams:
     # Speculative decoding (engine/speculative): up to this many n-gram draft tokens verified per step.
     # None: the engine's default (`SpeculativeConfig.num_draft_tokens`, `--speculative-ngram`); 0: off.
     num_draft_tokens: int | None = None
-    # A migrated generation (services/gateway/migration.py): the prompt's last N tokens are output this
+    # A migrated generation (services/gateway/completions/migration.py): the prompt's last N tokens are output this
     # request generated on another worker. Seeded noise continues at their position and presence /
     # frequency penalties count them as output, so the continuation samples as one run would have.
     prior_output_tokens: int = 0

@@ -6,28 +6,24 @@ decode side's blocks (one-sided WRITE + a notification); the decode side only *e
 and learns from the notification that a request's KV has arrived. Every transfer is an explicit
 state machine (SGLang's lesson), polled by its owner; nothing here blocks or spawns threads.
 
-The handshake types (`KVLayoutInfo`, `HandshakeInfo`) are plain frozen dataclasses: the workers
-carry them over gRPC (their fields live in protos/) and hand them to `KVSender.add_peer` /
-`KVReceiver.accept_peer`, which refuse a peer whose layout differs with a message naming the field.
+The handshake types (`HandshakeInfo` here, the `KVLayoutInfo` it carries in kvtransfer/layout.py)
+are plain frozen dataclasses: the workers carry them over gRPC (their fields live in protos/) and
+hand them to `KVSender.add_peer` / `KVReceiver.accept_peer`, which refuse a peer whose layout
+differs with a message naming the field.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.batch import TokenLogprobs
-from engine.kv_cache import _DTYPE_BYTES as KV_DTYPE_BYTES  # TODO: engine to export it publicly
-from engine.kv_cache import KVCacheSpec
 from kvtransfer.errors import IncompatiblePeerError, InvalidTransferPlanError
+from kvtransfer.heads import head_layout_problem
+from kvtransfer.layout import KVLayoutInfo
+from kvtransfer.stages import ChecksumGroup, stage_layout_problem
 
-# Bump when the notification format, the handshake fields or the layout meaning change.
-# 2: the DONE notice carries the first token; checksums are computed by the engines, not the link.
-KV_PROTOCOL_VERSION = 2
-# engine.kv_cache's layout: kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
-BLOCK_MAJOR_LAYOUT = "block_major_v1"
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -126,72 +122,6 @@ def _plan_problem(plan: TransferPlan) -> str:
 
 
 @dataclass(frozen=True)
-class KVLayoutInfo:
-    """Everything two workers must agree on before one writes into the other's blocks."""
-
-    protocol_version: int
-    model_id: str
-    dtype: str
-    layout: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tp_size: int
-    tp_rank: int  # homogeneous TP only: prefill rank r writes into decode rank r
-
-    def __post_init__(self) -> None:
-        if self.dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is outside [0, {self.tp_size})")
-
-    @classmethod
-    def from_spec(cls, spec: KVCacheSpec, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayoutInfo:
-        return cls(
-            protocol_version=KV_PROTOCOL_VERSION,
-            model_id=model_id,
-            dtype=spec.dtype,
-            layout=BLOCK_MAJOR_LAYOUT,
-            block_size=spec.block_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-        )
-
-    def to_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.to_spec().bytes_per_block
-
-    def compatibility_hash(self) -> str:
-        """Stable 16-hex-digit hash of every field; equal hashes mean the peers may exchange blocks."""
-        items = sorted((f.name, getattr(self, f.name)) for f in fields(self))
-        return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-
-    def mismatches(self, other: KVLayoutInfo) -> list[tuple[str, object, object]]:
-        """(field, mine, theirs) for every field that differs, in declaration order."""
-        return [
-            (f.name, getattr(self, f.name), getattr(other, f.name))
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
-
-
-@dataclass(frozen=True)
 class HandshakeInfo:
     """What a worker tells a KV peer about itself (carried over gRPC, never pickled across hosts)."""
 
@@ -203,8 +133,9 @@ class HandshakeInfo:
     bytes_per_block: int
     device_kind: str  # "cpu" (NIXL DRAM) | "cuda" (NIXL VRAM)
     device_id: int = 0  # CUDA device index; 0 on CPU
-    # Tensor parallelism: what a worker (its rank 0, the fields above) tells a peer also lists its
-    # follower ranks 1..tp_size-1, each its own agent over its own KV shard; () for one rank alone.
+    # Tensor and pipeline parallelism: what a worker (its rank 0, the fields above) tells a peer also
+    # lists its follower ranks 1..world_size-1 in world-rank order (stage * tp_size + tensor rank),
+    # each its own agent over its own KV shard; () for one rank alone.
     ranks: tuple[HandshakeInfo, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -224,18 +155,27 @@ class HandshakeInfo:
             self._check_ranks()
 
     def _check_ranks(self) -> None:
-        if self.layout.tp_rank != 0 or len(self.ranks) != self.layout.tp_size - 1:
-            raise ValueError(f"ranks: {len(self.ranks)} follower ranks for tp_rank {self.layout.tp_rank} of "
-                             f"tp_size {self.layout.tp_size}; rank 0 lists tp_size - 1")
+        mine = self.layout
+        if mine.world_rank != 0 or len(self.ranks) != mine.world_size - 1:
+            raise ValueError(f"ranks: {len(self.ranks)} follower ranks for world rank {mine.world_rank} of "
+                             f"{mine.world_size} (TP{mine.tp_size} x PP{mine.pp_size}); rank 0 lists world_size - 1")
         for rank, info in enumerate(self.ranks, start=1):
-            if info.ranks or info.layout.tp_rank != rank or info.layout.tp_size != self.layout.tp_size:
-                raise ValueError(f"ranks[{rank - 1}] is tp_rank {info.layout.tp_rank} of {info.layout.tp_size}, "
-                                 f"expected rank {rank} of {self.layout.tp_size} with no ranks of its own")
+            theirs = info.layout
+            shape, expected = (theirs.tp_size, theirs.pp_size), (mine.tp_size, mine.pp_size)
+            if info.ranks or theirs.world_rank != rank or shape != expected:
+                raise ValueError(f"ranks[{rank - 1}] is world rank {theirs.world_rank} of TP{theirs.tp_size} x "
+                                 f"PP{theirs.pp_size}, expected rank {rank} of TP{mine.tp_size} x PP{mine.pp_size} "
+                                 "with no ranks of its own")
 
     @property
     def is_complete(self) -> bool:
-        """Describes every rank of its worker (tp_size 1, or rank 0 listing its followers)."""
-        return len(self.ranks) == self.layout.tp_size - 1
+        """Describes every rank of its worker (one rank, or rank 0 listing its followers)."""
+        return len(self.ranks) == self.layout.world_size - 1
+
+    @property
+    def all_ranks(self) -> tuple[HandshakeInfo, ...]:
+        """Every rank's info in world-rank order: this one (rank 0) first."""
+        return (self, *self.ranks)
 
     @property
     def mem_type(self) -> str:
@@ -255,14 +195,46 @@ class HandshakeInfo:
         if found:
             raise IncompatiblePeerError(other.agent_name, found)
 
-    def check_group_compatible(self, other: HandshakeInfo) -> None:
-        """`check_compatible` for whole workers: also every follower rank's layout, and the peer must
-        describe all its ranks (tp_size is compared first, so a TP-size mismatch names tp_size)."""
-        self.check_compatible(other)
+    def is_head_sliced(self, other: HandshakeInfo) -> bool:
+        """The peer shards KV heads over another number of ranks (heterogeneous TP: kvtransfer/heads.py)."""
+        return self.layout.tp_size != other.layout.tp_size
+
+    @staticmethod
+    def _check_complete(other: HandshakeInfo) -> None:
         if not other.is_complete:
-            raise IncompatiblePeerError(other.agent_name, [("ranks", self.layout.tp_size - 1, len(other.ranks))])
-        for mine, theirs in zip(self.ranks, other.ranks, strict=False):
-            mine.check_compatible(theirs)
+            raise IncompatiblePeerError(other.agent_name, [("ranks", other.layout.world_size - 1, len(other.ranks))])
+
+    def is_layer_sliced(self, other: HandshakeInfo) -> bool:
+        """The peer splits layers over another number of stages (kvtransfer/stages.py)."""
+        return self.layout.pp_size != other.layout.pp_size
+
+    def check_group_compatible(self, other: HandshakeInfo, *, sending: bool = True) -> None:
+        """`check_compatible` for whole workers: also every follower rank's layout, and the peer must
+        describe all its ranks. Another TP size is accepted when both sides hold the same KV heads in
+        all (`head_layout_problem`, which states both layouts when it refuses); another PP size when
+        every stage of the sending side (`sending`: this one) has a route into the other's stages
+        (`stage_layout_problem`). Both at once are refused."""
+        if self.is_layer_sliced(other):
+            self._check_complete(other)  # the routes need every rank's layers
+            src, dst = (self, other) if sending else (other, self)
+            found = stage_layout_problem([r.layout for r in src.all_ranks], [r.layout for r in dst.all_ranks])
+            found = found if sending else [(name, mine, theirs) for name, theirs, mine in found]
+            if not found and self.is_head_sliced(other):
+                found = [("pp_size", self.layout.pp_size, other.layout.pp_size),
+                         ("tp_size", self.layout.tp_size, other.layout.tp_size)]
+            if found:
+                raise IncompatiblePeerError(other.agent_name, found)
+            return
+        if self.is_head_sliced(other):
+            found = head_layout_problem(self.layout, other.layout)
+            if found:
+                raise IncompatiblePeerError(other.agent_name, found)
+        else:
+            self.check_compatible(other)
+        self._check_complete(other)
+        if not self.is_head_sliced(other):
+            for mine, theirs in zip(self.ranks, other.ranks, strict=False):
+                mine.check_compatible(theirs)
 
 
 @dataclass(frozen=True)
@@ -275,6 +247,9 @@ class LandedKV:
     attempt: int
     block_ids: tuple[int, ...]
     payload: HandoffPayload
+    # Where each group of `payload.checksums` lies on this worker (the sender's stage split, known
+    # from its handshake: kvtransfer/stages.py); () for one group per rank of this worker, whole blocks.
+    checksum_groups: tuple[ChecksumGroup, ...] = ()
 
 
 @dataclass(frozen=True)

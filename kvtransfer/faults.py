@@ -23,6 +23,9 @@ class Fault(Enum):
     # sender with tensor parallelism: the last follower rank's next WRITE reports a NIXL error -> the
     # whole transfer FAILED (rank 0 decides; the follower takes its real failure path)
     FAIL_SHARD_TRANSFER = "fail_shard_transfer"
+    # receiver with follower ranks (tensor or pipeline parallel): the last follower rank flips a byte of
+    # the first block before it checksums its blocks -> checksum mismatch on that rank
+    CORRUPT_SHARD_DESTINATION = "corrupt_shard_destination"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class FaultConfig:
     corrupt_destination_rate: float = 0.0
     drop_notification_rate: float = 0.0
     fail_shard_transfer_rate: float = 0.0
+    corrupt_shard_destination_rate: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:

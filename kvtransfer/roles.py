@@ -34,6 +34,19 @@ class KVTransfer(ABC):
     def reason(self) -> str:
         """Empty unless FAILED / TIMED_OUT / CANCELLED; then a human-readable cause."""
 
+    @property
+    def request_id(self) -> str:
+        return self.plan.request_id
+
+    @property
+    def attempt(self) -> int:
+        return self.plan.attempt
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks this transfer has posted (its whole plan, for a one-shot WRITE)."""
+        return self.plan.num_blocks
+
     @abstractmethod
     def poll(self) -> TransferState:
         """Advance the state machine without blocking; enforce the deadline; return the state."""
@@ -44,6 +57,25 @@ class KVTransfer(ABC):
         take further `poll()` calls: an abort that lands while a WRITE is in flight must wait for the
         transfer to finish (or be cancelled by NIXL) before the blocks are reused. It may still end
         DONE if the WRITE completed first (then the peer got its DONE notice, too)."""
+
+
+class KVStream(KVTransfer):
+    """Sender-side handle of one request's KV streamed per prefill chunk (kvtransfer/nixl/streamed.py).
+
+    `write()` posts a chunk's newly full blocks (no notice) while the next chunk computes; `finish()`
+    takes the whole plan, posts what is left and sends the one DONE notice after every part landed.
+    Until `finish()`, `plan` lists only the blocks posted so far. A stream that is never finished
+    never ends DONE, so once it is cancelled its source blocks may be reused at once (nothing the
+    peer could use will land); a finished one keeps them until it is terminal, like any KVTransfer.
+    """
+
+    @abstractmethod
+    def write(self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]) -> bool:
+        """Post one part; False (nothing posted) once stopping, terminal or finished."""
+
+    @abstractmethod
+    def finish(self, plan: TransferPlan) -> TransferState:
+        """Post the rest of `plan` and have its DONE notice follow every part."""
 
 
 class KVSender(ABC):
@@ -76,6 +108,12 @@ class KVSender(ABC):
     def start(self, peer: str, plan: TransferPlan) -> KVTransfer:
         """Post the WRITE of `plan` to `peer` and return its handle (already TRANSFERRING or terminal).
         Raises InvalidTransferPlanError / UnknownPeerError / TransferSetupError before touching a block."""
+
+    @abstractmethod
+    def open_stream(self, peer: str, request_id: str, attempt: int, deadline: float) -> KVStream:
+        """Open a per-chunk stream to `peer` (nothing posted yet); tracked and polled like `start`'s
+        transfers from now on. Raises UnknownPeerError, or TransferSetupError where this sender cannot
+        stream (then the caller sends the whole plan with `start`)."""
 
     @abstractmethod
     def poll(self) -> list[KVTransfer]:

@@ -20,8 +20,9 @@ from enum import StrEnum
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo
+from kvtransfer.base import HandshakeInfo
 from kvtransfer.faults import FaultInjector
+from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.roles import KVReceiver, KVSender
 from kvtransfer.shards import KVShards
 

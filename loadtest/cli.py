@@ -20,7 +20,7 @@ from typing import Any
 
 from loadtest.arrivals import parse_rate
 from loadtest.datasets import DATASETS, DatasetConfig, LengthDistribution, build_sessions
-from loadtest.metrics import SLO
+from loadtest.metrics import GoodputCriterion
 
 SECRET_ARGS = {"api_key"}
 
@@ -136,8 +136,8 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _slo(args: argparse.Namespace) -> SLO:
-    return SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+def _slo(args: argparse.Namespace) -> GoodputCriterion:
+    return GoodputCriterion(args.slo_ttft_ms, args.slo_tpot_ms)
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -36,7 +36,10 @@ PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
-class SLO:
+class GoodputCriterion:
+    """The latency targets a `baton bench` run's goodput counts requests against (either may be absent).
+    The scheduler's own per-request targets are `scheduler.types.SLO`."""
+
     ttft_ms: float | None = None  # None: not part of the goodput criterion
     tpot_ms: float | None = None
 
@@ -86,7 +89,7 @@ def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
     }
 
 
-def summarize(records: list[RequestRecord], duration: float, slo: SLO) -> dict[str, Any]:
+def summarize(records: list[RequestRecord], duration: float, slo: GoodputCriterion) -> dict[str, Any]:
     """The run's summary: counts, errors, throughput, latency distributions, goodput, prefix cache."""
     done = [r for r in records if r.ok]
     duration = max(duration, 1e-9)
@@ -126,7 +129,7 @@ def prefix_cache(records: list[RequestRecord]) -> dict[str, Any]:
             "prompt_tokens": prompt, "requests_reporting": len(rep)}
 
 
-def window_summary(records: list[RequestRecord], start: float, end: float, slo: SLO) -> dict[str, Any]:
+def window_summary(records: list[RequestRecord], start: float, end: float, slo: GoodputCriterion) -> dict[str, Any]:
     """Goodput of the requests SENT in [start, end) seconds of the run, per second of that window."""
     inside = [r for r in records if start <= r.send_time < end]
     good = sum(1 for r in inside if slo.met(r))
@@ -136,7 +139,7 @@ def window_summary(records: list[RequestRecord], start: float, end: float, slo: 
             "errors": error_counts(inside)}
 
 
-def fault_windows(records: list[RequestRecord], duration: float, slo: SLO,
+def fault_windows(records: list[RequestRecord], duration: float, slo: GoodputCriterion,
                   kill_at: float, restart_at: float | None) -> dict[str, Any]:
     """Goodput before the kill, between kill and restart (or the end), and after the restart."""
     during_end = restart_at if restart_at is not None else duration

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from loadtest.metrics import SLO, fault_windows, summarize
+from loadtest.metrics import GoodputCriterion, fault_windows, summarize
 from loadtest.records import RequestRecord
 from loadtest.runner import RunResult
 
@@ -30,14 +30,14 @@ class BenchResult:
 
     label: str
     config: dict[str, Any]
-    slo: SLO
+    slo: GoodputCriterion
     runs: list[RunResult]
 
     def summaries(self) -> list[dict[str, Any]]:
         return [run_summary(run, self.slo) for run in self.runs]
 
 
-def run_summary(run: RunResult, slo: SLO) -> dict[str, Any]:
+def run_summary(run: RunResult, slo: GoodputCriterion) -> dict[str, Any]:
     """`metrics.summarize` plus what only the run knows: unsent requests, faults, client loop lag."""
     summary = summarize(run.records, run.duration, slo)
     summary["not_sent"] = run.not_sent
@@ -90,7 +90,7 @@ def write_result(result: BenchResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_document(result), indent=1, allow_nan=False) + "\n")
 
 
-def load_result(path: str | Path, slo: SLO | None = None) -> BenchResult:
+def load_result(path: str | Path, slo: GoodputCriterion | None = None) -> BenchResult:
     """Read a result file; `slo` overrides the stored one (to judge several runs by the same SLO)."""
     doc = json.loads(Path(path).read_text())
     if doc.get("schema") != SCHEMA:
@@ -103,7 +103,7 @@ def load_result(path: str | Path, slo: SLO | None = None) -> BenchResult:
                               r.get("not_sent", 0), r.get("faults", []), r.get("client_loop_lag_ms", {})))
     stored = doc.get("slo") or {}
     return BenchResult(doc.get("label") or Path(path).stem, doc.get("config", {}),
-                       slo or SLO(stored.get("ttft_ms"), stored.get("tpot_ms")), runs)
+                       slo or GoodputCriterion(stored.get("ttft_ms"), stored.get("tpot_ms")), runs)
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -6,7 +6,8 @@ A routing decision at 64 workers is ~35 cost-model evaluations, ~20 placements a
 each a handful of float operations behind Python calls; no one function is more than a few percent of
 the time (docs/benchmarks.md, scheduler decision latency), so the interpreter's per-call cost is the
 cost. mypyc compiles the typed modules as they are (no second implementation to keep in step): the
-boundary types (`scheduler/types.py`) and `scheduler/core`. The rest (adapters, replay, simulator,
+boundary types (`scheduler/types.py`), `scheduler/core` and the online fit its cost model refits with
+(`scheduler/calibration/windowed.py`). The rest (adapters, replay, simulator,
 planner) stays interpreted and imports the compiled modules like any other.
 
 The extension modules land next to their sources, and Python imports an extension module before a
@@ -35,7 +36,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 # The modules compiled, as globs under the directory that holds the package.
-MODULES = ("scheduler/types.py", "scheduler/core/*.py", "scheduler/core/policies/*.py")
+MODULES = ("scheduler/types.py", "scheduler/core/*.py", "scheduler/core/policies/*.py",
+           "scheduler/calibration/windowed.py")
 GROUP = "baton_scheduler"  # the name of the shared library the compiled modules link to
 MANIFEST = "scheduler/native-sources.json"  # under the site: {source path: sha256 when compiled}
 
@@ -63,7 +65,10 @@ def build(site: Path) -> list[Path]:
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as temp:
         scratch = Path(temp)
-        shutil.copytree(site / "scheduler", scratch / "scheduler", ignore=shutil.ignore_patterns("__pycache__"))
+        # tokenization too: the ground-floor types the compiled modules import (tokenization/kv_blocks.py),
+        # which mypy must read to type-check them; only `paths` are compiled.
+        for package in ("scheduler", "tokenization"):
+            shutil.copytree(site / package, scratch / package, ignore=shutil.ignore_patterns("__pycache__"))
         os.chdir(scratch)  # mypyc names modules by their path from the working directory
         try:
             setup(name="baton-scheduler-native", ext_modules=mypycify(paths, opt_level="3", group_name=GROUP),

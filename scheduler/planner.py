@@ -5,9 +5,10 @@ is often ~1:10, and one prefill GPU per decode GPU is usually the wrong split. T
 the workload through the real scheduler core (goodput policy, cost-based prefill siting) on
 simulated workers timed by a `baton profile` (scheduler/replay.py), once per candidate layout:
 
-- co-located: N/tp `both` workers, for each tensor-parallel size the profiles cover;
-- xPyD: x prefill + y decode workers using every GPU (x*tp_p + y*tp_d = N), for each pair of TP
-  sizes (prefill and decode may differ: prefill is compute-bound, decode memory-bound);
+- co-located: N/g `both` workers, for each worker shape the profiles cover (a shape is a tensor-
+  parallel size x a pipeline-parallel size, g = tp x pp GPUs per worker);
+- xPyD: x prefill + y decode workers using every GPU (x*g_p + y*g_d = N), for each pair of shapes
+  (prefill and decode may differ: prefill is compute-bound, decode memory-bound);
 
 and ranks them by goodput, DistServe's way: the highest arrival rate at which at least
 `attainment_target` (default 90%) of requests finish within both SLO targets, found by scaling the
@@ -25,10 +26,8 @@ default the 2xH100 p50 of docs/benchmarks.md), plus the profile's per-token tran
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.core.policies import GoodputPolicy
@@ -37,11 +36,54 @@ from scheduler.sim.gateway import MEASURED_GATEWAY, GatewayCost
 from scheduler.sim.results import ReplayResult
 from scheduler.sim.serving import MEASURED_H100, ServingCost
 from scheduler.sim.spec import SimWorkerSpec
-from scheduler.sim.trace import Arrival, extend_chain
-from scheduler.types import SLO, Tier, WorkerRole
+from scheduler.sim.trace import Arrival
+from scheduler.types import SLO, WorkerRole
 
 # Measured hand-off overhead (TTFT added by a remote prefill) at low load, 2xH100, docs/benchmarks.md.
 DEFAULT_HANDOFF_S = 0.013
+
+
+@dataclass(frozen=True, order=True)
+class WorkerShape:
+    """One worker's GPUs: `tp` tensor ranks in each of `pp` pipeline stages (engine/parallel/pipeline.py).
+    A profile is measured per shape; a worker's KV pool is that of `gpus` GPUs (a stage holds 1/pp of
+    the layers, so the blocks per GPU are the same as one GPU holding them all)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"a worker shape needs tp >= 1 and pp >= 1, got tp={self.tp} pp={self.pp}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        return f"TP{self.tp}" + (f"xPP{self.pp}" if self.pp > 1 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerShape:
+        """`N` (tensor parallel N) or `NxM` (tensor N x pipeline M)."""
+        tp, sep, pp = text.lower().partition("x")
+        if not tp.isdigit() or (sep and not pp.isdigit()):
+            raise ValueError(f"worker shape {text!r}: expected N or NxM (tensor x pipeline), e.g. 2 or 2x2")
+        return cls(int(tp), int(pp or 1))
+
+    def feeds(self, decode: WorkerShape) -> bool:
+        """Whether a prefill worker of this shape can hand its KV to a decode worker of `decode`'s, as the
+        hand-off builds it (kvtransfer/heads.py, kvtransfer/stages.py): the same shape; a TP split from a
+        single-rank prefill worker (decode TP > 1, no PP: a multi-rank prefill worker feeding another TP
+        size is refused by its sender, kvtransfer/nixl/sender.py); or fewer decode stages of the same TP,
+        each a union of prefill stages. Whether the model's KV heads and layers divide evenly is the
+        handshake's to check."""
+        if self == decode:
+            return True
+        if self.pp == decode.pp == 1:
+            return self.tp == 1 < decode.tp
+        return self.tp == decode.tp and self.pp > decode.pp and self.pp % decode.pp == 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +92,16 @@ class Layout:
     decode_workers: int  # `both` workers when prefill_workers == 0
     prefill_tp: int = 1
     decode_tp: int = 1
+    prefill_pp: int = 1
+    decode_pp: int = 1
+
+    @property
+    def prefill_shape(self) -> WorkerShape:
+        return WorkerShape(self.prefill_tp, self.prefill_pp)
+
+    @property
+    def decode_shape(self) -> WorkerShape:
+        return WorkerShape(self.decode_tp, self.decode_pp)
 
     @property
     def colocated(self) -> bool:
@@ -57,14 +109,17 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.prefill_workers * self.prefill_tp + self.decode_workers * self.decode_tp
+        return self.prefill_workers * self.prefill_shape.gpus + self.decode_workers * self.decode_shape.gpus
 
     @property
     def name(self) -> str:
+        one = WorkerShape()
         if self.colocated:
-            return f"co-located x{self.decode_workers}" + (f" (TP{self.decode_tp})" if self.decode_tp > 1 else "")
-        tp = f" (TP{self.prefill_tp}/TP{self.decode_tp})" if (self.prefill_tp, self.decode_tp) != (1, 1) else ""
-        return f"{self.prefill_workers}P{self.decode_workers}D{tp}"
+            shape = self.decode_shape
+            return f"co-located x{self.decode_workers}" + (f" ({shape.label})" if shape != one else "")
+        shapes = f" ({self.prefill_shape.label}/{self.decode_shape.label})" if (
+            self.prefill_shape, self.decode_shape) != (one, one) else ""
+        return f"{self.prefill_workers}P{self.decode_workers}D{shapes}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +128,8 @@ class PlanConfig:
     slo: SLO
     kv_blocks_per_gpu: int = 8192
     block_size: int = 16
+    host_kv_blocks_per_gpu: int = 0  # host KV tier per GPU (`--host-kv-gib` over a block's bytes; 0: none)
+    host_load_s_per_block: float = 40e-6  # block bytes / host-to-GPU rate: 2 MiB at ~50 GB/s
     max_batch: int = 256  # per worker (the engine's max_num_seqs)
     # The engine's defaults (BatcherConfig): a 2048-token step budget shared with the decodes, prompts
     # prefilled 512 tokens per step. Whole-prompt prefill made a 2k prompt look ~2x cheaper than served.
@@ -142,37 +199,52 @@ class Plan:
         return self.results[0]
 
 
-def candidate_layouts(gpus: int, tp_sizes: Sequence[int]) -> list[Layout]:
-    """Every co-located and xPyD layout that uses all `gpus` with the given TP sizes."""
-    layouts = [Layout(0, gpus // tp, decode_tp=tp) for tp in sorted(tp_sizes) if gpus % tp == 0]
-    for tp_p in sorted(tp_sizes):
-        for tp_d in sorted(tp_sizes):
-            for x in range(1, gpus // tp_p + 1):
-                rest = gpus - x * tp_p
-                if rest >= tp_d and rest % tp_d == 0:
-                    layouts.append(Layout(x, rest // tp_d, tp_p, tp_d))
+# Profiles by worker shape; a plain int key is a tensor-parallel size with one stage.
+Profiles = Mapping[int, WorkerProfile] | Mapping[WorkerShape, WorkerProfile]
+
+
+def by_shape(profiles: Profiles) -> dict[WorkerShape, WorkerProfile]:
+    return {k if isinstance(k, WorkerShape) else WorkerShape(k): v for k, v in profiles.items()}
+
+
+def candidate_layouts(gpus: int, shapes: Sequence[int | WorkerShape]) -> list[Layout]:
+    """Every co-located and xPyD layout that uses all `gpus` with the given worker shapes (an int: TP size),
+    leaving out the prefill/decode shape pairs the KV hand-off refuses."""
+    ordered = sorted({s if isinstance(s, WorkerShape) else WorkerShape(s) for s in shapes},
+                     key=lambda s: (s.gpus, s.pp))
+    layouts = [Layout(0, gpus // s.gpus, decode_tp=s.tp, decode_pp=s.pp) for s in ordered if gpus % s.gpus == 0]
+    for p, d in ((p, d) for p in ordered for d in ordered if p.feeds(d)):
+        for x in range(1, gpus // p.gpus + 1):
+            rest = gpus - x * p.gpus
+            if rest >= d.gpus and rest % d.gpus == 0:
+                layouts.append(Layout(x, rest // d.gpus, p.tp, d.tp, p.pp, d.pp))
     return layouts
 
 
-def workers_for(layout: Layout, profiles: Mapping[int, WorkerProfile], config: PlanConfig) -> list[SimWorkerSpec]:
-    def spec(worker_id: str, role: WorkerRole, tp: int) -> SimWorkerSpec:
-        profile = replace(profiles[tp], transfer_fixed_s=config.handoff_s)
-        return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * tp,
+def workers_for(layout: Layout, profiles: Profiles, config: PlanConfig) -> list[SimWorkerSpec]:
+    shaped = by_shape(profiles)
+
+    def spec(worker_id: str, role: WorkerRole, shape: WorkerShape) -> SimWorkerSpec:
+        profile = replace(shaped[shape], transfer_fixed_s=config.handoff_s)
+        return SimWorkerSpec(worker_id, role, profile, total_blocks=config.kv_blocks_per_gpu * shape.gpus,
                              block_size=config.block_size, max_batch=config.max_batch,
                              max_prefill_tokens=config.max_prefill_tokens, max_prefill_chunk=config.max_prefill_chunk,
-                             cache_blocks=config.kv_blocks_per_gpu * tp, serving=config.serving,
+                             cache_blocks=config.kv_blocks_per_gpu * shape.gpus, serving=config.serving,
+                             host_cache_blocks=config.host_kv_blocks_per_gpu * shape.gpus,
+                             host_load_s_per_block=config.host_load_s_per_block,
                              scheduler_seed=seeded)
 
     seed = config.scheduler_seed
     seeded = None if seed is None else replace(seed, transfer_fixed_s=config.handoff_s)
 
     if layout.colocated:
-        return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_tp) for i in range(layout.decode_workers)]
-    prefill = [spec(f"prefill-{i}", WorkerRole.PREFILL, layout.prefill_tp) for i in range(layout.prefill_workers)]
-    return prefill + [spec(f"decode-{i}", WorkerRole.DECODE, layout.decode_tp) for i in range(layout.decode_workers)]
+        return [spec(f"both-{i}", WorkerRole.BOTH, layout.decode_shape) for i in range(layout.decode_workers)]
+    prefill = [spec(f"prefill-{i}", WorkerRole.PREFILL, layout.prefill_shape) for i in range(layout.prefill_workers)]
+    return prefill + [spec(f"decode-{i}", WorkerRole.DECODE, layout.decode_shape)
+                      for i in range(layout.decode_workers)]
 
 
-def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Profiles,
              config: PlanConfig) -> LayoutResult:
     result = replay_layout(trace, layout, profiles, config)
     found = LayoutResult(layout, result.goodput, _goodput_rps(trace, result),
@@ -182,20 +254,20 @@ def simulate(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, Wo
     return replace(found, capacity_rps=_capacity(trace, layout, profiles, config))
 
 
-def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+def replay_layout(trace: Sequence[Arrival], layout: Layout, profiles: Profiles,
                   config: PlanConfig) -> ReplayResult:
     return replay(trace, workers_for(layout, profiles, config), GoodputPolicy(), config.slo,
                   ReplayConfig(seed=config.seed, heartbeat_interval_s=config.heartbeat_s, gateway=config.gateway))
 
 
-def mean_attainment(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+def mean_attainment(trace: Sequence[Arrival], layout: Layout, profiles: Profiles,
                     config: PlanConfig) -> float:
     """SLO attainment averaged over `config.seeds` step-noise seeds (config.seed, config.seed + 1, ...)."""
     runs = [replay_layout(trace, layout, profiles, replace(config, seed=config.seed + i)) for i in range(config.seeds)]
     return sum(r.goodput for r in runs) / len(runs)
 
 
-def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Mapping[int, WorkerProfile],
+def _capacity(trace: Sequence[Arrival], layout: Layout, profiles: Profiles,
               config: PlanConfig) -> float:
     """Highest rate (req/s) meeting the attainment target: the workload sped up (or slowed down)
     by a factor, doubled while it holds, then bisected to `search_tolerance`."""
@@ -243,21 +315,22 @@ def _rate(trace: Sequence[Arrival]) -> float:
     return (len(trace) - 1) / span if span > 0 else float(len(trace))
 
 
-def plan(trace: Sequence[Arrival], profiles: Mapping[int, WorkerProfile], config: PlanConfig) -> Plan:
+def plan(trace: Sequence[Arrival], profiles: Profiles, config: PlanConfig) -> Plan:
     """Simulate every candidate layout; best first: those within `tie_margin` of the best score by fewer
     prefill GPUs (simpler), then score; the rest by score."""
     if not trace:
         raise ValueError("the workload is empty")
-    layouts = candidate_layouts(config.gpus, sorted(profiles))
+    shapes = sorted(by_shape(profiles))
+    layouts = candidate_layouts(config.gpus, shapes)
     if not layouts:
-        raise ValueError(f"no layout of {config.gpus} GPUs with TP sizes {sorted(profiles)}")
+        raise ValueError(f"no layout of {config.gpus} GPUs with worker shapes {[s.label for s in shapes]}")
     results = [simulate(trace, layout, profiles, config) for layout in layouts]
     return Plan(tuple(rank(results, config.tie_margin)))
 
 
 def rank(results: Sequence[LayoutResult], tie_margin: float) -> list[LayoutResult]:
     def prefill_gpus(r: LayoutResult) -> int:
-        return r.layout.prefill_workers * r.layout.prefill_tp
+        return r.layout.prefill_workers * r.layout.prefill_shape.gpus
 
     floor = max(r.score for r in results) * (1.0 - tie_margin)
     tied = sorted((r for r in results if r.score >= floor), key=lambda r: (prefill_gpus(r), -r.score))
@@ -269,68 +342,3 @@ def _goodput_rps(trace: Sequence[Arrival], result: ReplayResult) -> float:
     span = max(a.time_s for a in trace) - min(a.time_s for a in trace)
     met = sum(o.met_slo for o in result.outcomes)
     return met / span if span > 0 else float(met)
-
-
-# ---- workloads ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LengthDistribution:
-    """Token counts: `fixed:N` (or `N`), `uniform:A:B`, or `lognormal:MEDIAN:SIGMA` (clipped at 1)."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> LengthDistribution:
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                return cls("fixed", float(parts[0]))
-            kind, *numbers = parts
-            values = [float(n) for n in numbers]
-        except ValueError:
-            raise ValueError(f"bad length distribution {text!r}: {cls.__doc__}") from None
-        arity = {"fixed": 1, "uniform": 2, "lognormal": 2}
-        if arity.get(kind) != len(values) or min(values) < 0:
-            raise ValueError(f"bad length distribution {text!r}: {cls.__doc__}")
-        return cls(kind, *values)
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            value = self.a
-        elif self.kind == "uniform":
-            value = rng.uniform(self.a, self.b)
-        else:
-            value = self.a * math.exp(rng.gauss(0.0, self.b))
-        return max(1, round(value))
-
-
-def synthetic_trace(prompt: LengthDistribution, output: LengthDistribution, rate: float, requests: int,
-                    seed: int = 0, block_size: int = 16) -> list[Arrival]:
-    """Poisson arrivals of single-turn requests with no shared prefix, one tier (SLOs are global)."""
-    if rate <= 0 or requests <= 0:
-        raise ValueError("need rate > 0 and requests > 0")
-    rng = random.Random(seed)
-    now, trace = 0.0, []
-    for index in range(requests):
-        now += rng.expovariate(rate)
-        tokens = prompt.sample(rng)
-        hashes = extend_chain((), tokens // block_size, label=seed * 1_000_000 + index)
-        trace.append(Arrival(now, f"plan-{index:06d}", tokens, output.sample(rng), hashes, Tier.ENTERPRISE))
-    return trace
-
-
-def trace_from_rows(rows: Sequence[Mapping[str, Any]], block_size: int = 16) -> list[Arrival]:
-    """A recorded trace: rows with `time_s`, `prompt_tokens`, `output_tokens` (a JSONL file's lines)."""
-    trace = []
-    for index, row in enumerate(rows):
-        try:
-            time_s, prompt, output = float(row["time_s"]), int(row["prompt_tokens"]), int(row["output_tokens"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"trace row {index}: need numeric time_s, prompt_tokens, output_tokens ({e})") from e
-        if prompt <= 0 or output <= 0:
-            raise ValueError(f"trace row {index}: prompt_tokens and output_tokens must be positive")
-        hashes = extend_chain((), prompt // block_size, label=index)
-        trace.append(Arrival(time_s, f"trace-{index:06d}", prompt, output, hashes, Tier.ENTERPRISE))
-    return sorted(trace, key=lambda a: a.time_s)

@@ -70,7 +70,12 @@ class _Event(Enum):
     ABORT = auto()  # the gateway aborts what the gone client left running
 
 
-class _Replay:
+class ReplayRun:
+    """One replay of a trace through the real scheduler core on simulated workers: construct, `run()`, then
+    `result(policy_name)`. `replay()` is the usual way in; construct one directly to give each worker its own
+    step noise (`noise`: worker id -> relative noise; a worker not in it gets `config.step_noise`). Every
+    worker draws from one generator seeded with `config.seed`, so a run is a function of its inputs."""
+
     def __init__(
         self,
         trace: Sequence[Arrival],
@@ -78,11 +83,13 @@ class _Replay:
         policy: Policy,
         slo_for: Callable[[Tier], SLO],
         config: ReplayConfig,
+        noise: Mapping[str, float] | None = None,
     ) -> None:
         rng = random.Random(config.seed)
+        noise = noise or {}
         self.config = config
         self.scheduler = Scheduler(policy, config.scheduler)
-        self.workers = {w.worker_id: SimWorker(w, rng, config.step_noise) for w in workers}
+        self.workers = {w.worker_id: SimWorker(w, rng, noise.get(w.worker_id, config.step_noise)) for w in workers}
         self.gateways = SimGateways(config.gateway)
         self.trace = {a.request_id: a for a in trace}
         self.slo_for = slo_for
@@ -347,7 +354,7 @@ def replay(
         slo_for = slo.__getitem__
     if len({w.worker_id for w in workers}) != len(workers):
         raise ValueError("worker ids must be unique")
-    run = _Replay(trace, workers, policy, slo_for, config or ReplayConfig())
+    run = ReplayRun(trace, workers, policy, slo_for, config or ReplayConfig())
     run.run()
     return run.result(policy.name)
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+# A worker's KV events, in the engine's words: defined once on the ground floor (tokenization/kv_blocks.py),
+# named here with the rest of the scheduler's input types.
+from tokenization.kv_blocks import KVEvent as KVEvent
+from tokenization.kv_blocks import KVEventKind as KVEventKind
+from tokenization.kv_blocks import KVTier as KVTier
+
 
 class WorkerRole(StrEnum):
     PREFILL = "prefill"  # computes prompts and hands the KV to a decode worker
@@ -65,24 +71,22 @@ class Reason(StrEnum):
     SERVED_PAST_TARGETS = "served_past_slo_targets"
 
 
+class SiteReason(StrEnum):
+    """Why the prefill runs where it does; carried in the Route answer and counted in metrics."""
+
+    NO_PREFILL_WORKER = "no_prefill_worker"  # co-located worker, or no prefill worker for the model
+    SHORT_PROMPT = "short_prompt"  # fewer uncached tokens than the hop is worth
+    DECODE_CACHE_HIT = "decode_cache_hit"  # most of the prompt is cached on the decode worker
+    PREFILL_FLEET_BUSY = "prefill_fleet_busy"  # the best prefill worker's queue alone outlasts local
+    LOCAL_CHEAPER = "local_cheaper"
+    REMOTE_CHEAPER = "remote_cheaper"
+
+
 class WorkerFailure(StrEnum):
     """How a gateway saw a worker fail mid-request (its report makes the worker unroutable)."""
 
     UNAVAILABLE = "unavailable"  # the call was refused or the worker was unreachable
     STREAM_BROKEN = "stream_broken"  # the stream ended without finishing
-
-
-class KVEventKind(StrEnum):
-    STORED = "stored"
-    EVICTED = "evicted"
-
-
-class KVTier(StrEnum):
-    """Where on a worker a KV event's block lives (workers with --host-kv-gib / --disk-kv-gib)."""
-
-    GPU = "gpu"
-    HOST = "host"
-    DISK = "disk"
 
 
 @dataclass(frozen=True)
@@ -189,15 +193,15 @@ class RouteDecision:
     # The part of predicted_tpot_ms that the decode worker's prefill share adds (its stretch): kept so
     # that a run can tell an over-predicted step from an over-predicted share (docs/benchmarks.md, pass M).
     predicted_stretch_ms: float | None = None
-    reason: str = ""  # a `Reason` value
+    reason: Reason | None = None  # None: the answer needs no reason (never for QUEUE or REJECT)
     retry_after_s: float | None = None  # REJECT only: when a retry may succeed; None = don't retry
     max_tokens: int | None = None  # DEGRADE only: the cap the gateway must apply instead of the asked one
     # DEGRADE only: the model that serves it instead of the asked one (its fallback); empty: as asked.
     model: str = ""
     cached_blocks: int = 0  # leading prompt blocks the decode worker already holds
-    # Placed only: why the prompt is prefilled where it is (a `SiteReason` value, core/prefill_site.py);
-    # empty when the policy does not site by cost (the baselines' fixed threshold).
-    prefill_reason: str = ""
+    # Placed only: why the prompt is prefilled where it is (core/prefill_site.py); None when the policy
+    # does not site by cost (the baselines' fixed threshold).
+    prefill_reason: SiteReason | None = None
 
     @property
     def is_placed(self) -> bool:
@@ -255,12 +259,3 @@ class MixedSample:
 
 
 StepSample = PrefillSample | DecodeSample | MixedSample
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    kind: KVEventKind
-    block_hash: int
-    # STORED: the fastest tier holding it now; EVICTED: the last tier that held it. The prefix index
-    # counts GPU and host blocks as held and disk blocks as not (core/prefix_index.py says why).
-    tier: KVTier = KVTier.GPU

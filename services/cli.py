@@ -13,12 +13,13 @@ import sys
 import uuid
 
 from engine.errors import EngineError
+from services.common.quantization_flags import add_quantization_args
 
 # Each command's module and the function that registers it. Only the chosen command's module is imported
 # (all of them for `baton --help`): the worker's pulls in torch, seconds of start-up and of exit that
 # `baton serve` (which never imports torch itself) or `baton status` must not pay.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "admin": ("services.gateway.admin", "register_admin_commands"),
+    "admin": ("services.gateway.tenancy.admin", "register_admin_commands"),
     "scheduler": ("scheduler.adapters.main", "register_scheduler_command"),
     "bench": ("loadtest.cli", "register_bench_command"),
     "safety": ("services.safety.main", "register_safety_command"),
@@ -56,9 +57,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    add_quantization_args(p)
     p.add_argument("--expert-parallel-size", type=int, default=1,
                    help="MoE models: spread each layer's experts over this many processes (GPUs: rank r "
                         "takes cuda:r), attention replicated")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard every layer over this many processes (gloo on CPU, NCCL on GPU: rank r takes cuda:r)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the layers over this many stages, one process (or --tensor-parallel-size "
+                        "processes) each; GPUs = tensor x pipeline")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -83,12 +90,15 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_engine(args: argparse.Namespace):  # noqa: ANN202 - engine import is heavy, keep it lazy
-    from engine.config import EngineConfig, ParallelConfig
+    from engine.config import CacheConfig, EngineConfig, ParallelConfig
     from engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=args.model or "", dtype=args.dtype, device=args.device,
-                          attention_backend=args.attention_backend,
-                          parallel=ParallelConfig(expert_parallel_size=args.expert_parallel_size))
+                          attention_backend=args.attention_backend, quantization=args.quantization,
+                          cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
+                          parallel=ParallelConfig(expert_parallel_size=args.expert_parallel_size,
+                                                  tensor_parallel_size=args.tensor_parallel_size,
+                                                  pipeline_parallel_size=args.pipeline_parallel_size))
     return LLMEngine(config)
 
 
@@ -128,7 +138,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         result = _run_to_end(engine, prompt_ids, _params(args), stream)
     finally:
-        engine.shutdown()  # expert-parallel followers leave the group with rank 0
+        engine.shutdown()  # parallel followers leave the group with rank 0
     if args.json:
         print(json.dumps(result))
     else:
@@ -141,7 +151,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     try:
         return _chat_loop(engine, args)
     finally:
-        engine.shutdown()  # expert-parallel followers leave the group with rank 0
+        engine.shutdown()  # parallel followers leave the group with rank 0
 
 
 def _chat_loop(engine, args: argparse.Namespace) -> int:  # noqa: ANN001

@@ -25,6 +25,10 @@ from tests.support.skip_policy import (  # noqa: F401 - pytest hooks, registered
     pytest_terminal_summary,
 )
 
+# Hooks of their own (their names would clash with the skip rule's above): xdist grouping, --file-durations,
+# the expensive session fixtures' end after their last test.
+pytest_plugins = ["tests.support.xdist_groups", "tests.support.file_durations", "tests.support.fixture_release"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
@@ -73,3 +77,17 @@ def gateway_stack(tmp_path_factory: pytest.TempPathFactory, default_model_dir: P
                         redis_server.url, kafka_broker.url)
     yield stack
     stack.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def stack_processes_end_with_their_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What a module starts on the session's gateway stack (extra gateways, safety services, a scheduler and
+    its workers) stops when the module ends, not when the session does (GatewayStack.stopping_what_starts).
+    Modules none of whose tests use the stack leave it alone (and unstarted)."""
+    in_module = request.node.nodeid + "::"
+    if not any(item.nodeid.startswith(in_module) and "gateway_stack" in item.fixturenames
+               for item in request.session.items):
+        yield
+        return
+    with request.getfixturevalue("gateway_stack").stopping_what_starts():
+        yield

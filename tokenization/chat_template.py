@@ -55,7 +55,7 @@ class ChatTemplate:
                 **variables,
             )
         except jinja2.TemplateError as e:  # includes raise_exception(...) from the template itself
-            raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+            raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from e
 
 
 def find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:

@@ -119,7 +119,8 @@ class Tokenizer:
     ) -> str:
         """The prompt text for a chat, rendered as `transformers`' `apply_chat_template(tokenize=False)` does."""
         if self._template is None:
-            raise InvalidRequestError("this model has no chat template; send a plain completion prompt")
+            raise InvalidRequestError("this model has no chat template; send a plain completion prompt",
+                                      param="messages")
         return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      variables={**self.special_tokens, **template_kwargs})
 

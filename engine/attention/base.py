@@ -46,6 +46,19 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class KVScale:
+    """Dequantization scales of one layer's K and V in an FP8 cache (`real = stored * scale`; the store
+    divides by them). Per tensor and per layer, from the checkpoint's `k_scale`/`v_scale` where it has
+    them, else 1.0. Caches in the activation dtype ignore them."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNSCALED = KVScale()
+
+
 class AttentionBackend(ABC):
     """Paged attention over `kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
 
@@ -59,8 +72,10 @@ class AttentionBackend(ABC):
         key: torch.Tensor,  # [T, H_kv, D]
         value: torch.Tensor,  # [T, H_kv, D]
         slot_mapping: torch.Tensor,  # [T] int64
+        kv_scale: KVScale = UNSCALED,
     ) -> None:
-        """Scatter the new tokens' K and V into their slots of layer `layer`."""
+        """Scatter the new tokens' K and V into their slots of layer `layer` (an FP8 cache stores
+        `x / scale`, saturated to e4m3's range)."""
 
     def rotate_and_write_kv(
         self,
@@ -71,11 +86,12 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [T, H_kv, D]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D/2] in the activation dtype
         slot_mapping: torch.Tensor,  # [T] int64
+        kv_scale: KVScale = UNSCALED,
     ) -> torch.Tensor:  # [T, H_q, D]: the rotated query
         """Apply RoPE to q and k, write k and v into the cache, return the rotated q. Backends with a
         fused kernel override this; the result must equal this reference."""
         query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
-        self.write_kv(kv_cache, layer, key, value, slot_mapping)
+        self.write_kv(kv_cache, layer, key, value, slot_mapping, kv_scale)
         return query
 
     @abstractmethod
@@ -86,8 +102,10 @@ class AttentionBackend(ABC):
         layer: int,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale = UNSCALED,
     ) -> torch.Tensor:  # [T, H_q, D]
-        """Causal attention of each sequence's queries over its paged context (GQA: H_q % H_kv == 0)."""
+        """Causal attention of each sequence's queries over its paged context (GQA: H_q % H_kv == 0).
+        An FP8 cache is read as `stored * kv_scale`; the result is in the query's dtype."""
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: torch.dtype) -> None:
         """Compile whatever a step may need, before serving (a compile mid-step stalls every request

@@ -1,7 +1,7 @@
 """Which path the decoder's elementwise ops take: fused Triton kernels on CUDA, the torch reference elsewhere.
 
 `BATON_FUSED_KERNELS=0` keeps CUDA on the torch reference ops too: the before/after switch of
-`loadtest/micro/bench_decode.py`, and a way to bisect a numerical difference. This module never
+`lab/micro/bench_decode.py`, and a way to bisect a numerical difference. This module never
 imports triton (CPU-only installs import the layers that ask it).
 """
 

@@ -1,4 +1,4 @@
-"""KV block checksums in one bandwidth-bound pass (the definition: engine/kv_integrity.py).
+"""KV block checksums in one bandwidth-bound pass (the definition: engine/block_checksum.py).
 
 Grid (selected block, split): each program folds `SPLIT_WORDS` consecutive int16 words of one block
 into partial sums A = sum(x) and B = sum(w * x), w = (word index mod 65521) + 1, both exact in int64
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv_integrity import CHECKSUM_MOD, pack
+from engine.block_checksum import CHECKSUM_MOD, pack
 
 _TILE = 2048  # words per loop iteration of one program
 _SPLIT_WORDS = 32 * _TILE  # words per program: a 2 MiB block (1 Mi words) is 16 programs

@@ -3,7 +3,8 @@
 The cache is `kv_cache[num_blocks, num_layers, 2, block_size, H_kv, D]` (engine/kv_cache.py); a token's
 slot is `block_id * block_size + offset`. One program per new token copies that token's K and V for
 every KV head ([H_kv, D] each) into its slot. A negative slot means "skip": the model runner pads a
-CUDA-graph batch with such rows, and they must not touch any block.
+CUDA-graph batch with such rows, and they must not touch any block. An FP8 cache (`float8_e4m3fn`)
+stores `x / scale` (the layer's K or V scale) saturated to +-448: a plain cast would turn an outlier into NaN.
 
 This module also owns the checks every paged-attention wrapper runs on the cache (`kv_layer_view`),
 so that the decode and prefill wrappers agree on what a valid cache is.
@@ -17,7 +18,9 @@ import triton.language as tl
 
 from engine.errors import ConfigError
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM = 16  # tl.dot needs an inner dimension of at least 16
 MAX_HEAD_DIM = 256  # beyond this one K tile no longer fits the register budget of a program
 
@@ -40,8 +43,11 @@ def _kv_store_kernel(
     block_size,
     num_kv_heads,
     head_dim,
+    k_scale,  # FP8 cache only: stored = k / k_scale
+    v_scale,
     BLOCK_H: tl.constexpr,  # next power of two >= H_kv
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    QUANTIZE: tl.constexpr,  # the cache is FP8: scale and saturate before the cast
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
@@ -59,8 +65,17 @@ def _kv_store_kernel(
     dst_hd = offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(dst + dst_hd, k, mask=mask)
-    tl.store(dst + stride_ckv + dst_hd, v, mask=mask)
+    if QUANTIZE:
+        k = fp8_saturate(k, k_scale)
+        v = fp8_saturate(v, v_scale)
+    tl.store(dst + dst_hd, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv + dst_hd, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_saturate(x, scale):
+    """`x / scale` in float32, clamped to e4m3's finite range (the caller casts)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
 
 
 def kv_layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
@@ -84,6 +99,13 @@ def kv_layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ConfigError(f"head_dim {head_dim} unsupported; valid: {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     return kv_cache[:, layer]
+
+
+def check_activation_dtype(name: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Activations meet the cache in its own dtype, or in any float dtype over an FP8 cache."""
+    if dtype == cache_dtype or (cache_dtype == torch.float8_e4m3fn and dtype in _ACTIVATION_DTYPES):
+        return
+    raise ValueError(f"{name} dtype {dtype} cannot use a {cache_dtype} kv_cache (same dtype, or any float over fp8)")
 
 
 def is_interpreted(kernel: object) -> bool:
@@ -110,6 +132,8 @@ def store_kv(
     key: torch.Tensor,  # [T, H_kv, D]
     value: torch.Tensor,  # [T, H_kv, D]
     slot_mapping: torch.Tensor,  # [T] int64, negative = skip
+    k_scale: float = 1.0,  # FP8 cache only: the layer's K and V dequantization scales
+    v_scale: float = 1.0,
 ) -> None:
     """Write `key[t]`/`value[t]` into slot `slot_mapping[t]` of layer `layer`, in place.
 
@@ -121,8 +145,7 @@ def store_kv(
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [T, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
-        if t.dtype != kv_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+        check_activation_dtype(name, t.dtype, kv_cache.dtype)
         if t.stride(-1) != 1:
             raise ValueError(f"{name} head_dim must be contiguous, got strides {t.stride()}")
     num_tokens = key.shape[0]
@@ -140,8 +163,9 @@ def store_kv(
         key, value, cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        block_size, num_kv_heads, head_dim,
+        block_size, num_kv_heads, head_dim, k_scale, v_scale,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANTIZE=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

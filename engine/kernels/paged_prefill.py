@@ -14,8 +14,13 @@ Design (flash attention, varlen, GQA-packed):
   past the sequence's queries. Tiles launch last-first: under the causal mask the late tiles of a
   sequence have the most keys, and starting them first shortens the tail of the launch.
 - Online softmax (base 2, fp32 state) over key tiles of `BLOCK_N` tokens gathered through the block
-  table. Keys before the tile's first query position are visible to every row and run unmasked; only
-  the last key tiles (the diagonal) apply the causal mask.
+  table. Keys before the tile's first query position are visible to every row and run with no mask at
+  all; only the last key tiles (the diagonal) apply the causal mask. The score scale is folded into the
+  exponent's multiply-add (exp2), and the launch config (tile shape, warps, pipelining stages, optional
+  warp specialization of the off-diagonal loop) comes from attention_tiles.PREFILL_TABLE.
+- Decode rows of a mixed step (sequences with one query row): with INLINE_DECODE_ROWS their one tile
+  runs the decode kernel's loop (the GQA group padded to 16 rows) instead of a BLOCK_M-row tile of
+  padding; with SKIP_DECODE_ROWS they are left to the decode kernel (paged_mixed.py).
 """
 
 from __future__ import annotations
@@ -24,10 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.kv_store import check_launch_device, kv_layer_view
-from engine.kernels.paged_decode import LOG2E, dot_dtype_for
-
-LARGE_BATCH_ROWS = 4096  # query rows (tokens x GQA group) from which the larger tiles pay off
+from engine.kernels.attention_tiles import (
+    MIXED_DECODE_ROWS,
+    PREFILL_TABLE,
+    DecodeRows,
+    PrefillConfig,
+    PrefillRows,
+    prefill_config,
+)
+from engine.kernels.kv_store import check_activation_dtype, check_launch_device, kv_layer_view
+from engine.kernels.paged_decode import LOG2E, attend_decode_row, dot_dtype_for, store_decode_row
+from engine.kernels.paged_kv_tile import kv_tile_rows, load_kv_tile
 
 
 @triton.jit
@@ -43,25 +55,31 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, B
 def _attend_key_tile(
     q, m_i, l_i, acc, kv_base, block_table_row, n0, kv_end, pos, offs_d, mask_d,
     qk_scale, stride_cb, stride_ckv, stride_cs,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys n0..n0+BLOCK_N; CAUSAL masks keys past each row's position."""
+    """One online-softmax step over keys n0..n0+BLOCK_N; CAUSAL masks keys past each row's position.
+
+    `m_i` is kept in scaled (log2) units, so the scale folds into the exponent's multiply-add and the
+    [BLOCK_M, BLOCK_N] scores are never rescaled on their own. Off-diagonal tiles (not CAUSAL) are
+    whole: every key is below `kv_end`, so they need no mask at all.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < kv_end
-    block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-    rows = block_ids.to(tl.int64) * stride_cb + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(kv_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:  # noqa: SIM108 - a constexpr branch, resolved at compile time
+        mask_n = offs_n < kv_end
+    else:
+        mask_n = tl.full([BLOCK_N], True, tl.int1)  # a constant mask: the compiler drops it
+    rows = kv_tile_rows(block_table_row, offs_n, mask_n, stride_cb, stride_cs, PAGE_SIZE)
+    k = load_kv_tile(kv_base, rows, offs_d, mask_n, mask_d, DOT_DTYPE, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(kv_base + stride_ckv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    v = load_kv_tile(kv_base + stride_ckv, rows, offs_d, mask_n, mask_d, DOT_DTYPE, EVEN_D)
+    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -95,7 +113,12 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile (power of two)
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_D: tl.constexpr,  # next_pow2(D)
+    EVEN_D: tl.constexpr,  # head_dim == BLOCK_D
     BLOCK_B: tl.constexpr,  # next_pow2(B)
+    SKIP_DECODE_ROWS: tl.constexpr,  # leave sequences with q_len == 1 to the decode kernel (mixed steps)
+    INLINE_DECODE_ROWS: tl.constexpr,  # attend sequences with q_len == 1 with a decode tile (BLOCK_G rows)
+    BLOCK_G: tl.constexpr,  # max(16, next_pow2(G)): the decode tile's rows
+    WARP_SPECIALIZE: tl.constexpr,  # Triton's automatic warp specialization of the off-diagonal loop
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -107,7 +130,23 @@ def _prefill_kernel(
     first_tok = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # tile's first query token, in the sequence
     if first_tok >= q_len:
         return
-    ctx_start = tl.load(seq_lens_ptr + seq) - q_len  # position of query token 0
+    if SKIP_DECODE_ROWS:  # noqa: SIM102 - a constexpr test around a runtime one
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # position of query token 0
+    kv_base = cache_ptr + kvh * stride_ch
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if INLINE_DECODE_ROWS:  # noqa: SIM102 - a constexpr test around a runtime one
+        if q_len == 1:  # a decode row: its G heads alone, not a BLOCK_M-row tile of padding
+            m_d, l_d, acc_d = attend_decode_row(
+                q_ptr + q_start.to(tl.int64) * stride_qt, stride_qh, kv_base, bt_row, 0, seq_len, kvh, head_dim,
+                qk_scale, stride_cb, stride_ckv, stride_cs, PAGE_SIZE, GROUP, BLOCK_G, BLOCK_D, EVEN_D, BLOCK_N,
+                DOT_DTYPE, DOT_PRECISION,
+            )
+            store_decode_row(out_ptr + q_start.to(tl.int64) * stride_ot, stride_oh, kvh, acc_d, l_d, head_dim,
+                             GROUP, BLOCK_G, BLOCK_D)
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -124,21 +163,19 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    kv_base = cache_ptr + kvh * stride_ch
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_end = ctx_start + tl.minimum(first_tok + BLOCK_Q, q_len)  # one past the tile's last position
     full_end = ((ctx_start + first_tok) // BLOCK_N) * BLOCK_N  # keys below it are visible to all rows
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         m_i, l_i, acc = _attend_key_tile(
             q, m_i, l_i, acc, kv_base, bt_row, n0, kv_end, pos, offs_d, mask_d,
             qk_scale, stride_cb, stride_ckv, stride_cs,
-            PAGE_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION,
         )
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: at most ceil(BLOCK_Q / BLOCK_N) + 1 tiles
         m_i, l_i, acc = _attend_key_tile(
             q, m_i, l_i, acc, kv_base, bt_row, n0, kv_end, pos, offs_d, mask_d,
             qk_scale, stride_cb, stride_ckv, stride_cs,
-            PAGE_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION,
         )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -154,15 +191,15 @@ def paged_prefill(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [T, H_q, D], same dtype as query
-    block_m: int | None = None,
-    block_n: int = 64,
-    num_warps: int | None = None,
-    num_stages: int = 2,
+    config: PrefillConfig | None = None,
+    decode_rows: DecodeRows = DecodeRows.INLINE,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context (cached + new).
 
-    Tiles default by batch size, known on the host: 128 rows x 8 warps for large batches of new
-    tokens (long prompts: matrix-bound), 64 x 4 for small ones (decode-heavy mixes waste fewer rows).
+    `config` defaults by the step's query rows, known on the host (attention_tiles.PREFILL_TABLE).
+    `decode_rows` says how sequences with a single query row are attended (attention_tiles.DecodeRows);
+    with DECODE_KERNEL their rows are left unwritten, for `paged_decode(..., query_start_loc=...)` to
+    attend (engine/kernels/paged_mixed.py).
     """
     cache = kv_layer_view(kv_cache, layer)
     _, _, block_size, num_kv_heads, head_dim = cache.shape
@@ -175,12 +212,15 @@ def paged_prefill(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
-    large = num_tokens * group >= LARGE_BATCH_ROWS
-    block_m = max(block_m or (128 if large else 64), triton.next_power_of_2(group))
-    num_warps = num_warps or (8 if large else 4)
+    config = config or prefill_config(num_tokens, group)
+    # The tables are tuned for 2-byte activations; 4-byte tiles of 128 keys overflow Hopper's shared memory
+    # (float32 runs are the correctness checks), so they take 64 keys.
+    block_n = config.block_n if query.element_size() <= 2 else min(config.block_n, 64)
+    block_m = max(config.block_m, triton.next_power_of_2(group))
     if block_m & (block_m - 1) or block_n & (block_n - 1) or block_n < 16:
         raise ValueError(f"block_m and block_n must be powers of two >= 16, got {block_m}, {block_n}")
     block_q = block_m // group
+    block_d = triton.next_power_of_2(head_dim)
     dot_dtype, precision = dot_dtype_for(query.dtype, _prefill_kernel)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -190,17 +230,20 @@ def paged_prefill(
         block_tables.stride(0), out.stride(0), out.stride(1),
         head_dim, num_seqs,
         PAGE_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
+        BLOCK_D=block_d, EVEN_D=head_dim == block_d, BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
+        SKIP_DECODE_ROWS=decode_rows == DecodeRows.DECODE_KERNEL, INLINE_DECODE_ROWS=decode_rows == DecodeRows.INLINE,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), WARP_SPECIALIZE=config.warp_specialize,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
 def warm_up(kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: torch.dtype) -> int:
     """Compile every kernel variant a step can need, before serving: each sequence-count bucket
-    (BLOCK_B = 16 .. next_pow2(max_num_seqs)) with both tile shapes. Reads the cache, writes nothing
-    to it. Returns the number of launches (one compile each, the first time in a process)."""
+    (BLOCK_B = 16 .. next_pow2(max_num_seqs)) with each default tile shape, for steps without decode
+    rows (PREFILL_TILES) and for mixed steps (MIXED_DECODE_ROWS). Reads the cache, writes nothing to
+    it. Returns the number of launches (one compile each, the first time in a process)."""
     head_dim, device = kv_cache.shape[-1], kv_cache.device
     buckets = [16 << i for i in range(max(triton.next_power_of_2(max_num_seqs), 16).bit_length() - 4)]
     launches = 0
@@ -210,9 +253,11 @@ def warm_up(kv_cache: torch.Tensor, num_q_heads: int, max_num_seqs: int, dtype: 
         tables = torch.zeros((num_seqs, 1), dtype=torch.int32, device=device)
         lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
         starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
-        for block_m, warps in ((None, None), (128, 8)):  # the small and the large tile shape
-            paged_prefill(query, kv_cache, 0, tables, lens, starts, 1.0, block_m=block_m, num_warps=warps)
-            launches += 1
+        for rows in PrefillRows:
+            for mode in (DecodeRows.PREFILL_TILES, MIXED_DECODE_ROWS):
+                paged_prefill(query, kv_cache, 0, tables, lens, starts, 1.0, config=PREFILL_TABLE[rows],
+                              decode_rows=mode)
+                launches += 1
     return launches
 
 
@@ -227,11 +272,9 @@ def _check_prefill_inputs(
     head_dim = kv_cache.shape[-1]
     if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
         raise ValueError(f"query must be [T, k * {num_kv_heads}, {head_dim}], got {tuple(query.shape)}")
-    if query.dtype != kv_cache.dtype or query.stride(-1) != 1:
-        raise ValueError(
-            f"query must be {kv_cache.dtype} (the cache dtype) with contiguous head_dim, "
-            f"got {query.dtype} strides {query.stride()}"
-        )
+    check_activation_dtype("query", query.dtype, kv_cache.dtype)  # an FP8 cache: K/V tiles cast to DOT_DTYPE
+    if query.stride(-1) != 1:
+        raise ValueError(f"query head_dim must be contiguous, got strides {query.stride()}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if num_seqs < 0 or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         raise ValueError(

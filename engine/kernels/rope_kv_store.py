@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.kv_store import check_launch_device, kv_layer_view
+from engine.kernels.kv_store import check_activation_dtype, check_launch_device, fp8_saturate, kv_layer_view
 
 
 @triton.jit
@@ -42,7 +42,9 @@ def _rope_kv_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     block_size, num_q_heads, num_kv_heads, half,
+    k_scale, v_scale,  # FP8 cache only: stored = x / scale
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # the cache is FP8 (see kv_store.py)
 ):
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -70,11 +72,15 @@ def _rope_kv_store_kernel(
     k = k_ptr + tok * stride_kt + hk * stride_kh + offs_d[None, :]
     k1, k2 = _rotate(tl.load(k, mask=kv_mask, other=0.0).to(tl.float32),
                      tl.load(k + half, mask=kv_mask, other=0.0).to(tl.float32), c, s, q_out_ptr)
+    v = v_ptr + tok * stride_vt + hk * stride_vh + offs_d[None, :]
+    v1, v2 = tl.load(v, mask=kv_mask), tl.load(v + half, mask=kv_mask)
+    if QUANTIZE:
+        k1, k2 = fp8_saturate(k1, k_scale), fp8_saturate(k2, k_scale)
+        v1, v2 = fp8_saturate(v1, v_scale), fp8_saturate(v2, v_scale)
     tl.store(dst, k1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dst + half, k2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
-    v = v_ptr + tok * stride_vt + hk * stride_vh + offs_d[None, :]
-    tl.store(dst + stride_ckv, tl.load(v, mask=kv_mask), mask=kv_mask)
-    tl.store(dst + stride_ckv + half, tl.load(v + half, mask=kv_mask), mask=kv_mask)
+    tl.store(dst + stride_ckv, v1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + stride_ckv + half, v2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def rope_and_store_kv(
@@ -86,14 +92,16 @@ def rope_and_store_kv(
     cos: torch.Tensor,  # [T, 1, D/2] (or [T, D/2]), the activation dtype
     sin: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, negative = skip
+    k_scale: float = 1.0,  # FP8 cache only: the layer's K and V dequantization scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Rotate q and k, store rotated k and v at their slots of layer `layer`; return the rotated q."""
+    """Rotate q and k, store rotated k and v at their slots of layer `layer`; return the rotated q. An FP8
+    cache gets the rotated k (rounded to the activation dtype first, as the reference does) over k_scale."""
     cache = kv_layer_view(kv_cache, layer)
     _, _, block_size, num_kv_heads, head_dim = cache.shape
     tokens, num_q_heads = query.shape[0], query.shape[1]
     _check_shapes(query, key, value, cos, sin, slot_mapping, num_kv_heads, head_dim)
-    if key.dtype != kv_cache.dtype:
-        raise ValueError(f"key dtype {key.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    check_activation_dtype("key", key.dtype, kv_cache.dtype)
     check_launch_device(_rope_kv_store_kernel, kv_cache=kv_cache, query=query, key=key, value=value, cos=cos,
                         sin=sin, slot_mapping=slot_mapping)
     cos, sin = cos.reshape(tokens, head_dim // 2), sin.reshape(tokens, head_dim // 2)
@@ -104,9 +112,10 @@ def rope_and_store_kv(
         query, key, value, cos, sin, q_out, cache, slot_mapping,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        block_size, num_q_heads, num_kv_heads, head_dim // 2,
+        block_size, num_q_heads, num_kv_heads, head_dim // 2, k_scale, v_scale,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), QUANTIZE=kv_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
     )
     return q_out
 

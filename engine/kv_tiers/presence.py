@@ -12,21 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.block_manager import KVEvent, KVEventKind
-from engine.kv_tiers.types import Tier
+from engine.kv_tiers.types import KVTier
 
 
 class TieredKVEvents:
-    def __init__(self, gpu_holds: Callable[[int], bool], lower_tier_of: Callable[[int], Tier | None]) -> None:
+    def __init__(self, gpu_holds: Callable[[int], bool], lower_tier_of: Callable[[int], KVTier | None]) -> None:
         self._gpu_holds = gpu_holds
         self._lower_tier_of = lower_tier_of
-        self._reported: dict[int, Tier] = {}  # hash -> the tier last reported for it
+        self._reported: dict[int, KVTier] = {}  # hash -> the tier last reported for it
 
     def translate(self, gpu_events: Iterable[KVEvent], lower_changes: Iterable[int]) -> list[KVEvent]:
         """One event per hash whose fastest tier changed since the last report, in first-touch order."""
         touched = dict.fromkeys([e.block_hash for e in gpu_events] + list(lower_changes))
         events: list[KVEvent] = []
         for block_hash in touched:
-            tier = Tier.GPU if self._gpu_holds(block_hash) else self._lower_tier_of(block_hash)
+            tier = KVTier.GPU if self._gpu_holds(block_hash) else self._lower_tier_of(block_hash)
             previous = self._reported.get(block_hash)
             if tier == previous:
                 continue

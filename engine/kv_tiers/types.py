@@ -7,19 +7,12 @@ from enum import StrEnum
 from typing import Protocol
 
 from engine.errors import ConfigError
+from tokenization.kv_blocks import KVTier  # where a block lives: one vocabulary with the scheduler
 
 _GIB = 1024**3
 
 
-class Tier(StrEnum):
-    """Where a KV block lives on a worker, fastest first."""
-
-    GPU = "gpu"  # the engine's KV pool (HBM on CUDA; plain memory on the CPU backend)
-    HOST = "host"  # pinned host memory
-    DISK = "disk"  # one file per block under --disk-kv-dir
-
-
-LOWER_TIERS = (Tier.HOST, Tier.DISK)
+LOWER_TIERS = (KVTier.HOST, KVTier.DISK)
 
 
 class LoadState(StrEnum):

@@ -40,7 +40,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain normalization without the residual bookkeeping (Qwen3's per-head q/k norm)."""
+        """Plain normalization without the residual bookkeeping (Qwen3's per-head q/k norm, `[T, H, D]`:
+        one Triton kernel on CUDA, engine/kernels/head_norm.py)."""
+        if use_fused_kernels(x) and x.dim() == 3:
+            from engine.kernels.head_norm import rmsnorm_heads  # imports triton: CUDA only
+
+            return rmsnorm_heads(x, self.weight, self.eps)
         return self._norm(x)
 
     def extra_repr(self) -> str:

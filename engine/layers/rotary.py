@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half convention of HF Llama) with Llama-3 frequency scaling.
+"""Rotary position embeddings (rotate-half convention of HF Llama) with Llama-3 or YaRN frequency scaling.
 
 cos/sin are precomputed for every position up to `max_position` and indexed by the step's
 `positions` tensor, so a step with tokens of many sequences at different offsets (continuous
@@ -12,14 +12,29 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeScaling
+from engine.config import RopeScaling, YarnScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` in float32, the same arithmetic as transformers'."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if isinstance(scaling, YarnScaling):
+        return _yarn_scale(inv_freq, head_dim, theta, scaling)
     return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
+
+
+def _yarn_scale(inv_freq: torch.Tensor, dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
+    """`_compute_yarn_parameters`: frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -39,16 +54,19 @@ class RotaryEmbedding(nn.Module):
     cos_cache: torch.Tensor  # [max_position, head_dim // 2] float32
     sin_cache: torch.Tensor
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: RopeScaling | YarnScaling | None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # YaRN scales cos and sin themselves (HF's `attention_scaling`), so q.k grows by its square.
+        magnitude = scaling.attention_factor if isinstance(scaling, YarnScaling) else 1.0
         # Half-width tables: the two halves of HF's cat((freqs, freqs)) are identical. Kept in float32
         # and not saved in state_dict (derived from the config, never loaded).
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * magnitude, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * magnitude, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions [T]`, shaped `[T, 1, head_dim // 2]` to broadcast over heads.

@@ -8,7 +8,8 @@ Public entry points (see each module's docstring for the why):
 """
 
 from engine.loader.loaded_model import LoadedModel, load_model
-from engine.loader.prepare import DEFAULT_MODEL_NAME, default_model_dir, resolve_model
+from engine.loader.prepare import DEFAULT_MODEL_NAME, default_model_dir
+from engine.loader.resolve import resolve_model
 from engine.loader.weights import (
     LOAD_FORMATS,
     detect_format,

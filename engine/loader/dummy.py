@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.config import ModelConfig
+from engine.mla_config import mla_hf_shapes
 from engine.moe_config import moe_block_hf_shapes
 
 DUMMY_STD = 0.02  # the HF `initializer_range` default; keeps activations finite through deep stacks
@@ -23,25 +24,16 @@ DUMMY_STD = 0.02  # the HF `initializer_range` default; keeps activations finite
 
 def hf_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a Llama-family checkpoint holds, by Hugging Face name, in load order."""
-    h, hd = config.hidden_size, config.head_dim
-    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    h = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-        if config.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.mla is not None:
+            attn = mla_hf_shapes(config.mla, h, config.num_heads)
+            shapes.update({f"{p}self_attn.{name}": shape for name, shape in attn.items()})
+        else:
+            _add_gqa_shapes(shapes, p, config)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if config.moe is not None and config.is_sparse_layer(i):
             block = f"{p}{config.moe.names.block}."
@@ -54,6 +46,24 @@ def hf_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
+
+
+def _add_gqa_shapes(shapes: dict[str, tuple[int, ...]], p: str, config: ModelConfig) -> None:
+    h, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+    shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+    shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+    if config.attention_bias:
+        shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+        shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+        shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+    if config.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+    if config.o_proj_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
 
 
 def is_norm_weight(name: str) -> bool:

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.loader.gguf_deepseek import DEEPSEEK_GGUF_ARCH, deepseek_hf_config
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type).
 GGUF_ARCHITECTURES = {
@@ -27,6 +28,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3: engine/loader/gguf_deepseek.py
 }
 # llama.cpp writes Mixtral as a "llama" file with experts; its graph renormalises the top-k weights for
 # these (Mixtral, Qwen3-MoE) and not for Qwen2-MoE, unless the file says (`expert_weights_norm`).
@@ -114,6 +116,8 @@ class GGUFFile:
         }
         if rope["rope_type"] != "default":
             config["rope_scaling"] = rope
+        if self.arch == DEEPSEEK_GGUF_ARCH:
+            return deepseek_hf_config(self, config)
         if self.arch_get("expert_count"):
             config.update(self._moe_config())
         return config

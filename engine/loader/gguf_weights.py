@@ -24,10 +24,12 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loader.dummy import hf_parameter_shapes
+from engine.loader.gguf_deepseek import kv_b_from_split
 from engine.loader.gguf_file import PERMUTED_QK_ARCHITECTURES, GGUFFile
 
 _GGUF_ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 # `model.layers.3.mlp.experts.17.gate_proj.weight` -> (`model.layers.3.mlp.experts`, `17`, `gate_proj`)
+_KV_B = ".self_attn.kv_b_proj.weight"  # DeepSeek's; new llama.cpp files split it (attn_k_b, attn_v_b)
 _EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -42,7 +44,10 @@ def hf_to_gguf_names(gfile: GGUFFile, config: ModelConfig) -> dict[str, str]:
         expert = _EXPERT_NAME.match(hf_name)
         # One expert's projection lives in the GGUF tensor of all the layer's experts of that projection.
         lookup = f"{expert.group(1)}.{expert.group(3)}.weight" if expert else hf_name
+        lookup = lookup.replace("e_score_correction_bias", "e_score_correction.bias")  # DeepSeek-V3's
         gguf_name = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None and hf_name.endswith(_KV_B) and gguf_name not in gfile.tensors:
+            gguf_name = gguf_name.replace("attn_kv_b", "attn_k_b")  # split for absorbed MLA: gguf_deepseek.py
         if gguf_name is None:
             raise ModelLoadError(f"no GGUF tensor name for {hf_name} (architecture {gfile.arch})")
         mapping[hf_name] = gguf_name
@@ -63,7 +68,10 @@ def iter_gguf_weights(
     stacked: tuple[str, torch.Tensor] | None = None  # the experts' tensor being read, dequantized once
     for hf_name, gguf_name in hf_to_gguf_names(gfile, config).items():
         expert = _EXPERT_NAME.match(hf_name)
-        if expert is None:
+        if gguf_name.endswith(".attn_k_b.weight"):
+            tensor = kv_b_from_split(torch.from_numpy(_dequantize(gfile, gguf_name)),
+                                     torch.from_numpy(_dequantize(gfile, gguf_name.replace("attn_k_b", "attn_v_b"))))
+        elif expert is None:
             tensor = torch.from_numpy(_dequantize(gfile, gguf_name))
         else:
             if stacked is None or stacked[0] != gguf_name:

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader.gguf_file import open_gguf
-from engine.loader.prepare import resolve_model
+from engine.loader.resolve import resolve_model
 from engine.loader.weights import load_model_config, load_model_weights
 from tokenization.tokenizer import Tokenizer
 

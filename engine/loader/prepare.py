@@ -38,7 +38,6 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loader.gguf_file import GGUFFile
 from engine.loader.gguf_weights import iter_gguf_weights
-from engine.loader.weights import resolve_load_format
 from tokenization.gguf_vocab import build_tokenizer, tokenizer_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -78,23 +77,6 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_model(
-    spec: str | Path | None, load_format: str = "auto", cache_dir: str | Path | None = None
-) -> tuple[Path, str]:
-    """`(path, load_format)` for a model spec: `None` or the default's name mean the prepared default,
-    `baton-tiny-random` the prepared tiny random-weight model (engine/loader/tiny.py)."""
-    if spec is None or str(spec) in ("", DEFAULT_MODEL_NAME):
-        path = default_model_dir(cache_dir)
-        return path, resolve_load_format(path, load_format)
-    from engine.loader.tiny import TINY_MODEL_NAME, tiny_model_dir  # tiny.py builds on this module
-
-    if str(spec) == TINY_MODEL_NAME:
-        path = tiny_model_dir(cache_dir)
-        return path, resolve_load_format(path, "dummy" if load_format == "auto" else load_format)
-    path = Path(spec).expanduser()
-    return path, resolve_load_format(path, load_format)
 
 
 def default_gguf_path() -> Path:

@@ -20,6 +20,8 @@ from engine.errors import ModelLoadError
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters save that are not parameters: RoPE is recomputed from the config.
 _SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
+# FP8 checkpoints' weight, activation and KV scales (engine/quant/).
+_SCALE_SUFFIXES = ("_scale", "_scale_inv")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -55,11 +57,21 @@ def iter_safetensors_weights(
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     if name.endswith(_SKIPPED_SUFFIXES):
                         continue
-                    yield name, f.get_tensor(name).to(dtype)
+                    yield name, _cast(name, f.get_tensor(name), dtype)
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError / OSError on a file that changed or is cut short
             raise ModelLoadError(f"cannot read safetensors file {path}: {e}") from e
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The model dtype, except what FP8 checkpoints must keep: e4m3 weights stay e4m3 (the model holds them
+    so), and their scales float32 (a bf16 scale would add its own rounding to every weight)."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor
+    if name.endswith(_SCALE_SUFFIXES):
+        return tensor.float()
+    return tensor.to(dtype)
 
 
 def _check_header(path: Path) -> None:

@@ -1,5 +1,6 @@
 """Model registry: HF `architectures[0]` -> implementation class. Every family is the one Llama model
-(the MoE families too: their sparse MLPs are a `ModelConfig.moe` field)."""
+(the MoE families too: their sparse MLPs are a `ModelConfig.moe` field, DeepSeek's latent attention
+`ModelConfig.mla`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ _REGISTRY = {
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "DeepseekV2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "DeepseekV3ForCausalLM": "engine.models.llama:LlamaForCausalLM",
 }
 
 

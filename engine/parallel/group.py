@@ -1,5 +1,8 @@
 """One worker's tensor-parallel group: its rank, size, device, and the few collectives a Llama needs.
 
+Under pipeline parallelism (`pipeline`, engine/parallel/pipeline.py) each stage's tensor ranks form a
+group of their own (`group`); the control messages go to every process of the worker.
+
 Under expert parallelism (`expert`, engine/parallel/expert.py) the worker's processes are the expert
 ranks and the tensor-parallel size is 1: attention and dense layers are replicated, the control
 messages below go to every process of the group (`world_rank`, `world_size`).
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from engine.config import ModelConfig, ParallelConfig
 from engine.errors import ConfigError
 from engine.parallel.expert import ExpertParallel, all_gather_flat, check_expert_parallel
+from engine.parallel.pipeline import PipelineParallel, check_pipeline_parallel
 
 
 @dataclass(frozen=True)
@@ -37,15 +41,17 @@ class TensorParallel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cpu_group: Any = None  # gloo ProcessGroup for control messages; None: the default group (gloo on CPU)
     expert: ExpertParallel = field(default_factory=ExpertParallel)  # MoE experts' sharding
+    pipeline: PipelineParallel = field(default_factory=PipelineParallel)  # this process's stage
+    group: Any = None  # the tensor collectives' group (this stage's ranks); None: the default group
 
     @property
     def world_rank(self) -> int:
-        """This process's rank in the worker's group (tensor ranks within expert ranks)."""
-        return self.expert.rank * self.size + self.rank
+        """This process's rank in the worker's group (tensor ranks within expert ranks or stages)."""
+        return (self.pipeline.rank + self.expert.rank) * self.size + self.rank
 
     @property
     def world_size(self) -> int:
-        return self.size * self.expert.size
+        return self.size * self.expert.size * self.pipeline.size
 
     @property
     def is_driver(self) -> bool:
@@ -62,7 +68,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (the row-parallel layers' partial products)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +78,7 @@ class TensorParallel:
         # The concatenated form ([size * rows, n]): gloo rejects the stacked one.
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty((self.size * flat.shape[0], flat.shape[1]), dtype=x.dtype, device=x.device)
-        all_gather_flat(out, flat)
+        all_gather_flat(out, flat, group=self.group)
         gathered = out.view(self.size, flat.shape[0], flat.shape[1]).transpose(0, 1)  # [rows, size, n]
         return gathered.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
@@ -105,10 +111,23 @@ def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_ty
     dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
                             world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    # One of the two sizes is 1 (ParallelConfig), so both kinds of collective use the default group.
-    tp_size = config.tensor_parallel_size
-    expert = ExpertParallel(rank=rank // tp_size, size=config.expert_parallel_size)
-    return TensorParallel(rank=rank % tp_size, size=tp_size, device=device, cpu_group=cpu_group, expert=expert)
+    # One of tp and ep is 1 (ParallelConfig), so both kinds of collective use the default group, unless
+    # stages split it: then each stage's tensor ranks get a group of their own.
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    ep_size = config.expert_parallel_size
+    expert = ExpertParallel(rank=rank // tp_size if ep_size > 1 else 0, size=ep_size)
+    stage = rank // tp_size if pp_size > 1 else 0
+    pipeline = PipelineParallel(rank=stage, size=pp_size, tp_rank=rank % tp_size, tp_size=tp_size)
+    group = _stage_group(pipeline, timeout) if pp_size > 1 and tp_size > 1 else None
+    return TensorParallel(rank=rank % tp_size, size=tp_size, device=device, cpu_group=cpu_group, expert=expert,
+                          pipeline=pipeline, group=group)
+
+
+def _stage_group(pipeline: PipelineParallel, timeout: timedelta) -> Any:
+    """This stage's tensor ranks as a group; every rank must create every stage's group, in order."""
+    groups = [dist.new_group(list(range(s * pipeline.tp_size, (s + 1) * pipeline.tp_size)), timeout=timeout)
+              for s in range(pipeline.size)]
+    return groups[pipeline.rank]
 
 
 # Set once this process captured NCCL collectives into CUDA graphs (ModelRunner does under TP).
@@ -151,9 +170,11 @@ def kv_head_start(num_kv_heads: int, tp: TensorParallel) -> int:
     return tp.rank * num_kv_heads // tp.size
 
 
-def check_parallel(config: ModelConfig, tp_size: int, ep_size: int) -> None:
-    """Reject a model that cannot be sharded `tp_size` ways or its experts `ep_size` ways."""
+def check_parallel(config: ModelConfig, tp_size: int, ep_size: int, pp_size: int = 1) -> None:
+    """Reject a model that cannot be sharded `tp_size` ways, its experts `ep_size` ways or its layers
+    over `pp_size` stages."""
     check_tensor_parallel(config, tp_size)
+    check_pipeline_parallel(config.num_layers, pp_size)
     check_expert_parallel(config.moe.num_experts if config.moe is not None else None, ep_size)
 
 
@@ -170,7 +191,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
         if value % tp_size:
             raise ConfigError(f"{name} ({value}) is not divisible by tensor_parallel_size ({tp_size})")
     kv = config.num_kv_heads
-    if kv % tp_size and tp_size % kv:
+    if config.mla is None and kv % tp_size and tp_size % kv:  # latent attention: one latent, every rank
         valid = sorted({d for d in range(1, config.num_heads + 1) if all(v % d == 0 for v in dims.values())
                         and (kv % d == 0 or d % kv == 0)})
         raise ConfigError(f"num_kv_heads ({kv}) must divide or be divisible by tensor_parallel_size ({tp_size}); "

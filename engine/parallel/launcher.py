@@ -1,4 +1,5 @@
-"""One process per tensor-parallel rank. Rank 0 lives in the caller's process and drives the others.
+"""One process per tensor-parallel (or pipeline stage, or expert) rank. Rank 0 lives in the caller's
+process and drives the others; under pipeline parallelism it is stage 0's tensor rank 0.
 
 `TensorParallelRunner` stands where a `ModelRunner` would (`execute`, `num_blocks`, `kv_spec`,
 `kv_cache`, ...), so the engine above it (batcher, block manager, sampling) is unchanged:
@@ -13,7 +14,7 @@ Followers are spawned (never forked: CUDA does not survive a fork), each load th
 
 Rank services: a worker may give every follower a companion object (e.g. the NIXL agent of that
 rank's KV shard), built in the follower's process by a picklable `rank_service(runner, tp)` factory
-right after its ModelRunner. `call_followers(method, *args)` runs `service.<method>(*args)` on every
+right after its ModelRunner. `call_followers(request)` runs `service.handle(request)` on every
 follower and gathers the results to rank 0 (a follower's exception comes back as a `FollowerError`
 and is raised on rank 0 after the gather, so the group stays in step).
 
@@ -21,8 +22,8 @@ Threads: the control group carries one sequence at a time. Rank 0 may be driven 
 engine thread's `execute`, a KV link thread's `call_followers`), so every broadcast together with the
 collectives that follow it (the model's forward; the gather) runs under `_group_lock`. Deadlock-free
 because a holder waits only on the followers, which serve calls strictly in broadcast order and never
-wait on rank 0's other thread; a service method must end on its own (bounded), never wait for the
-next broadcast.
+wait on rank 0's other thread; a service's `handle` must end on its own (bounded), never wait for
+the next broadcast. The messages are typed, one class per call (engine/parallel/commands.py).
 
 Failure: a follower that dies leaves rank 0 blocked in a collective until `ParallelConfig.timeout_s`
 passes, then torch.distributed raises on rank 0. Followers are daemonic: they die with rank 0.
@@ -38,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,13 @@ from engine.batch import BatchPlan, StepResult
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheSpec
 from engine.model_runner import ModelRunner
+from engine.parallel.commands import (
+    ExecuteStep,
+    RandomizeKVCache,
+    RankService,
+    ServiceRequest,
+    run_collective,
+)
 from engine.parallel.group import (
     TensorParallel,
     check_parallel,
@@ -59,23 +66,8 @@ from engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
-# ModelRunner methods rank 0 may run on every rank. Each must make the same collective calls on
-# every rank given the same arguments, or the group deadlocks.
-COLLECTIVE_METHODS = frozenset({"execute", "randomize_kv_cache"})
-
-
 # Builds a follower's companion object in its own process; must be picklable (spawn).
-RankServiceFactory = Callable[[ModelRunner, TensorParallel], Any]
-
-
-@dataclass(frozen=True)
-class RunnerCall:
-    """A control message from rank 0: run `ModelRunner.<method>(*args)` (target "runner") or the
-    follower's rank service's method, whose result is gathered to rank 0 (target "service")."""
-
-    method: str
-    args: tuple[Any, ...]
-    target: str = "runner"
+RankServiceFactory = Callable[[ModelRunner, TensorParallel], RankService]
 
 
 @dataclass(frozen=True)
@@ -89,17 +81,17 @@ class FollowerError:
 class FollowerCallError(RuntimeError):
     """A rank-service call failed on at least one follower (every rank finished the call)."""
 
-    def __init__(self, method: str, errors: list[FollowerError]) -> None:
+    def __init__(self, request: object, errors: list[FollowerError]) -> None:
         self.errors = errors
         details = "; ".join(f"rank {e.rank}: {e.message}" for e in errors)
-        super().__init__(f"{method} failed on {len(errors)} follower(s): {details}")
+        super().__init__(f"{type(request).__name__} failed on {len(errors)} follower(s): {details}")
 
 
 def create_model_runner(config: EngineConfig, model_config: ModelConfig,
                         weights: Iterable[tuple[str, torch.Tensor]],
                         rank_service: RankServiceFactory | None = None) -> ModelRunner | TensorParallelRunner:
-    """The runner for `config.parallel`: in-process for one rank, else rank 0 of a group (tensor or
-    expert parallel). `rank_service` is only used with followers (see the module docstring)."""
+    """The runner for `config.parallel`: in-process for one rank, else rank 0 of a group (tensor,
+    pipeline or expert parallel). `rank_service` is only used with followers (see the module docstring)."""
     if config.parallel.world_size == 1:
         return ModelRunner(config, model_config, weights)
     return TensorParallelRunner(config, model_config, weights, rank_service)
@@ -115,7 +107,8 @@ class TensorParallelRunner:
         parallel = config.parallel
         size = parallel.world_size
         # Fail before starting any process.
-        check_parallel(model_config, parallel.tensor_parallel_size, parallel.expert_parallel_size)
+        check_parallel(model_config, parallel.tensor_parallel_size, parallel.expert_parallel_size,
+                       parallel.pipeline_parallel_size)
         port = config.parallel.master_port or free_port(config.parallel.master_addr)
         ctx = mp.get_context("spawn")
         self._group_lock = threading.Lock()  # one broadcast + its collectives at a time (module docstring)
@@ -132,8 +125,8 @@ class TensorParallelRunner:
             shutdown_tensor_parallel()
             raise
         self._closed = False
-        log.info("worker group of %d ranks ready (tensor parallel %d, expert parallel %d)", size,
-                 parallel.tensor_parallel_size, parallel.expert_parallel_size)
+        log.info("worker group of %d ranks ready (tensor parallel %d, pipeline parallel %d, expert parallel %d)",
+                 size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.expert_parallel_size)
 
     # -- the ModelRunner surface the engine uses ---------------------------------------------------
     @property
@@ -147,11 +140,12 @@ class TensorParallelRunner:
 
     @property
     def kv_spec(self) -> KVCacheSpec:
+        """Rank 0's shard (its KV heads; under pipeline parallelism stage 0's layers only)."""
         return self.runner.kv_spec
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """Rank 0's shard of the KV cache (its KV heads)."""
+        """Rank 0's shard of the KV cache (its KV heads; under pipeline parallelism stage 0's layers)."""
         return self.runner.kv_cache
 
     @property
@@ -172,28 +166,26 @@ class TensorParallelRunner:
                                       for c in plan.chunks), preempted=plan.preempted,
                          block_copies=plan.block_copies)
         with self._group_lock:
-            self.tp.broadcast_object(RunnerCall("execute", (slim,)))
+            self.tp.broadcast_object(ExecuteStep(slim))
             return self.runner.execute(plan)
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run a collective-safe ModelRunner method on every rank; returns rank 0's result."""
-        if method not in COLLECTIVE_METHODS:
-            raise ValueError(f"{method!r} is not a collective runner method; valid: {sorted(COLLECTIVE_METHODS)}")
+    def randomize_kv_cache(self, seed: int) -> None:
+        """`ModelRunner.randomize_kv_cache` on every rank (each fills its own shard)."""
         with self._group_lock:
-            self.tp.broadcast_object(RunnerCall(method, args))
-            return getattr(self.runner, method)(*args)
+            self.tp.broadcast_object(RandomizeKVCache(seed))
+            self.runner.randomize_kv_cache(seed)
 
-    def call_followers(self, method: str, *args: Any) -> list[Any]:
-        """Run `<rank service>.<method>(*args)` on every follower (from any thread of rank 0);
-        returns their results, rank 1 first. Raises FollowerCallError if any follower raised."""
+    def call_followers(self, request: object) -> list[object]:
+        """`<rank service>.handle(request)` on every follower (from any thread of rank 0); returns
+        their replies, rank 1 first. Raises FollowerCallError if any follower raised."""
         with self._group_lock:
-            self.tp.broadcast_object(RunnerCall(method, args, target="service"))
-            gathered: list[Any] = [None] * self.tp.world_size
+            self.tp.broadcast_object(ServiceRequest(request))
+            gathered: list[object] = [None] * self.tp.world_size
             dist.gather_object(None, gathered, dst=0, group=self.tp.cpu_group)
         results = gathered[1:]
         errors = [r for r in results if isinstance(r, FollowerError)]
         if errors:
-            raise FollowerCallError(method, errors)
+            raise FollowerCallError(request, errors)
         return results
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -235,7 +227,7 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
         signal.signal(sig, signal.SIG_IGN)
     _exit_with_parent(parent)
     tp = init_tensor_parallel(config.parallel, rank, port, _device_type(config))
-    service: Any = None
+    service: RankService | None = None
     runner: ModelRunner | None = None
     try:
         loaded = load_model(config.model, config.load_format, config.dtype, tp.device, seed=config.seed,
@@ -244,17 +236,15 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
         service = rank_service(runner, tp) if rank_service is not None else None
         tp.barrier()
         while (call := tp.broadcast_object()) is not None:
-            assert isinstance(call, RunnerCall), call
-            if call.target == "service":
+            if isinstance(call, ServiceRequest):
                 result = _call_service(service, call, rank)
                 dist.gather_object(result, None, dst=0, group=tp.cpu_group)
             else:
-                assert call.method in COLLECTIVE_METHODS, call
-                getattr(runner, call.method)(*call.args)
+                assert isinstance(call, ExecuteStep | RandomizeKVCache), call
+                run_collective(runner, call)
     finally:
-        close = getattr(service, "close", None)
-        if close is not None:
-            close()
+        if service is not None:
+            service.close()
         if runner is not None:
             runner.release_graphs()
         shutdown_tensor_parallel()
@@ -275,12 +265,12 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="baton-tp-parent-watch", daemon=True).start()
 
 
-def _call_service(service: Any, call: RunnerCall, rank: int) -> Any:
-    """The call's result, or a FollowerError: the gather must happen whatever the service does."""
+def _call_service(service: RankService | None, call: ServiceRequest, rank: int) -> object:
+    """The request's reply, or a FollowerError: the gather must happen whatever the service does."""
     if service is None:
         return FollowerError(rank, "this follower has no rank service")
     try:
-        return getattr(service, call.method)(*call.args)
+        return service.handle(call.request)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
-        log.exception("rank service call %s failed on rank %d", call.method, rank)
+        log.exception("rank service request %s failed on rank %d", type(call.request).__name__, rank)
         return FollowerError(rank, f"{type(e).__name__}: {e}")

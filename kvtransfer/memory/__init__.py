@@ -2,7 +2,6 @@
 that copies blocks between tensors of one process (no NIXL, no UCX). Open it through
 `kvtransfer.transport.open_transport(TransportKind.MEMORY, ...)`."""
 
-from kvtransfer.memory.agent import MemoryAgent
-from kvtransfer.memory.fabric import FABRIC, MemoryFabric
+from kvtransfer.memory.agent import FABRIC, MemoryAgent, MemoryFabric
 
 __all__ = ["FABRIC", "MemoryAgent", "MemoryFabric"]

@@ -19,6 +19,11 @@ a test can keep a WRITE in flight through an abort and watch who waits for it.
 
 Unlike the NIXL link, the copy runs on the sender's polling thread (it is the fake's wire); tests
 use CPU tensors, where that is a memcpy.
+
+`MemoryFabric` is the memory transport's in-process "network": agents find each other on it by agent
+name. One process-wide fabric (`FABRIC`) is what `open_transport("memory", ...)` registers its agents
+on, so that a prefill worker's and a decode worker's links built independently in one test process can
+reach each other exactly as NIXL agents do: by the name in the peer's handshake.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo
-from kvtransfer.errors import TransferSetupError, UnknownPeerError
-from kvtransfer.memory.fabric import MemoryFabric
+from kvtransfer.base import HandshakeInfo
+from kvtransfer.errors import KVTransferError, TransferSetupError, UnknownPeerError
+from kvtransfer.heads import HeadSlice
+from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.nixl.agent import NixlAgent, NixlAgentConfig, NixlPeer
 from kvtransfer.nixl.handshake import describe_local
+from kvtransfer.stages import LayerSlice
 
 log = logging.getLogger(__name__)
 METADATA_PREFIX = b"baton-memory-agent:"
@@ -49,6 +56,8 @@ class _MemoryWrite:
     local_idx: torch.Tensor
     remote_idx: torch.Tensor
     notice: bytes
+    heads: HeadSlice | None = None  # only this head range of each block (heterogeneous TP)
+    layers: LayerSlice | None = None  # only this layer range of each block (pipeline stages)
     state: str = "PREP"
     released: bool = False
 
@@ -99,9 +108,12 @@ class MemoryAgent(NixlAgent):
         self._peers.pop(name, None)
 
     # ---- writes -----------------------------------------------------------------------------------
-    def make_write(self, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes) -> Any:
+    def make_write(self, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes,
+                   heads: HeadSlice | None = None, layers: LayerSlice | None = None) -> Any:
         self.peer(peer)
-        handle = _MemoryWrite(peer, _index(local_idx), _index(remote_idx), notif)
+        if heads is not None and layers is not None:
+            raise TransferSetupError("a WRITE slices heads or layers, not both")
+        handle = _MemoryWrite(peer, _index(local_idx), _index(remote_idx), notif, heads, layers)
         self.live_xfer_handles += 1
         return handle
 
@@ -125,8 +137,15 @@ class MemoryAgent(NixlAgent):
     def _land(self, write: _MemoryWrite) -> str:
         try:
             target = self._fabric.lookup(write.peer)
-            src = self.kv_cache.index_select(0, write.local_idx.to(self.kv_cache.device))
-            target.kv_cache.index_copy_(0, write.remote_idx.to(target.kv_cache.device), src.to(target.kv_cache.device))
+            src, dst = self.kv_cache, target.kv_cache
+            if write.heads is not None:  # [blocks, layers, 2, block_size, heads, head_dim]: a view per side
+                src = src.narrow(4, write.heads.src_head, write.heads.num_heads)
+                dst = dst.narrow(4, write.heads.dst_head, write.heads.num_heads)
+            if write.layers is not None:  # a stage's layers inside the peer's blocks
+                src = src.narrow(1, write.layers.src_first, write.layers.num_layers)
+                dst = dst.narrow(1, write.layers.dst_first, write.layers.num_layers)
+            blocks = src.index_select(0, write.local_idx.to(src.device))
+            dst.index_copy_(0, write.remote_idx.to(dst.device), blocks.to(dst.device))
         except Exception as e:  # the peer is gone (or its tensor refused the copy): a transfer error
             log.warning("memory WRITE to %s failed: %s", write.peer, e)
             return "ERR"
@@ -163,3 +182,36 @@ class MemoryAgent(NixlAgent):
 
 def _index(ids: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+
+class MemoryFabric:
+    """Agent name -> live memory agent. Thread-safe: each worker's link thread looks its peers up."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, MemoryAgent] = {}
+        self._lock = threading.Lock()
+
+    def register(self, agent: MemoryAgent) -> None:
+        with self._lock:
+            if agent.name in self._agents:
+                raise KVTransferError(f"a memory agent named {agent.name!r} is already registered")
+            self._agents[agent.name] = agent
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._agents.pop(name, None)
+
+    def lookup(self, name: str) -> MemoryAgent:
+        """The live agent called `name`; UnknownPeerError once it closed (a dead peer)."""
+        with self._lock:
+            agent = self._agents.get(name)
+        if agent is None:
+            raise UnknownPeerError(f"no memory agent {name!r} on this fabric (closed, or never opened)")
+        return agent
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._agents)
+
+
+FABRIC = MemoryFabric()

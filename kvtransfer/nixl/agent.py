@@ -28,10 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo
+from kvtransfer.base import HandshakeInfo
 from kvtransfer.errors import KVTransferError, NixlUnavailableError, TransferSetupError, UnknownPeerError
-from kvtransfer.nixl.descriptors import block_rows
+from kvtransfer.heads import HeadSlice
+from kvtransfer.layout import KVLayoutInfo
+from kvtransfer.nixl.descriptors import block_rows, head_slice_rows, layer_slice_rows
 from kvtransfer.nixl.handshake import describe_local, validate_kv_tensor
+from kvtransfer.stages import LayerSlice
 
 log = logging.getLogger(__name__)
 LOCAL_AGENT = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for "my own descriptors"
@@ -173,17 +176,39 @@ class NixlAgent:
         self._agent.remove_remote_agent(name)
         log.info("kv peer removed: %s", name)
 
-    def make_write(self, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes) -> Any:
-        """A prepared (not yet posted) WRITE handle; the caller must pass it to `release` exactly once."""
-        remote = self.peer(peer).remote_dlist
+    def make_write(self, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes,
+                   heads: HeadSlice | None = None, layers: LayerSlice | None = None) -> Any:
+        """A prepared (not yet posted) WRITE handle; the caller must pass it to `release` exactly once.
+        `heads`: only that head range of each block (heterogeneous TP). A head range is strided within
+        a block, so such a WRITE has a descriptor per (layer, K/V, token) row, made per transfer.
+        `layers`: this rank's blocks into that layer range of the peer's (pipeline stages of other
+        splits): one descriptor per block, made per transfer."""
+        target = self.peer(peer)
+        if heads is not None and layers is not None:
+            raise TransferSetupError("a WRITE slices heads or layers, not both")
         try:
-            handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local(), local_idx, remote, remote_idx, notif
-            )
+            mine = self.handshake_info
+            if heads is not None:
+                handle = self._make_row_write(target, head_slice_rows(mine, local_idx, heads.src_head, heads.num_heads),
+                                              head_slice_rows(target.info, remote_idx, heads.dst_head,
+                                                              heads.num_heads), notif)
+            elif layers is not None:
+                handle = self._make_row_write(
+                    target, layer_slice_rows(mine, local_idx, layers.src_first, layers.num_layers),
+                    layer_slice_rows(target.info, remote_idx, layers.dst_first, layers.num_layers), notif)
+            else:
+                handle = self._agent.make_prepped_xfer("WRITE", self._local(), local_idx, target.remote_dlist,
+                                                       remote_idx, notif)
         except Exception as e:
             raise TransferSetupError(f"NIXL refused a WRITE to {peer!r}: {e}") from e
         self.live_xfer_handles += 1
         return handle
+
+    def _make_row_write(self, target: NixlPeer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
+        """A WRITE of descriptor rows made for this transfer (not the prepared whole-block lists)."""
+        return self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, self.handshake_info.mem_type),
+                                           self._agent.get_xfer_descs(remote, target.info.mem_type),
+                                           target.name, notif)
 
     def post(self, handle: Any) -> str:
         """'DONE' | 'PROC' | 'ERR' (NIXL's own words)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo
+from kvtransfer.base import HandshakeInfo
+from kvtransfer.layout import KVLayoutInfo
 
 
 def validate_kv_tensor(kv_cache: torch.Tensor, layout: KVLayoutInfo) -> None:

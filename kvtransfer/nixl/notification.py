@@ -10,7 +10,9 @@ Either one ends the receiver's danger window for that attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -39,6 +41,14 @@ class TransferNotice:
     @property
     def checksums(self) -> tuple[int, ...] | None:
         return self.payload.checksums
+
+    def with_follower_checksums(self, follower_sums: Sequence[tuple[int, ...] | None]) -> TransferNotice:
+        """This notice with the follower ranks' checksums (rank 1 first) after rank 0's: the rank-major
+        checksums of a multi-rank worker's DONE notice. Unchanged when it carries none (checksums off)."""
+        if self.payload.checksums is None:
+            return self
+        sums = self.payload.checksums + tuple(s for rank_sums in follower_sums for s in rank_sums or ())
+        return dataclasses.replace(self, payload=dataclasses.replace(self.payload, checksums=sums))
 
     def encode(self) -> bytes:
         body: dict[str, object] = {

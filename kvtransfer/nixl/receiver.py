@@ -7,7 +7,8 @@ on its engine thread (kvtransfer.integrity.LandedVerifier) before using the bloc
 With tensor parallelism this receiver is rank 0's; the follower ranks' agents are passive targets
 (the sender's follower r writes into our follower r) and their owners keep them progressing. The one
 notice comes from the sender's rank 0 once every rank landed; its checksums cover every rank's shard
-(rank-major).
+(rank-major), in groups whose place on this worker follows from the sender's handshake (its stage
+split: `LandedKV.checksum_groups`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvtransfer.nixl.descriptors import block_indices
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
 from kvtransfer.roles import KVReceiver
 from kvtransfer.shards import KVShards
+from kvtransfer.stages import ChecksumGroup, checksum_groups
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ class NixlKVReceiver(KVReceiver):
         self._arrived: dict[str, LandedKV] = {}
         self._failed: dict[str, TransferFailure] = {}
         self._reclaimable: set[str] = set()
+        # accepted sender (its rank 0's agent) -> where its notices' checksum groups lie on this worker
+        self._checksum_groups: dict[str, tuple[ChecksumGroup, ...]] = {}
         self.stale_notices = 0  # notices for requests not expected (late, released, other attempt)
         self.malformed_notices = 0
 
@@ -85,7 +89,10 @@ class NixlKVReceiver(KVReceiver):
         return len(self._quarantine)
 
     def accept_peer(self, info: HandshakeInfo) -> str:
-        self.handshake_info.check_group_compatible(info)
+        mine = self.handshake_info
+        mine.check_group_compatible(info, sending=False)
+        self._checksum_groups[info.agent_name] = checksum_groups([r.layout for r in info.all_ranks],
+                                                                 [r.layout for r in mine.all_ranks])
         return info.agent_name
 
     def expect(self, request_id: str, block_ids: Sequence[int], deadline: float, attempt: int = 0) -> None:
@@ -185,7 +192,7 @@ class NixlKVReceiver(KVReceiver):
         else:
             entry.state = TransferState.DONE
             self._arrived[entry.request_id] = LandedKV(entry.request_id, entry.attempt, entry.block_ids,
-                                                       notice.payload)
+                                                       notice.payload, self._checksum_groups.get(sender, ()))
 
     def _fail(self, entry: _Expected, state: TransferState, reason: str) -> None:
         entry.state = state

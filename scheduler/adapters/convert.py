@@ -3,8 +3,8 @@
 Every `*_from_proto` validates as it converts and raises `InvalidMessageError` naming the bad
 field, which the servicer turns into INVALID_ARGUMENT: a malformed heartbeat is refused whole,
 never half-applied. Block hashes travel as uint64; Python producers may hold them as signed
-64-bit ints, so the senders here reduce them modulo 2**64 (two's complement, a no-op for
-unsigned values) and every side that compares hashes sees the same numbers.
+64-bit ints, so the senders (the gateway's services/gateway/routing/convert.py, the workers'
+heartbeats) reduce them modulo 2**64 and every side that compares hashes sees the same numbers.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from scheduler.types import (
     WorkerRole,
     WorkerSnapshot,
 )
-
-_UINT64_MASK = (1 << 64) - 1
 
 _KIND_TO_PROTO = {
     DecisionKind.ROUTE: pb.RouteResponse.KIND_ROUTE,
@@ -166,27 +164,13 @@ def summary_from_proto(request: pb.RouteRequest) -> RequestSummary:
         raise InvalidMessageError(f"request {request.request_id}: {e}") from e
 
 
-def summary_to_proto(summary: RequestSummary) -> pb.RouteRequest:
-    return pb.RouteRequest(
-        request_id=summary.request_id,
-        num_prompt_tokens=summary.num_prompt_tokens,
-        prefix_block_hashes=[h & _UINT64_MASK for h in summary.prefix_hashes],
-        tier=summary.tier.value,
-        slo=pb.SLO(ttft_ms=summary.slo.ttft_ms, tpot_ms=summary.slo.tpot_ms),
-        max_tokens=summary.max_tokens,
-        conversation_id=summary.conversation_id or "",
-        model=summary.model,
-        num_choices=summary.num_choices,
-    )
-
-
 def response_from_decision(
     decision: RouteDecision, workers: Mapping[str, WorkerSnapshot], asked_max_tokens: int
 ) -> pb.RouteResponse:
     """The decision with worker ids resolved to addresses (the gateway dials addresses)."""
     response = pb.RouteResponse(
         kind=_KIND_TO_PROTO[decision.kind],
-        reason=decision.reason,
+        reason=decision.reason.value if decision.reason else "",
         cached_blocks=decision.cached_blocks,
     )
     if decision.retry_after_s is not None:
@@ -203,7 +187,7 @@ def response_from_decision(
         response.prefill_worker = workers[decision.prefill_worker_id].address
     if decision.is_placed:
         response.max_tokens = decision.max_tokens or asked_max_tokens
-        response.prefill_reason = decision.prefill_reason
+        response.prefill_reason = decision.prefill_reason.value if decision.prefill_reason else ""
         response.model = decision.model
     return response
 
@@ -226,10 +210,6 @@ def role_switch_to_proto(switch: RoleSwitch) -> pb.RoleSwitch:
         to_role=switch.to_role.value,
         state=_SWITCH_STATES[switch.state],
     )
-
-
-def failure_report_to_proto(address: str, reason: WorkerFailure, detail: str) -> pb.ReportWorkerFailureRequest:
-    return pb.ReportWorkerFailureRequest(worker_address=address, reason=_FAILURES[reason], detail=detail)
 
 
 def failure_from_proto(report: pb.ReportWorkerFailureRequest) -> WorkerFailure:

@@ -9,7 +9,7 @@ collection. Both log what crosses `warn_s`. The gateway and the scheduler both r
 
 `watch_loop` also counts the CPU time of the loop's thread: the work every request and streamed token
 queue on. Per run, that over the requests and tokens served is what a gateway (or scheduler) costs on
-this host (loadtest/experiments/gateway_cost.py fits it from layout runs, and says why it is not yet
+this host (lab/experiments/gateway_cost.py fits it from layout runs, and says why it is not yet
 what `baton plan` simulates the gateway with); the process's CPU time would also count its other
 threads (gRPC's, the tokenizer's), which do not hold the loop up.
 """

@@ -23,8 +23,8 @@ from scheduler.core.policies import POLICY_NAMES
 from scheduler.native import check_fresh
 from scheduler.types import Tier
 from services.common.cluster_auth import ClusterToken
-from services.common.errors import ConfigError
 from services.common.tracing import EXPORTERS, setup_tracing
+from tokenization.errors import ConfigError
 
 log = logging.getLogger("scheduler.adapters")
 

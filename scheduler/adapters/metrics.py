@@ -111,7 +111,7 @@ class SchedulerMetrics:
         )
 
     def observe_decision(self, decision: RouteDecision) -> None:
-        self.decisions.labels(decision.kind.value, decision.reason).inc()
+        self.decisions.labels(decision.kind.value, decision.reason or "").inc()
         if decision.is_placed:
             if decision.predicted_ttft_ms is not None:
                 self.predicted_ttft.observe(decision.predicted_ttft_ms / 1e3)

@@ -5,7 +5,8 @@
     baton plan --gpus 8 --profile h100.json --trace trace.jsonl ...
 
 `--profile` is what `baton profile` writes (one profile, or {model: profile}; `--model` picks one);
-`--profile-tp N=FILE` adds the profile of a TP=N worker, which makes TP=N layouts candidates.
+`--profile-tp N=FILE` adds the profile of a TP=N worker, which makes TP=N layouts candidates;
+`--profile-tp NxM=FILE` that of a worker of N tensor ranks x M pipeline stages (N*M GPUs).
 A trace is JSON lines with `time_s`, `prompt_tokens`, `output_tokens`.
 """
 
@@ -18,15 +19,8 @@ from pathlib import Path
 
 from scheduler.adapters.profiles import ANY_MODEL, ProfileBook
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.planner import (
-    DEFAULT_HANDOFF_S,
-    LengthDistribution,
-    Plan,
-    PlanConfig,
-    plan,
-    synthetic_trace,
-    trace_from_rows,
-)
+from scheduler.plan_workload import SyntheticLengths, synthetic_trace, trace_from_rows
+from scheduler.planner import DEFAULT_HANDOFF_S, Plan, PlanConfig, WorkerShape, plan
 from scheduler.sim.gateway import GatewayCost
 from scheduler.sim.serving import ServingCost
 from scheduler.sim.trace import Arrival
@@ -37,8 +31,8 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p = subparsers.add_parser("plan", help="simulate co-located and xPyD layouts of N GPUs; recommend one")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--profile", required=True, metavar="FILE", help="a `baton profile` JSON (TP=1 workers)")
-    p.add_argument("--profile-tp", action="append", default=[], metavar="N=FILE",
-                   help="the profile of TP=N workers (repeatable): adds TP=N layouts")
+    p.add_argument("--profile-tp", action="append", default=[], metavar="N[xM]=FILE",
+                   help="the profile of TP=N workers, or of TP=N x PP=M workers (repeatable): adds their layouts")
     p.add_argument("--model", default=None, help="which model of a multi-model profile file")
     workload = p.add_argument_group("workload: a trace, or length distributions + rate")
     workload.add_argument("--trace", default=None, metavar="JSONL")
@@ -61,12 +55,12 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     serving = PlanConfig.serving
     p.add_argument("--serving-step-ms", type=float, default=serving.per_step_s * 1e3,
                    help="a served step's cost beyond the profile, per step (default: measured on 4xH100, "
-                        "docs/benchmarks.md; fit your own with loadtest/experiments/serving_cost.py)")
+                        "docs/benchmarks.md; fit your own with lab/experiments/serving_cost.py)")
     p.add_argument("--serving-seq-us", type=float, default=serving.per_seq_s * 1e6,
                    help="the same, per sequence in the step")
     p.add_argument("--serving-prefill-step-ms", type=float, default=serving.per_prefill_step_s * 1e3,
                    help="the same, added to a step that carries prefill for another worker (default: measured "
-                        "on 4xH100; fit your own with loadtest/experiments/prefill_serving_cost.py)")
+                        "on 4xH100; fit your own with lab/experiments/prefill_serving_cost.py)")
     p.add_argument("--serving-prefill-done-ms", type=float, default=serving.per_prefill_done_s * 1e3,
                    help="the same, per prompt whose prefill ends in the step and is handed over")
     p.add_argument("--serving-context-ns", type=float, default=serving.per_context_token_s * 1e9,
@@ -87,6 +81,11 @@ def register_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                         "way in (scheduler/sim/gateway.py)")
     p.add_argument("--kv-blocks-per-gpu", type=int, default=PlanConfig.kv_blocks_per_gpu)
     p.add_argument("--block-size", type=int, default=PlanConfig.block_size)
+    p.add_argument("--host-kv-blocks-per-gpu", type=int, default=0,
+                   help="the host-memory KV tier per GPU, in blocks (the workers' --host-kv-gib over a block's "
+                        "bytes; 0: none)")
+    p.add_argument("--host-kv-load-us-per-block", type=float, default=PlanConfig.host_load_s_per_block * 1e6,
+                   help="time to load one block from host memory (block bytes / host-to-GPU bandwidth)")
     p.add_argument("--max-batch", type=int, default=PlanConfig.max_batch, help="max_num_seqs per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write every layout's figures here")
@@ -99,7 +98,9 @@ def run_plan(args: argparse.Namespace) -> int:
         profiles = _profiles(args)
         config = PlanConfig(
             gpus=args.gpus, slo=SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms),
-            kv_blocks_per_gpu=args.kv_blocks_per_gpu, block_size=args.block_size, max_batch=args.max_batch,
+            kv_blocks_per_gpu=args.kv_blocks_per_gpu, block_size=args.block_size,
+            host_kv_blocks_per_gpu=args.host_kv_blocks_per_gpu,
+            host_load_s_per_block=args.host_kv_load_us_per_block / 1e6, max_batch=args.max_batch,
             handoff_s=args.handoff_ms / 1e3, seed=args.seed, attainment_target=args.attainment,
             serving=ServingCost(per_step_s=args.serving_step_ms / 1e3, per_seq_s=args.serving_seq_us / 1e6,
                                 per_prefill_step_s=args.serving_prefill_step_ms / 1e3,
@@ -121,13 +122,17 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profiles(args: argparse.Namespace) -> dict[int, WorkerProfile]:
-    profiles = {1: _one_profile(args.profile, args.model)}
+def _profiles(args: argparse.Namespace) -> dict[WorkerShape, WorkerProfile]:
+    profiles = {WorkerShape(): _one_profile(args.profile, args.model)}
     for item in args.profile_tp:
         size, sep, path = item.partition("=")
-        if not sep or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--profile-tp {item!r}: expected N=FILE with N >= 1")
-        profiles[int(size)] = _one_profile(path, args.model)
+        try:
+            shape = WorkerShape.parse(size)
+        except ValueError as e:
+            raise ValueError(f"--profile-tp {item!r}: expected N=FILE or NxM=FILE with N, M >= 1") from e
+        if not sep:
+            raise ValueError(f"--profile-tp {item!r}: expected N=FILE or NxM=FILE with N, M >= 1")
+        profiles[shape] = _one_profile(path, args.model)
     return profiles
 
 
@@ -149,7 +154,7 @@ def _trace(args: argparse.Namespace) -> list[Arrival]:
     if args.trace:
         rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
         return trace_from_rows(rows, args.block_size)
-    return synthetic_trace(LengthDistribution.parse(args.prompt_tokens), LengthDistribution.parse(args.output_tokens),
+    return synthetic_trace(SyntheticLengths.parse(args.prompt_tokens), SyntheticLengths.parse(args.output_tokens),
                            args.rate, args.requests, args.seed, args.block_size)
 
 
@@ -173,7 +178,8 @@ def plan_json(result: Plan, config: PlanConfig) -> dict[str, object]:
         "attainment_target": config.attainment_target, "recommended": result.best.layout.name,
         "layouts": [{"layout": r.layout.name, "prefill_workers": r.layout.prefill_workers,
                      "decode_workers": r.layout.decode_workers, "prefill_tp": r.layout.prefill_tp,
-                     "decode_tp": r.layout.decode_tp, "colocated": r.layout.colocated,
+                     "decode_tp": r.layout.decode_tp, "prefill_pp": r.layout.prefill_pp,
+                     "decode_pp": r.layout.decode_pp, "colocated": r.layout.colocated,
                      "attainment": r.attainment, "goodput_rps": r.goodput_rps, "capacity_rps": r.capacity_rps,
                      "ttft_p90_ms": r.ttft_p90_ms, "tpot_p90_ms": r.tpot_p90_ms} for r in result.results],
     }

@@ -29,7 +29,7 @@ from scheduler.core.policies import POLICY_NAMES, GoodputConfig, GoodputPolicy, 
 from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.native import compiled
 from scheduler.types import Tier
-from services.common.cluster_auth import ClusterToken, internal_server
+from services.common.cluster_auth import ClusterToken, bind_internal_port, internal_server
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,7 @@ class SchedulerService:
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.port}"
-        self.port = server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        self.port = bind_internal_port(server, address)
         await server.start()
         self._server = server
         self._ticks = asyncio.create_task(self.servicer.run_ticks(), name="scheduler-ticks")

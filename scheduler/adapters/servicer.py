@@ -191,7 +191,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._metrics.observe_decision(decision)
         trace.get_current_span().set_attributes(
             {"baton.request_id": summary.request_id, "baton.route.kind": decision.kind.value,
-             "baton.route.reason": str(decision.reason)})
+             "baton.route.reason": str(decision.reason or "")})
         if decision.kind is DecisionKind.QUEUE:
             self._metrics.queue_depth.set(self._core.queued)
             try:

@@ -11,7 +11,7 @@ fixes the prediction at that size, the per-unit costs stay the profile's until s
 full window of recent samples dominates it, so a worker that slows down (thermal throttling, a
 noisy neighbour) is tracked within one window. The ridge is relative to the data: `prior_weight`
 is worth that many samples in the units of the sizes the window actually holds (see
-`WindowedLeastSquares._penalty`, scheduler/core/windowed_fit.py). Fixed feature scales did not do
+`WindowedLeastSquares._penalty`, scheduler/calibration/windowed.py). Fixed feature scales did not do
 that: a CPU worker's batches of 1-8 scaled by 1/100 left the data's pull on the per-sequence term
 ~1e-4 of the prior's, and the fit never left the default profile. The default weight is a tenth of
 a sample: a wrong profile (the default one on a CPU is off 10-100x) is one pseudo-sample with a huge
@@ -21,14 +21,14 @@ The prefill floor: an eager prefill forward costs the same up to a few hundred t
 of every layer's kernels bound it, not the GPU: on the 4xH100 profile of docs/benchmarks.md, 16 to 512
 tokens all took ~22 ms, then 1024 took 32.7 and 2048 took 64.4), so one line through all sizes is too
 dear for small steps and too cheap for large ones. `baton profile` fits the floor with the line
-(services/profiler/fit.py); the floor is not refitted online, and samples at or under it carry
+(scheduler/calibration/profile_fit.py); the floor is not refitted online, and samples at or under it carry
 nothing about the line above it, so they are not fitted (`CostModel.observe`). A profile without a
 floor (older files) has floor 0: the plain line, as before.
 Mixed steps: a worker with chunked prefill computes a prompt's chunk and its running decodes in one
 forward pass, and every decoding sequence gets its token from it. Priced as prefill + a whole decode
 step (s = 1), the weights' pass and, on a CPU, most of the per-sequence work count twice: on the CPU
 policy runs such a step took ~335 ms at the median where prefill + decode said ~430 (s near 0.3 from
-the client's token gaps, loadtest/experiments/mixed_steps.py), and the goodput policy over-predicted
+the client's token gaps, lab/experiments/mixed_steps.py), and the goodput policy over-predicted
 the batching worker's TPOT by ~20% (docs/benchmarks.md, pass N). Workers report mixed steps, and s is
 fitted with the prefill line, one least squares over pure prefills (decode feature 0) and mixed steps
 (the batch's decode step, priced by the decode fit, as a fourth feature), with the prior s = 1.
@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from scheduler.core.windowed_fit import WindowedLeastSquares
+from scheduler.calibration.windowed import WindowedLeastSquares
 from scheduler.types import DecodeSample, MixedSample, PrefillSample, StepSample
 
 # A mixed step priced as prefill + a whole decode step until the worker's mixed steps say otherwise.

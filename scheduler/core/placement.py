@@ -34,7 +34,7 @@ from scheduler.core.batch_forecast import (
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import CostModel
 from scheduler.core.prefill_load import prefill_chunks
-from scheduler.types import DecisionKind, RequestSummary, RouteDecision
+from scheduler.types import DecisionKind, Reason, RequestSummary, RouteDecision
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Placement:
                    _z(self.tpot_limit_ms(request) * 1e-3, tpot_s, SERVICE_CV * tpot_s))
 
     def decision(
-        self, request: RequestSummary, kind: DecisionKind, reason: str, max_tokens: int | None = None
+        self, request: RequestSummary, kind: DecisionKind, reason: Reason, max_tokens: int | None = None
     ) -> RouteDecision:
         return RouteDecision(
             request_id=request.request_id,

@@ -20,32 +20,20 @@ SLO come first (the cheapest of them wins), so cost only breaks ties between fea
 Only a `decode` worker can take a remote prefill (a `both` worker has no KV link). Prefill workers
 are ranked once per request by when they would finish it (queue + compute, their own prefix
 cache counted) and only the best `remote_candidates` are priced against each decode worker: that
-keeps a decision O(decode workers), not O(decode x prefill) (loadtest/micro/bench_scheduler_decisions.py).
+keeps a decision O(decode workers), not O(decode x prefill) (lab/micro/bench_scheduler_decisions.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from operator import attrgetter
 
 from mypy_extensions import mypyc_attr
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.placement import DecodeSide, Placement, PrefillSide, decode_side, evaluate, prefill_side
-from scheduler.types import RequestSummary, WorkerRole
-
-
-class SiteReason(StrEnum):
-    """Why the prefill runs where it does; carried in the Route answer and counted in metrics."""
-
-    NO_PREFILL_WORKER = "no_prefill_worker"  # co-located worker, or no prefill worker for the model
-    SHORT_PROMPT = "short_prompt"  # fewer uncached tokens than the hop is worth
-    DECODE_CACHE_HIT = "decode_cache_hit"  # most of the prompt is cached on the decode worker
-    PREFILL_FLEET_BUSY = "prefill_fleet_busy"  # the best prefill worker's queue alone outlasts local
-    LOCAL_CHEAPER = "local_cheaper"
-    REMOTE_CHEAPER = "remote_cheaper"
+from scheduler.types import RequestSummary, SiteReason, WorkerRole
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ class Scheduler:
                 return served[0]
         return reject(request, Reason.QUEUE_TIMEOUT, capacity_eta_s(request, view))
 
-    def _enqueue(self, request: RequestSummary, now: float, reason: str) -> RouteDecision:
+    def _enqueue(self, request: RequestSummary, now: float, reason: Reason | None) -> RouteDecision:
         if not self._queue.push(request, now):
             return reject(request, Reason.QUEUE_FULL, capacity_eta_s(request, self._view(now)))
         self._version += 1  # a request queued behind others has not been tried yet

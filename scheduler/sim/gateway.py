@@ -124,5 +124,5 @@ class SimGateways:
 # One gateway process on the 4xH100 hosts of docs/benchmarks.md: 34 ShareGPT and random 2k/128 runs of five
 # machines replayed through this model (2026-11-28), grid-searched on their TTFT and TPOT p50/p90: 140 us
 # per token and 4 rounds fit best (2.66 ms per request held). 140 us is also what those hosts' loop CPU
-# measures per streamed token (loadtest/experiments/gateway_cost.py); a faster host measured 86.
+# measures per streamed token (lab/experiments/gateway_cost.py); a faster host measured 86.
 MEASURED_GATEWAY = GatewayCost(per_request_s=2.66e-3, per_token_s=140e-6, admission_rounds=4.0)

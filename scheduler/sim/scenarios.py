@@ -67,7 +67,7 @@ def heterogeneous_workload(
     return make_trace(WorkloadSpec(num_requests=num_requests, rate_per_s=rate_per_s, seed=seed))
 
 
-# ---- the CPU experiment's cluster (loadtest/experiments/policy_compare.py) -----------------------
+# ---- the CPU experiment's cluster (lab/experiments/policy_compare.py) -----------------------
 
 # Step times of SmolLM2-135M on one CPU core, as fitted to the real workers' samples
 # (docs/benchmarks.md, scheduler policies: prefill 93 ms + 2.0 ms/token, decode 31 ms + 48 ms/seq).

@@ -24,6 +24,7 @@ class SimSequence:
     prefill_worker: str | None
     reserved_blocks: int = 0
     decode_cached_tokens: int = 0
+    decode_load_s: float = 0.0  # of those, the host-tier load time (scheduler/sim/prefix_cache.py)
     generated: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -48,6 +49,7 @@ class PrefillJob:
     new_tokens: int
     cached_tokens: int
     done_tokens: int = 0  # computed so far (chunked prefill)
+    load_s: float = 0.0  # host-tier blocks of the cached prefix to promote first
 
     @property
     def remaining(self) -> int:

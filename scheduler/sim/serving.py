@@ -10,7 +10,7 @@ steps only, no prefill on it) spent, over the profile's decode step, 1.24 ms + 1
 (median inter-token gap per batch size, batch 8-128, contexts of 250 and 2,100 tokens alike: the
 excess does not grow with context, only with the batch). A simulator without this term had
 every step up to ~2x too short at 128 sequences, so decode-bound layouts looked twice as
-roomy as served. `loadtest/experiments/serving_cost.py` fits both terms from a run.
+roomy as served. `lab/experiments/serving_cost.py` fits both terms from a run.
 
 Prefill costs more again when served: on the same runs the prefill workers' `prefill_compute` phase
 (first chunk scheduled -> first token) was ~2x the profile's steps for short prompts at no queue
@@ -18,7 +18,7 @@ Prefill costs more again when served: on the same runs the prefill workers' `pre
 chunks). One term per step cannot give both (the runs alone ask for 19 and 12 ms), so there are two:
 per step that carries prefill tokens (`per_prefill_step_s`) and per prompt whose last chunk is in the
 step (`per_prefill_done_s`: its first token is sampled and its blocks handed over). Both are fitted
-by replaying the measured runs (`loadtest/experiments/prefill_serving_cost.py`). Where the time goes
+by replaying the measured runs (`lab/experiments/prefill_serving_cost.py`). Where the time goes
 inside the worker was not measured (no per-step records on the prefill workers).
 
 Tried and not kept: the per-step part as a higher prefill floor instead (hidden behind steps long

@@ -24,6 +24,10 @@ class SimWorkerSpec:
     # step budget above is shared with the decode batch as the engine's is. None: whole prompts.
     max_prefill_chunk: int | None = None
     cache_blocks: int = 4096  # prefix-cache capacity
+    # The host-memory KV tier (`--host-kv-gib`): blocks evicted from the cache above land here and a hit
+    # loads them back at `host_load_s_per_block` each (block bytes / host-to-GPU bandwidth). 0: no tier.
+    host_cache_blocks: int = 0
+    host_load_s_per_block: float = 0.0
     model: str = "sim"
     # What a served step costs beyond `profile` (the model runner's time; scheduler/sim/serving.py).
     # Part of the simulated truth only: the scheduler is seeded with `profile`, as a real one is.
@@ -33,7 +37,7 @@ class SimWorkerSpec:
     scheduler_seed: WorkerProfile | None = None
     # Measured seconds of a pure decode step by batch size (index = batch - 1), in place of the
     # profile's linear decode price up to its length. Part of the simulated truth only. A real CPU
-    # worker's decode step is not linear in the batch (loadtest/experiments/simulate.py says why
+    # worker's decode step is not linear in the batch (lab/experiments/simulate.py says why
     # this exists); empty: the profile prices every decode step.
     decode_step_s: tuple[float, ...] = ()
     # The share of the decode part's price that a step also carrying prefill pays: 1.0 prices a mixed

@@ -40,7 +40,7 @@ from scheduler.types import (
 class SimWorker:
     def __init__(self, spec: SimWorkerSpec, rng: random.Random, noise: float) -> None:
         self.spec = spec
-        self.cache = SimPrefixCache(spec.cache_blocks)
+        self.cache = SimPrefixCache(spec.cache_blocks, spec.host_cache_blocks)
         self._rng = rng
         self._noise = noise
         self._free_blocks = spec.total_blocks
@@ -74,7 +74,8 @@ class SimWorker:
         ready: list[SimSequence] = []
         while self._waiting and self._holding < self.spec.max_batch:
             seq = self._waiting[0]
-            cached_blocks = self.cache.match(seq.arrival.prefix_hashes)
+            hit = self.cache.match(seq.arrival.prefix_hashes)
+            cached_blocks = hit.blocks
             tokens = seq.arrival.prompt_tokens + seq.max_tokens
             needed = max(math.ceil(tokens / self.spec.block_size) - cached_blocks, 0)
             if needed > self._free_blocks:
@@ -86,6 +87,7 @@ class SimWorker:
             seq.decode_cached_tokens = min(
                 cached_blocks * self.spec.block_size, seq.arrival.prompt_tokens - 1
             )
+            seq.decode_load_s = hit.host_blocks * self.spec.host_load_s_per_block
             if seq.prefill_worker is not None:
                 self._awaiting_kv.add(seq)
             ready.append(seq)
@@ -146,11 +148,13 @@ class SimWorker:
         """Queue a prompt here, computing only what this worker's (or the decode's) cache lacks."""
         prompt = seq.arrival.prompt_tokens
         if seq.decode_worker == self.worker_id:
-            cached = seq.decode_cached_tokens
+            cached, load_s = seq.decode_cached_tokens, seq.decode_load_s
         else:
-            self._received += 1  # a prefill worker's job: its own request here
-            cached = min(self.cache.match(seq.arrival.prefix_hashes) * self.spec.block_size, prompt - 1)
-        job = PrefillJob(seq, prompt - cached, cached)
+            self._received += 1  # a prefill worker's job: its own request here (its own tiers consulted)
+            hit = self.cache.match(seq.arrival.prefix_hashes)
+            cached = min(hit.blocks * self.spec.block_size, prompt - 1)
+            load_s = hit.host_blocks * self.spec.host_load_s_per_block
+        job = PrefillJob(seq, prompt - cached, cached, load_s=load_s)
         # A prompt part-way through its chunks is the engine's running prefill: it keeps its place.
         insert_by_priority(self._prefill_queue, job,
                             lambda other: not other.done_tokens and priority(other.seq) > priority(seq))
@@ -171,6 +175,11 @@ class SimWorker:
         tokens = sum(t for _, t in jobs)
         attention = sum(t * (t + 2 * (j.cached_tokens + j.done_tokens)) for j, t in jobs)
         prefill_s = self.spec.profile.prefill_step_s(tokens, attention) * self._jitter() * speed if jobs else 0.0
+        # Host-tier loads of the prompts starting now. The engine copies them on a side stream while the
+        # batch runs on; charging them to the step is the conservative simplification (an 8k-token
+        # history of an 8B model is ~1 GB, ~20 ms over PCIe 5), and a real worker's step timing does
+        # not include them, so the sample below does not either.
+        load_s = sum(j.load_s for j, _ in jobs if j.done_tokens == 0)
         context = sum(s.context for s in decoding)
         decode_s = 0.0
         if decoding:
@@ -188,7 +197,7 @@ class SimWorker:
         sampled = prefill_s + decode_s + serving_s * serving.sampled_share
         self._samples.append(self._sample(tokens, attention, len(decoding), context, sampled))
         self._step = (jobs, decoding)
-        return prefill_s + decode_s + serving_s
+        return prefill_s + decode_s + serving_s + load_s
 
     @staticmethod
     def _sample(tokens: int, attention: int, decoding: int, context: int, seconds: float) -> StepSample:

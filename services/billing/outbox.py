@@ -20,39 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator
 
 import psycopg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.billing.events import UsageEvent
+from services.billing.outbox_table import INSERT_SQL, AsyncConnections, insert_params
+from services.billing.relay import OutboxRelay
 from services.billing.spool import UsageSpool
 from services.common.errors import BatonError
 
-if TYPE_CHECKING:
-    from services.billing.relay import OutboxRelay
-
 log = logging.getLogger(__name__)
-
-INSERT_SQL = """
-INSERT INTO usage_outbox (request_id, event, recorded_at)
-SELECT * FROM unnest(%(ids)s::text[], %(events)s::text[], %(at)s::timestamptz[])
-ON CONFLICT (request_id) DO NOTHING
-"""
-
-
-def insert_params(events: Sequence[UsageEvent]) -> dict[str, list[object]]:
-    return {"ids": [e.request_id for e in events], "events": [e.to_json().decode() for e in events],
-            "at": [e.created_at for e in events]}
-
-
-class AsyncConnections(Protocol):
-    """An async pool whose `connection()` block is one transaction (services.gateway.db.pool.Database)."""
-
-    def connection(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]: ...
-
 
 class UsageOutbox:
     def __init__(self, db: AsyncConnections, spool: UsageSpool, relay: OutboxRelay,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import psycopg
 
 from services.billing.events import UsageEvent
-from services.billing.outbox import INSERT_SQL, AsyncConnections, insert_params
+from services.billing.outbox_table import INSERT_SQL, AsyncConnections, insert_params
 from services.billing.producer import UsageProducer
 from services.billing.spool import UsageSpool
 from services.common.errors import BatonError, BillingError, UsageBacklogFullError

@@ -2,7 +2,7 @@
 writes through billing's `UsageOutbox` (`migrations/*.sql` beside this file).
 
 Billing code applies it wherever it runs against Postgres: the consumer at start, and the outbox side
-inside the gateway process (services/gateway/tenancy.py starts it) -- the gateway's own migrations
+inside the gateway process (services/gateway/tenancy/backends.py starts it) -- the gateway's own migrations
 never touch these tables.
 """
 

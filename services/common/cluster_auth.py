@@ -154,7 +154,22 @@ def internal_server(token: ClusterToken | None, name: str,
                     "`baton serve` and the Helm chart do)", name, TOKEN_ENV)
     else:
         interceptors.insert(0, ClusterTokenServerInterceptor(token))
-    return grpc.aio.server(interceptors=interceptors, options=options)
+    # A taken port is an error, not a second server sharing it: gRPC's default SO_REUSEPORT would let a
+    # worker bind a port another worker holds, and callers would reach either one.
+    return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *(options or ())])
+
+
+def bind_internal_port(server: grpc.aio.Server, address: str) -> int:
+    """Bind `address` (port 0: any free one) and return the port; a port another process holds is an
+    OSError that says so (gRPC's own error names neither the cause nor the port's owner)."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {address}: address already in use, or not an address of this host "
+                      f"({e})") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return port
 
 
 # ---- client side -----------------------------------------------------------------------------------

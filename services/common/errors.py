@@ -6,18 +6,14 @@ JSON (`http_status` + `code`), the CLI prints them. Nothing here imports a web f
 
 from __future__ import annotations
 
+# The root and the two errors the engine raises too are defined once on the ground floor.
+from tokenization.errors import BatonError, ConfigError, InvalidRequestError
 
-class BatonError(Exception):
-    """Base of every error a Baton service raises on purpose."""
-
-    http_status: int = 500
-    code: str = "internal_error"
-
-
-class ConfigError(BatonError, ValueError):
-    """A setting is missing or invalid; the message names the setting and the valid choices."""
-
-    code = "config_error"
+__all__ = [
+    "AuthenticationError", "BatonError", "BillingError", "BudgetExceededError", "ConfigError",
+    "DependencyUnavailableError", "InfraStartError", "InvalidRequestError", "MigrationError", "NotFoundError",
+    "RateLimitError", "RevokedKeyError", "UsageBacklogFullError",
+]
 
 
 class InfraStartError(BatonError):
@@ -30,13 +26,6 @@ class MigrationError(BatonError):
     """The database schema could not be brought to the current version (or was edited after apply)."""
 
     code = "migration_failed"
-
-
-class InvalidRequestError(BatonError, ValueError):
-    """A caller's input is malformed (bad date range, unknown group_by, unknown tier)."""
-
-    http_status = 400
-    code = "invalid_request_error"
 
 
 class NotFoundError(BatonError, LookupError):

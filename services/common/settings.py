@@ -18,8 +18,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Tier = Literal["free", "plus", "enterprise"]
-TIERS: tuple[Tier, ...] = ("free", "plus", "enterprise")
+from scheduler.types import Tier
+
+# The customer tier is the scheduler's enum, defined once (scheduler/types.py, a leaf that imports nothing of ours).
+TIERS: tuple[Tier, ...] = tuple(Tier)
 
 KafkaConfigValue = str | int | float | bool
 
@@ -53,9 +55,9 @@ def _default_pricing() -> dict[str, ModelPriceSettings]:
 
 def _default_tier_limits() -> dict[Tier, TierLimitSettings]:
     return {
-        "free": TierLimitSettings(key_rpm=20, key_tpm=40_000, org_rpm=60, org_tpm=120_000),
-        "plus": TierLimitSettings(key_rpm=300, key_tpm=300_000, org_rpm=1_000, org_tpm=1_000_000),
-        "enterprise": TierLimitSettings(key_rpm=3_000, key_tpm=3_000_000, org_rpm=10_000,
+        Tier.FREE: TierLimitSettings(key_rpm=20, key_tpm=40_000, org_rpm=60, org_tpm=120_000),
+        Tier.PLUS: TierLimitSettings(key_rpm=300, key_tpm=300_000, org_rpm=1_000, org_tpm=1_000_000),
+        Tier.ENTERPRISE: TierLimitSettings(key_rpm=3_000, key_tpm=3_000_000, org_rpm=10_000,
                                         org_tpm=10_000_000),
     }
 

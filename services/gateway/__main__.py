@@ -31,17 +31,17 @@ from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError
 from services.common.settings import BatonSettings
 from services.gateway.app import create_app
+from services.gateway.completions.generation import WorkerClient
+from services.gateway.completions.safety_gate import SafetyGate
 from services.gateway.config import GatewayConfig
 from services.gateway.deps import GatewayDeps
-from services.gateway.generation import WorkerClient
 from services.gateway.grpc_api.server import GrpcApiConfig, GrpcApiServer
 from services.gateway.header_limit import header_limited_protocol
-from services.gateway.last_view import StaticWorkers
 from services.gateway.replicas import reuse_port_socket, run_replicas
-from services.gateway.routing import RouterClient
-from services.gateway.safety_gate import SafetyGate
+from services.gateway.routing.last_view import StaticWorkers
+from services.gateway.routing.router_client import RouterClient
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenancy import TenantServices, build_open_tenancy, build_platform_tenancy
+from services.gateway.tenancy.backends import TenantServices, build_open_tenancy, build_platform_tenancy
 from services.gateway.tracing import setup_tracing
 from tokenization.tokenizer import Tokenizer
 

@@ -25,9 +25,9 @@ from services.gateway.deps import GatewayDeps
 from services.gateway.errors import install_error_handlers
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.retention import run_purge_loop
 from services.gateway.routes import completions, conversations, health, models, moderations, page, responses, usage
 from services.gateway.routes.page import STATIC_DIR
+from services.gateway.tenancy.retention import run_purge_loop
 from services.gateway.tracing import instrument_app
 
 if TYPE_CHECKING:

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler.types import SLO
+from scheduler.types import SLO, Tier
 from services.billing.pricing import ModelPrice, PriceTable
 from services.common.errors import ConfigError
-from services.common.settings import TIERS, BatonSettings, Tier
+from services.common.settings import TIERS, BatonSettings
 from services.gateway.settings import GatewaySettings, SLOSettings, default_slos
 
 # Mirror engine.loader.prepare and engine.loader.tiny (a test checks they agree); importing them

@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.gateway.auth import Principal
-from services.gateway.catalog import ModelCatalog, ModelRuntime
+from services.gateway.completions.catalog import ModelCatalog, ModelRuntime
+from services.gateway.completions.generation import WorkerClient
+from services.gateway.completions.migration import MigrationPolicy
+from services.gateway.completions.prompt import PromptBuilder
+from services.gateway.completions.responses import ResponsesService
+from services.gateway.completions.runner import CompletionRunner
+from services.gateway.completions.safety_gate import SafetyGate
+from services.gateway.completions.service import CompletionService
 from services.gateway.config import GatewayConfig, ServedModel
-from services.gateway.generation import WorkerClient
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import MigrationPolicy
-from services.gateway.prompt import PromptBuilder
-from services.gateway.responses import ResponsesService
-from services.gateway.routing import RouterClient
-from services.gateway.runner import CompletionRunner
-from services.gateway.safety_gate import SafetyGate
-from services.gateway.service import CompletionService
-from services.gateway.stream_relay import build_relay
-from services.gateway.streams import StreamHub
-from services.gateway.tenancy import TenantServices, UsageReports
+from services.gateway.routing.router_client import RouterClient
+from services.gateway.streams.relay import LocalOnly, StreamRelay
+from services.gateway.streams.replay_log import StreamHub
+from services.gateway.tenancy.auth import Principal
+from services.gateway.tenancy.backends import TenantServices, UsageReports
 from tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -134,3 +134,11 @@ def conversation_store(deps: Deps) -> ConversationStore:
 
 
 Conversations = Annotated["ConversationStore", Depends(conversation_store)]
+
+
+def build_relay(hub: StreamHub, redis_url: str | None) -> StreamRelay:
+    if not redis_url:
+        return LocalOnly(hub.config)
+    from services.gateway.streams.redis_relay import RedisRelay  # imports redis: only when there is one
+
+    return RedisRelay(hub, redis_url)

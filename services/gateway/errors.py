@@ -23,7 +23,6 @@ from services.common.errors import (
     InvalidRequestError,
     RateLimitError,
 )
-from tokenization.errors import InvalidRequestError as TemplateRejectedError
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +179,6 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.http_status >= 500:
             log.warning("%s %s failed: %s", request.method, request.url.path, exc)
         return baton_error_response(exc)
-
-    @app.exception_handler(TemplateRejectedError)
-    async def _template(request: Request, exc: TemplateRejectedError) -> JSONResponse:
-        return JSONResponse(error_body(400, str(exc), "invalid_request_error", "messages"), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from scheduler.adapters.loop_watch import LAG_BUCKETS_S
 from services.gateway.replicas import METRICS_DIR_ENV
 from services.safety.limits import LATENCY_BUCKETS_S, size_bucket
+from tokenization.finish_reason import FinishReason
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -56,14 +57,14 @@ class GatewayMetrics:
                                   buckets=LAG_BUCKETS_S, registry=r)
         # Against the completion tokens: how many tokens a worker message carried. A worker coalesces the
         # tokens a lagging caller has not read yet (services/worker/decode_jobs.py), so under load the
-        # gateway handles fewer messages per token (loadtest/experiments/gateway_cost.py).
+        # gateway handles fewer messages per token (lab/experiments/gateway_cost.py).
         self.worker_messages = Counter("baton_gateway_worker_messages", "Generate stream messages received "
                                        "from workers", registry=r)
         self.loop_cpu = Counter("baton_gateway_event_loop_cpu_seconds", "CPU time of the event loop's thread, "
                                 "which every request and streamed token queues on", registry=r)
         self._extra: list[Collector] = []
 
-    def observe_generation(self, model: str, finish_reason: str, prompt: int, cached: int, completion: int,
+    def observe_generation(self, model: str, finish_reason: FinishReason, prompt: int, cached: int, completion: int,
                            ttft_s: float | None, e2e_s: float) -> None:
         self.tokens.labels(model, "prompt").inc(prompt)
         self.tokens.labels(model, "cached").inc(cached)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.common.settings import Tier
+from scheduler.types import Tier
 
 
 class SLOSettings(BaseModel):
@@ -26,9 +26,9 @@ class SLOSettings(BaseModel):
 
 def default_slos() -> dict[Tier, SLOSettings]:
     # Lax on purpose: the default cluster is a CPU laptop; GPU deployments set BATON_SLOS.
-    return {"free": SLOSettings(ttft_ms=20_000, tpot_ms=1_000),
-            "plus": SLOSettings(ttft_ms=10_000, tpot_ms=500),
-            "enterprise": SLOSettings(ttft_ms=5_000, tpot_ms=250)}
+    return {Tier.FREE: SLOSettings(ttft_ms=20_000, tpot_ms=1_000),
+            Tier.PLUS: SLOSettings(ttft_ms=10_000, tpot_ms=500),
+            Tier.ENTERPRISE: SLOSettings(ttft_ms=5_000, tpot_ms=250)}
 
 
 class GatewaySettings(BaseSettings):
@@ -40,7 +40,7 @@ class GatewaySettings(BaseSettings):
     # or "none": no key checked, every caller one anonymous organisation at `anonymous_tier`, no rate
     # limits, budgets, billing or conversation storage. For benchmarks and single-user development only.
     auth_mode: Literal["api_key", "none"] = "api_key"
-    anonymous_tier: Tier = "enterprise"
+    anonymous_tier: Tier = Tier.ENTERPRISE
 
     # Routing: a scheduler, or (no scheduler) a static list of decode-capable worker addresses.
     scheduler_address: str | None = None

@@ -22,9 +22,11 @@ and a SIGKILL lost usage rows the gateway had been told were stored (seen in a C
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +118,8 @@ class EmbeddedPostgres(EmbeddedService):
             "--no-locale", "--no-sync"])
 
     def _run_as_owner(self, what: str, argv: list[str], stdin: str | None = None) -> None:
+        if self._user is not None:
+            _check_reachable_by(self._user, self.work_dir)
         result = subprocess.run(argv, cwd=self.work_dir, user=self._user, group=self._user,
                                 extra_groups=[] if self._user else None, env=_clean_env(), input=stdin,
                                 capture_output=True, text=True, timeout=120)
@@ -163,6 +167,27 @@ class EmbeddedPostgres(EmbeddedService):
         with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
             conn.execute(query)
         return self.url_for(name)
+
+
+def _check_reachable_by(user: str, work_dir: Path) -> None:
+    """Refuse, naming the directory, a work dir that `user` cannot reach: initdb would fail with a bare EACCES.
+
+    Seen when TMPDIR is a root-only (0700) directory, e.g. pytest's temp root.
+    """
+    account = pwd.getpwnam(user)
+    for directory in work_dir.resolve().parents:
+        st = directory.stat()
+        if st.st_uid == account.pw_uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == account.pw_gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            raise InfraStartError(
+                f"the embedded Postgres runs as user {user} (PostgreSQL refuses root) and cannot reach {work_dir}: "
+                f"{directory} is mode {stat.S_IMODE(st.st_mode):04o}. Put the run directory where others may "
+                f"traverse (TMPDIR or --data-dir), or set BATON_DATABASE_URL to a server")
 
 
 def _clean_env() -> dict[str, str]:

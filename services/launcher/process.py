@@ -110,6 +110,11 @@ class SupervisedProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        """This run's process (None before `start()`), for callers that signal or wait on it themselves."""
+        return self._proc
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

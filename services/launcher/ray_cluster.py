@@ -3,8 +3,10 @@
 Ray places, Baton serves: each service is a Ray actor (`ServiceProcess`) that owns one child process
 running the same entry point as in Kubernetes or `baton serve` (`python -m services.worker ...`), so
 the gRPC services, the scheduler and the KV hand-off are exactly the ones tested elsewhere. Ray
-chooses the node and reserves the resources: a worker actor asks for `tensor_parallel_size` GPUs
-(`device="cuda"`), and Ray's CUDA_VISIBLE_DEVICES for the actor is inherited by its child. The child
+chooses the node and reserves the resources: a worker actor asks for one GPU per process of its group,
+`tensor_parallel_size x expert_parallel_size` (`device="cuda"`), and Ray's CUDA_VISIBLE_DEVICES for the
+actor is inherited by its child. An expert-parallel worker runs role `both` (every expert rank holds a
+whole KV cache; the hand-off to each is not built), so EP needs `prefill_workers=0`. The child
 binds a free port on its node and is addressed by the node's IP, which it advertises to the scheduler.
 
 Start order: scheduler, prefill workers, decode workers, optionally safety, then the gateway (static
@@ -32,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from services.common.cluster_auth import ROTATING_ENV, TOKEN_ENV, ClusterToken
+from services.launcher.builder import WORKER_READY
 
 log = logging.getLogger(__name__)
-WORKER_READY = "BATON_WORKER_READY"
 _POLL_S = 0.2
 # A port found free can be taken by another process before the child binds it; the child then exits at once
 # with this error, and is started again on new ports.
@@ -147,7 +149,8 @@ class RayClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     tensor_parallel_size: int = 1
-    device: str = "cpu"  # "cuda": each worker actor reserves tensor_parallel_size GPUs
+    expert_parallel_size: int = 1  # MoE: expert ranks per worker (`baton worker --expert-parallel-size`)
+    device: str = "cpu"  # "cuda": each worker actor reserves `gpus_per_worker` GPUs
     model: str | None = None  # None: the default model (prepared on each node on first use)
     worker_args: tuple[str, ...] = ()  # more `baton worker` flags, for both roles
     scheduler_args: tuple[str, ...] = ()  # more `baton scheduler` flags, e.g. ("--policy", "round_robin")
@@ -165,6 +168,20 @@ class RayClusterConfig:
             raise ValueError("needs >= 1 decode worker, >= 0 prefill workers and a tensor parallel size >= 1")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.expert_parallel_size > 1 and self.prefill_workers:
+            raise ValueError("expert_parallel_size > 1 needs prefill_workers 0: an expert-parallel worker serves "
+                             "role both (every expert rank holds a whole KV cache)")
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """GPUs a worker actor reserves: one per process of its group (0 on CPU)."""
+        return self.tensor_parallel_size * self.expert_parallel_size if self.device == "cuda" else 0
+
+    def worker_role(self, role: str) -> str:
+        """The `--role` a worker started as `role` runs with: `both` under expert parallelism."""
+        return "both" if self.expert_parallel_size > 1 else role
 
 
 @dataclass
@@ -175,6 +192,20 @@ class RayEndpoints:
     safety: str = ""
     gateway: str = ""
     metrics: dict[str, str] = field(default_factory=dict)  # service name -> host:port of its /metrics
+
+
+def worker_argv(c: RayClusterConfig, name: str, role: str, endpoints: RayEndpoints) -> list[str]:
+    """The `python -m services.worker` arguments of worker `name` (ports filled in by its actor)."""
+    argv = ["-m", "services.worker", "--role", c.worker_role(role), "--host", "0.0.0.0", "--port", "{port}",
+            "--advertise-address", "{host}:{port}", "--metrics-port", "{metrics_port}", "--worker-id", name,
+            "--scheduler", endpoints.scheduler, "--device", c.device,
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
+            "--expert-parallel-size", str(c.expert_parallel_size), *c.worker_args]
+    if c.model:
+        argv += ["--model", c.model]
+    if role == "decode" and endpoints.prefill:
+        argv += ["--prefill-peers", ",".join(endpoints.prefill)]
+    return argv
 
 
 class RayCluster:
@@ -208,17 +239,9 @@ class RayCluster:
 
     def _worker(self, name: str, role: str) -> str:
         c = self.config
-        argv = ["-m", "services.worker", "--role", role, "--host", "0.0.0.0", "--port", "{port}",
-                "--advertise-address", "{host}:{port}", "--metrics-port", "{metrics_port}", "--worker-id", name,
-                "--scheduler", self.endpoints.scheduler,
-                "--device", c.device, "--tensor-parallel-size", str(c.tensor_parallel_size), *c.worker_args]
-        if c.model:
-            argv += ["--model", c.model]
-        if role == "decode" and self.endpoints.prefill:
-            argv += ["--prefill-peers", ",".join(self.endpoints.prefill)]
-        gpus = c.tensor_parallel_size if c.device == "cuda" else 0
+        argv = worker_argv(c, name, role, self.endpoints)
         return self._start(name, argv, Readiness(log_marker=WORKER_READY, timeout_s=900),
-                           num_cpus=c.worker_cpus, num_gpus=gpus)
+                           num_cpus=c.worker_cpus, num_gpus=c.gpus_per_worker)
 
     def _gateway_env(self) -> dict[str, str]:
         env = {**self.config.gateway_env, "BATON_SCHEDULER_ADDRESS": self.endpoints.scheduler,

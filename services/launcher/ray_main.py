@@ -27,6 +27,9 @@ def register_ray_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill locally)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker (with --device cuda)")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE models: expert ranks per worker, one GPU each (x --tensor-parallel-size; needs "
+                        "--prefill 0: such a worker serves role both)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--model", default=None, help="HF model dir, the same path on every node (default: SmolLM2)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
@@ -41,7 +44,8 @@ def register_ray_command(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RayClusterConfig:
     return RayClusterConfig(
         address=args.address, prefill_workers=args.prefill, decode_workers=args.decode,
-        tensor_parallel_size=args.tensor_parallel_size, device=args.device, model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        device=args.device, model=args.model,
         worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg), safety=args.safety,
         gateway=not args.no_gateway,
         gateway_env={k: v for k, v in environ.items() if k.startswith("BATON_")},

@@ -50,16 +50,19 @@ from types import FrameType
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from scheduler.types import Tier
 from services.billing.schema import migrate_billing
 from services.common.cluster_auth import ClusterToken
 from services.common.errors import BatonError, ConfigError, NotFoundError
-from services.common.settings import TIERS, BatonSettings, Tier
-from services.gateway.auth import KEY_PREFIX, display_prefix, hash_api_key
+from services.common.quantization_flags import add_quantization_args
+from services.common.settings import TIERS, BatonSettings
 from services.gateway.db.accounts import AccountStore
 from services.gateway.db.api_keys import ApiKeyStore
 from services.gateway.db.migrations import migrate_gateway
 from services.gateway.db.pool import Database, DatabaseConfig
-from services.launcher.cluster import WORKER_READY, LocalCluster, ServeOptions
+from services.gateway.tenancy.auth import KEY_PREFIX, display_prefix, hash_api_key
+from services.launcher.builder import WORKER_READY
+from services.launcher.cluster import LocalCluster, ServeOptions
 from services.launcher.infra import EmbeddedInfra, InfraConfig, InfraEndpoints
 from services.launcher.models import ModelSpec, check_unique
 from services.launcher.process import PortInUseError, port_in_use, reserve_port
@@ -94,6 +97,13 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tier", choices=list(TIERS), default="enterprise", help="tier of the local organisation")
     p.add_argument("--worker-threads", type=int, default=1, help="torch CPU threads per worker")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split each worker's layers over this many processes (prefill and decode workers: "
+                        "each stage hands its layers' KV to the decode worker's stage holding them)")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE models: shard each worker's experts over this many processes (needs --workers-role "
+                        "both: every expert-parallel rank holds the whole KV cache)")
+    add_quantization_args(p)
     p.add_argument("--host-kv-gib", type=float, default=0.0,
                    help="per worker: pinned host memory for KV evicted from the GPU pool (0: off)")
     p.add_argument("--disk-kv-dir", type=Path, default=None,
@@ -109,6 +119,16 @@ def register_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve_command)
 
 
+def _check_expert_parallel(args: argparse.Namespace) -> None:
+    if args.expert_parallel_size < 1:
+        raise ConfigError(f"--expert-parallel-size must be >= 1, got {args.expert_parallel_size}")
+    if args.expert_parallel_size > 1 and args.workers_role != "both":
+        raise ConfigError("--expert-parallel-size > 1 needs --workers-role both: every expert-parallel rank "
+                          "holds the whole KV cache, which the KV link does not hand off")
+    if args.expert_parallel_size > 1 and args.pipeline_parallel_size > 1:
+        raise ConfigError("--expert-parallel-size and --pipeline-parallel-size do not combine")
+
+
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     models = check_unique(tuple(ModelSpec.parse(m) for m in args.model or ()))
     if len(models) > 1 and args.no_scheduler:
@@ -119,11 +139,17 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             raise ConfigError(f"{flag} {port}: a port is 1..65535")
     if args.disk_kv_gib and args.disk_kv_dir is None:
         raise ConfigError("--disk-kv-gib needs --disk-kv-dir (the directory the workers' block files go to)")
+    if args.pipeline_parallel_size < 1:
+        raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    _check_expert_parallel(args)
     if grpc_port == args.port:
         raise ConfigError(f"--grpc-port {grpc_port} is the gateway's --port; give each its own")
     return ServeOptions(host=args.host, port=args.port, workers_role=args.workers_role, models=models,
                         data_dir=args.data_dir, tier=args.tier, worker_threads=args.worker_threads,
-                        num_blocks=args.num_blocks, host_kv_gib=args.host_kv_gib, disk_kv_dir=args.disk_kv_dir,
+                        num_blocks=args.num_blocks, pipeline_parallel_size=args.pipeline_parallel_size,
+                        expert_parallel_size=args.expert_parallel_size, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype, host_kv_gib=args.host_kv_gib,
+                        disk_kv_dir=args.disk_kv_dir,
                         disk_kv_gib=args.disk_kv_gib, safety=not args.no_safety,
                         scheduler=not args.no_scheduler and _has_module("scheduler.adapters.main"),
                         grpc_port=grpc_port, gateway_processes=args.gateway_processes)
@@ -296,9 +322,9 @@ def migrate_database(database_url: str) -> None:
     migrate_billing(database_url)
 
 
-async def ensure_api_key(database_url: str, api_key: str | None, tier: Tier = "enterprise") -> str | None:
+async def ensure_api_key(database_url: str, api_key: str | None, tier: Tier = Tier.ENTERPRISE) -> str | None:
     """Register `api_key` for the local organisation, or create one if it has none; returns a new key."""
-    from services.gateway.auth import ApiKeyAuthenticator
+    from services.gateway.tenancy.auth import ApiKeyAuthenticator
 
     async with Database(DatabaseConfig(database_url, min_size=1, max_size=2, migrate=False)) as db:
         accounts, keys = AccountStore(db), ApiKeyStore(db)

@@ -169,12 +169,14 @@ def _worker_info(port: int, cluster_token: object) -> tuple[str | None, tuple[st
     except grpc.RpcError:
         return None, ()  # its health probe says why
     return str(s.model), tuple(kv_tier_line(t.tier, t.occupied_blocks, t.capacity_blocks, t.pinned_blocks,
-                                            t.hit_blocks) for t in s.kv_tiers)
+                                            t.hit_blocks, t.spills_dropped) for t in s.kv_tiers)
 
 
-def kv_tier_line(tier: str, occupied: int, capacity: int, pinned: int, hits: int) -> str:
-    """One KV tier's gauges as `baton status` prints them under its worker."""
-    return f"kv {tier}: {occupied}/{capacity} blocks, {pinned} pinned, {hits} hits"
+def kv_tier_line(tier: str, occupied: int, capacity: int, pinned: int, hits: int, spills_dropped: int = 0) -> str:
+    """One KV tier's gauges as `baton status` prints them under its worker; the disk tier's also counts the
+    host evictions it missed (dropped: the disk writer was behind)."""
+    line = f"kv {tier}: {occupied}/{capacity} blocks, {pinned} pinned, {hits} hits"
+    return line + f", {spills_dropped} spills dropped" if tier == "disk" else line
 
 
 def _alive(pid: int) -> bool:

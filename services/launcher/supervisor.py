@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -126,8 +127,10 @@ class Supervisor:
     `on_change` is called after every (re)start, e.g. to rewrite a pid file for fault injection."""
 
     def __init__(self, log_dir: Path, cwd: Path | None = None,
-                 on_change: Callable[[Supervisor], None] | None = None) -> None:
+                 on_change: Callable[[Supervisor], None] | None = None, log_prefix: str = "") -> None:
+        """`log_prefix`: each child's log is `<log_dir>/<log_prefix><name>.log` (several runs in one folder)."""
         self.log_dir = log_dir
+        self.log_prefix = log_prefix
         self.cwd = cwd
         self.on_change = on_change
         self._children: list[_Child] = []
@@ -136,6 +139,13 @@ class Supervisor:
     @property
     def children(self) -> list[tuple[ChildSpec, SupervisedProcess]]:
         return [(c.spec, c.process) for c in self._children]
+
+    def process(self, name: str) -> SupervisedProcess:
+        """The live child named `name` (the last started of that name); KeyError if none."""
+        for c in reversed(self._children):
+            if c.spec.name == name:
+                return c.process
+        raise KeyError(name)
 
     def pids(self) -> dict[str, int]:
         """Live children (and watched services) by name."""
@@ -168,14 +178,37 @@ class Supervisor:
         self._changed()
         return process
 
+    def start_together(self, specs: Sequence[ChildSpec]) -> list[SupervisedProcess]:
+        """Start every spec at once, then wait until each is ready, each within its `ready_timeout_s` of the
+        start: their start-ups overlap (GPU workers spend minutes loading weights and capturing CUDA graphs).
+        On a failure every one of them is stopped and InfraStartError raised with the failed one's log."""
+        children = [_Child(spec, self._process(spec)) for spec in specs]
+        self._children.extend(children)  # recorded first: a stop that interrupts this finds them
+        started = time.monotonic()
+        try:
+            for c in children:
+                c.process.start()
+            for c in children:
+                left = c.spec.ready_timeout_s - (time.monotonic() - started)
+                c.process.wait_ready(functools.partial(c.spec.ready, c.process), max(1.0, left))
+        except InfraStartError:
+            self._stop_together(children)  # with whatever each left in its process group
+            raise
+        log.info("%s ready in %.1fs", ", ".join(s.name for s in specs), time.monotonic() - started)
+        self._changed()
+        return [c.process for c in children]
+
     def watch_service(self, name: str, service: RestartableService, policy: RestartPolicy | None = None) -> None:
         """Restart `service` (already started) whenever it dies, until stop_all()."""
         self._services.append(_Service(name, service, policy or RestartPolicy()))
 
     def _process(self, spec: ChildSpec) -> SupervisedProcess:
-        return SupervisedProcess(spec.name, spec.argv, self.log_dir / f"{spec.name}.log",
+        return SupervisedProcess(spec.name, spec.argv, self._log_path(spec.name),
                                  env={**os.environ, **spec.env}, cwd=self.cwd,
                                  stop_signal=spec.stop_signal, stop_timeout_s=spec.stop_timeout_s)
+
+    def _log_path(self, name: str) -> Path:
+        return self.log_dir / f"{self.log_prefix}{name}.log"
 
     def run_once(self, name: str, argv: list[str], timeout_s: float) -> None:
         """Run a set-up step to completion (not supervised afterwards); a failure raises with its log."""
@@ -330,7 +363,7 @@ class Supervisor:
         for c in self._children:
             if c.spec.name == name:
                 return c.process.log_tail(lines)
-        path = self.log_dir / f"{name}.log"
+        path = self._log_path(name)
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def __enter__(self) -> Supervisor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.calibration.points import DecodePoint, PrefillPoint
+
 _SHORTEST_PROMPT = 16
 _SHORTEST_CONTEXT = 64
 _QUICK_LONGEST_PROMPT = 256  # --quick: seconds on a laptop CPU with the 135M default model
@@ -19,44 +21,9 @@ _QUICK_CONTEXTS = (32, 256)
 
 
 @dataclass(frozen=True)
-class PrefillPoint:
-    """One prompt prefilled in one step: `new_tokens` computed over `cached_tokens` already in the KV."""
-
-    new_tokens: int
-    cached_tokens: int = 0
-
-    @property
-    def attention_tokens_sq(self) -> int:
-        """The cost model's attention feature (scheduler/core/cost_model.py `prefill_s`)."""
-        return self.new_tokens * (self.new_tokens + 2 * self.cached_tokens)
-
-
-@dataclass(frozen=True)
-class DecodePoint:
-    """One decode step of `batch` sequences, each with `context_per_seq` tokens after the step."""
-
-    batch: int
-    context_per_seq: int
-
-    @property
-    def context_tokens(self) -> int:
-        """Total context of the batch: what the cost model's per-context-token term multiplies."""
-        return self.batch * self.context_per_seq
-
-
-@dataclass(frozen=True)
 class ProfileGrid:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
-
-
-@dataclass(frozen=True)
-class Measurements:
-    """What was timed (point, median seconds), in grid order, and what did not fit the KV pool."""
-
-    prefill: tuple[tuple[PrefillPoint, float], ...]
-    decode: tuple[tuple[DecodePoint, float], ...]
-    skipped: tuple[PrefillPoint | DecodePoint, ...] = ()
 
 
 def build_grid(max_model_len: int, max_num_seqs: int, quick: bool = False) -> ProfileGrid:

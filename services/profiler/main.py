@@ -21,9 +21,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.profiler.grid import build_grid
+
+if TYPE_CHECKING:  # the engine (torch) is imported only when a profile runs
+    from engine.llm_engine import LLMEngine
 
 
 def register_profile_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -51,7 +54,7 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="timed rounds over the grid; a point's time is its median (default 5; 3 with --quick)")
     p.add_argument("--transfer-fixed-s", type=float, default=None,
-                   help="KV transfer fixed cost, measured by loadtest/micro/bench_kv_transfer.py (default: "
+                   help="KV transfer fixed cost, measured by lab/micro/bench_kv_transfer.py (default: "
                         "WorkerProfile's)")
     p.add_argument("--transfer-per-token-s", type=float, default=None,
                    help="KV transfer cost per token, from the same benchmark (default: WorkerProfile's)")
@@ -119,7 +122,7 @@ def _profile(args: argparse.Namespace) -> tuple[str, dict]:
     import torch
 
     from engine.llm_engine import LLMEngine
-    from services.profiler.fit import build_profile, fit_measurements, outliers
+    from scheduler.calibration.profile_fit import build_profile, fit_measurements, outliers
     from services.profiler.measure import StepTimer, fill_kv_with_noise, measure_grid, remeasure
     from services.profiler.report import format_report, measurements_json
 
@@ -127,12 +130,14 @@ def _profile(args: argparse.Namespace) -> tuple[str, dict]:
         torch.set_num_threads(args.torch_threads)
     engine = LLMEngine(_engine_config(args))
     print(_banner(engine, args), flush=True)
-    if engine.runner.kv_cache.device.type == "cuda" and engine.config.attention_backend == "torch":
+    if engine.view.device.type == "cuda" and engine.config.attention_backend == "torch":
         print("note: the torch attention backend on CUDA runs every step eagerly; profile with the flags the "
               "worker serves with (GPU workers: --attention-backend triton)", file=sys.stderr)
+    # The profile times the model runner's steps themselves, under the batcher: the one reader of the
+    # engine's runner and block manager outside the engine (a worker reads `engine.view`).
     fill_kv_with_noise(engine.runner, engine.config.seed)
     timer = StepTimer(engine.runner, engine.block_manager, engine.model_config.vocab_size,
-                      engine.runner.kv_cache.device, seed=engine.config.seed)
+                      engine.view.device, seed=engine.config.seed)
     timing = _timing(args)
     grid = build_grid(engine.max_model_len, engine.config.batcher.max_num_seqs, args.quick)
     measured = measure_grid(timer, grid, timing, _progress)
@@ -171,16 +176,16 @@ def _progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
 
-def _banner(engine: Any, args: argparse.Namespace) -> str:
+def _banner(engine: LLMEngine, args: argparse.Namespace) -> str:
     import torch
 
     cfg = engine.config
-    device = engine.runner.kv_cache.device
+    device = engine.view.device
     threads = torch.get_num_threads()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, torch threads: {threads}"
-    graphs = "CUDA graphs" if getattr(engine.runner, "graphs", None) is not None else "eager"
+    graphs = "CUDA graphs" if engine.view.cuda_graphs else "eager"
     return (f"profiling {cfg.model or 'the default model'} ({cfg.dtype}) on {where}: {cfg.attention_backend} "
-            f"attention, {graphs}, {engine.runner.num_blocks} KV blocks of {cfg.cache.block_size}, "
+            f"attention, {graphs}, {engine.view.kv_pool().total_blocks} KV blocks of {cfg.cache.block_size}, "
             f"max_model_len {engine.max_model_len}{', quick grid' if args.quick else ''}")
 
 

@@ -9,7 +9,7 @@ KV contents: a prefix that a prefill point reuses is prefilled for real first (u
 contexts are set directly instead (the chunk starts at `context - 1`) over a pool filled with random
 values once: prefilling 64 sequences of 4k tokens per point would take longer than the whole
 profile, a decode step's time does not depend on the values it reads, and a zeroed pool would
-flatter the kernels (loadtest/micro/bench_decode.py does the same).
+flatter the kernels (lab/micro/bench_decode.py does the same).
 
 Rounds: the grid is timed in interleaved rounds (every point once per round) and each point's time
 is its median over the rounds. On a shared host a busy spell then slows one sample of many points,
@@ -34,7 +34,8 @@ from engine.errors import OutOfBlocksError
 from engine.model_runner import ModelRunner
 from engine.parallel.launcher import TensorParallelRunner
 from engine.sampling_params import SamplingParams
-from services.profiler.grid import DecodePoint, Measurements, PrefillPoint, ProfileGrid
+from scheduler.calibration.points import DecodePoint, Measurements, PrefillPoint
+from services.profiler.grid import ProfileGrid
 
 Point = PrefillPoint | DecodePoint
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)  # argmax: the cheapest sampler path, no RNG state
@@ -165,10 +166,7 @@ def _measurements(seconds: dict[Point, float], skipped: list[Point]) -> Measurem
 
 def fill_kv_with_noise(runner: ModelRunner | TensorParallelRunner, seed: int) -> None:
     """Random values in the whole KV pool, on every tensor-parallel rank (see the module docstring)."""
-    if isinstance(runner, TensorParallelRunner):
-        runner.call("randomize_kv_cache", seed)
-    else:
-        runner.randomize_kv_cache(seed)
+    runner.randomize_kv_cache(seed)
 
 
 def _chunk(request_id: str, token_ids: list[int], start_pos: int, table: list[int],

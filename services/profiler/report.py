@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from scheduler.calibration.points import DecodePoint, Measurements, PrefillPoint
+from scheduler.calibration.profile_fit import OUTLIER, LinearFit
 from scheduler.core.cost_model import WorkerProfile
-from services.profiler.fit import OUTLIER, LinearFit
-from services.profiler.grid import DecodePoint, Measurements, PrefillPoint
 
 
 def format_report(measured: Measurements, prefill: LinearFit, decode: LinearFit, profile: WorkerProfile) -> str:
@@ -47,7 +47,7 @@ def _coefficient_lines(p: WorkerProfile, prefill: LinearFit, decode: LinearFit) 
         f"decode step  = {_time(p.decode_fixed_s)} + {_time(p.decode_per_seq_s)}/seq"
         f" + {_time(p.decode_per_context_token_s)}/context token   (worst error {_worst(decode):.1%})",
         f"kv transfer  = {_time(p.transfer_fixed_s)} + {_time(p.transfer_per_token_s)}/token"
-        "   (not measured here: loadtest/micro/bench_kv_transfer.py)",
+        "   (not measured here: lab/micro/bench_kv_transfer.py)",
     ]
 
 

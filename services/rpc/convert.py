@@ -16,7 +16,8 @@ from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.constraint import GrammarKind, GuidedDecoding
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
+from kvtransfer.base import HandshakeInfo, TransferState
+from kvtransfer.layout import KVLayoutInfo
 from rpcgen.baton.v1 import worker_pb2 as pb
 
 _FINISH_TO_PROTO = {
@@ -177,6 +178,9 @@ def layout_to_proto(layout: KVLayoutInfo) -> pb.KVLayout:
         head_dim=layout.head_dim,
         tp_size=layout.tp_size,
         tp_rank=layout.tp_rank,
+        pp_size=layout.pp_size,
+        pp_rank=layout.pp_rank,
+        first_layer=layout.first_layer,
     )
 
 
@@ -193,6 +197,9 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayoutInfo:
         head_dim=msg.head_dim,
         tp_size=msg.tp_size,
         tp_rank=msg.tp_rank,
+        pp_size=msg.pp_size or 1,
+        pp_rank=msg.pp_rank,
+        first_layer=msg.first_layer,
     )
 
 

@@ -41,7 +41,10 @@ class Direction(StrEnum):
     OUTPUT = "output"  # generated text, checked while it streams
 
 
-class Tier(StrEnum):
+class Detector(StrEnum):
+    """Which tier of checks decided a verdict (`SafetyVerdict.tier`); not a customer tier
+    (`scheduler.types.Tier`)."""
+
     NONE = "none"                # the policy switched this direction off: nothing ran
     PATTERN = "pattern"          # normalising regex/keyword tier
     CLASSIFIER = "classifier"    # sentence-embedding classifier (MiniLM + MLP head)
@@ -74,4 +77,4 @@ class SafetyVerdict:
         return self.allowed and self.category is not None
 
 
-ALLOW_UNCHECKED = SafetyVerdict(allowed=True, category=None, score=0.0, tier=Tier.NONE)
+ALLOW_UNCHECKED = SafetyVerdict(allowed=True, category=None, score=0.0, tier=Detector.NONE)

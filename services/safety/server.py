@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from rpcgen.baton.v1 import safety_pb2_grpc
-from services.common.cluster_auth import ClusterToken, internal_server
+from services.common.cluster_auth import ClusterToken, bind_internal_port, internal_server
 from services.safety.batcher import BatchConfig, Batching, EncoderBatching
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import HEAD_PATH, EmbeddingClassifier, EmbeddingHead
@@ -102,9 +102,7 @@ class SafetyServer:
         safety_pb2_grpc.add_SafetyServicer_to_server(SafetyService(self._checker, self.config.stream, self._guard,
                                                                    self._pools()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        self.port = bind_internal_port(server, f"{self.config.host}:{self.config.port}")
         await server.start()
         self._server = server
         for name in ("", SERVICE_NAME):

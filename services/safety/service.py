@@ -34,7 +34,7 @@ import grpc
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
 from services.safety.batcher import BatchDeadlineError, Lane, call_scope
-from services.safety.categories import Category, Direction, SafetyVerdict, Tier
+from services.safety.categories import Category, Detector, Direction, SafetyVerdict
 from services.safety.checker import SafetyChecker, decide
 from services.safety.guard import GuardModelTier
 from services.safety.limits import LONG_TEXT_CHARS, MAX_INPUT_CHARS, size_bucket
@@ -104,7 +104,7 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         verdict = await self._in_pool(
             self._long_input_pool if long else self._input_pool, Lane.LONG_INPUT if long else Lane.INPUT, context,
             functools.partial(self._checker.check, request.org_id, request.text, Direction.INPUT))
-        if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Tier.NONE:
+        if self._guard is not None and verdict.allowed and verdict.category is None and verdict.tier != Detector.NONE:
             verdict = await self._ask_guard(request.org_id, request.text) or verdict
         elapsed = time.perf_counter() - start
         _CHECK_LATENCY.observe(elapsed)
@@ -125,7 +125,7 @@ class SafetyService(safety_pb2_grpc.SafetyServicer):
         policy = self._checker.policies.for_org(org_id)
         active = policy.active(Direction.INPUT)
         hit: Category | None = next((c for c in answer.categories if c in active), None)
-        return None if hit is None else decide(policy, hit, 1.0, Tier.GUARD)
+        return None if hit is None else decide(policy, hit, 1.0, Detector.GUARD)
 
     async def FilterOutput(self, request_iterator: AsyncIterator[safety_pb2.OutputChunk],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[safety_pb2.Verdict]:

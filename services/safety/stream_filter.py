@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.safety.categories import Category, Direction, SafetyVerdict, Tier
+from services.safety.categories import Category, Detector, Direction, SafetyVerdict
 from services.safety.checker import SafetyChecker
 from services.safety.normalize import normalize
 from services.safety.policy import SafetyPolicy
@@ -79,7 +79,7 @@ class OutputStreamFilter:
         if self._halt is not None:
             return self._halt
         if not self._categories:
-            return SafetyVerdict(allowed=True, category=None, score=0.0, tier=Tier.NONE)
+            return SafetyVerdict(allowed=True, category=None, score=0.0, tier=Detector.NONE)
         cfg = self._config
         region = _tail_from_space(self._window + delta, len(delta) + cfg.pattern_overlap_chars)
         self._window = _tail_from_space(self._window + delta, max(cfg.classifier_window_chars,
@@ -94,7 +94,7 @@ class OutputStreamFilter:
             tail = _tail_from_space(self._window, cfg.classifier_window_chars)
             verdict = self._checker.classify(self._policy, tail, self._categories)
         if verdict is None:
-            verdict = SafetyVerdict(allowed=True, category=None, score=0.0, tier=Tier.PATTERN)
+            verdict = SafetyVerdict(allowed=True, category=None, score=0.0, tier=Detector.PATTERN)
         return self._record(verdict)
 
     def needs_classifier(self, delta: str, final: bool) -> bool:

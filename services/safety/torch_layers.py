@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from services.common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from services.safety.encoder import EncoderLayer
+    from services.safety.encoder_layer import EncoderLayer
 
 F32 = npt.NDArray[np.float32]
 

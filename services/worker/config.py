@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kvtransfer.faults import FaultConfig
 from kvtransfer.transport import TransportKind
+
+# A worker's role, as the scheduler names it: prefill serves Prefill (computes prompts and WRITEs their KV
+# into decode workers); decode serves Generate (prefilling remotely or, conditionally, locally); both is
+# classic co-located serving with chunked prefill (the baseline; no NIXL).
+from scheduler.types import WorkerRole as WorkerRole
 from services.common.cluster_auth import ClusterToken
-
-
-class WorkerRole(StrEnum):
-    PREFILL = "prefill"  # serves Prefill: computes prompts and WRITEs their KV into decode workers
-    DECODE = "decode"  # serves Generate: decodes, prefilling remotely or (conditionally) locally
-    BOTH = "both"  # classic co-located serving with chunked prefill (the baseline); no NIXL
 
 
 @dataclass(frozen=True)
@@ -66,17 +64,35 @@ class TransferConfig:
     nixl_threads: int = 0  # UCX worker threads per agent (0: NIXL's default)
     # What moves the blocks (kvtransfer/transport.py): NIXL, or the in-process fake of the unit tests.
     transport: TransportKind = TransportKind.NIXL
+    # Prefill side: write each chunk's full blocks while the next chunk computes (kvtransfer KVStream),
+    # for prompts of at least `stream_min_prompt_tokens` (shorter ones fit one or two chunks, where the
+    # extra WRITEs cost more than they overlap: SGLang measured +18% TTFT below 256 tokens). The
+    # default is a guess until the crossover is measured: lab/micro/bench_disagg_gpu.py
+    # --stream-sweep gives TTFT streamed vs not per prompt length; set it where streaming starts to win.
+    stream_kv: bool = True
+    stream_min_prompt_tokens: int = 1024
+    # Decode side: send the Prefill RPC before reserving the blocks (the reservation waits for the
+    # engine's next step boundary) and send the blocks in a PrefillDestination call once reserved, so
+    # the prefill computes during the reservation. A prompt the decode worker's prefix cache then
+    # mostly serves withdraws it (Abort): wasted prefill work, never a wrong block.
+    overlap_reserve: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", TransportKind.parse(self.transport))
         for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stream_min_prompt_tokens < 1:
+            raise ValueError(f"stream_min_prompt_tokens must be >= 1, got {self.stream_min_prompt_tokens}")
         if self.quarantine_s <= self.transfer_timeout_s:
             raise ValueError(
                 f"quarantine_s ({self.quarantine_s}) must exceed transfer_timeout_s ({self.transfer_timeout_s}): "
                 "a WRITE may land until its deadline"
             )
+
+    def streams(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt this long has its KV streamed per chunk."""
+        return self.stream_kv and num_prompt_tokens >= self.stream_min_prompt_tokens
 
     @property
     def hold_lease_s(self) -> float:
@@ -97,12 +113,16 @@ class WorkerConfig:
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers' host:port
     heartbeat_interval_s: float = 1.0
     drain_grace_s: float = 20.0  # SIGTERM: finish in-flight work this long, then abort the rest
-    # The engine's ranks (one process and GPU each). prefill/decode peers must have equal sizes: rank r
-    # hands its KV shard to the peer's rank r (the handshake refuses a mismatch naming tp_size).
+    # The engine's ranks (one process and GPU each). Equal prefill/decode sizes: rank r hands its KV shard
+    # to the peer's rank r; a single-rank prefill feeds any decode size by head slices (kvtransfer/heads.py).
     tensor_parallel_size: int = 1
     # MoE experts sharded over this many ranks (attention replicated, so every rank holds the whole
     # KV cache): co-located workers only, KV hand-off to every replica is not implemented.
     expert_parallel_size: int = 1
+    # Layers split over this many stages (engine/parallel/pipeline.py). A prefill worker's stages each
+    # WRITE their own layers into the decode rank holding them (kvtransfer/stages.py: same split, or
+    # merged into fewer decode stages).
+    pipeline_parallel_size: int = 1
     allow_fault_injection: bool = False
     faults: FaultConfig = field(default_factory=FaultConfig)
     policy: DisaggPolicy = field(default_factory=DisaggPolicy)
@@ -122,6 +142,8 @@ class WorkerConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.expert_parallel_size < 1:
             raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.expert_parallel_size > 1 and self.uses_nixl:
             raise ValueError(f"--expert-parallel-size needs --role both (this worker is {self.role.value}): "
                              "every expert-parallel rank holds a full KV cache, and handing KV off to each "

@@ -75,4 +75,5 @@ def coalesce(event: GenerateEvent, backlog: deque[GenerateEvent | BaseException 
 def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.new_text + b.new_text,
                          a.logprobs + b.logprobs, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens,
-                         b.num_cached_tokens or a.num_cached_tokens, b.error or a.error)
+                         b.num_cached_tokens or a.num_cached_tokens,
+                         b.num_tier_loaded_tokens or a.num_tier_loaded_tokens, error=b.error or a.error)

@@ -36,16 +36,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
-from engine.async_engine import ABORTED_BEFORE_COMMIT, AsyncEngine, Reservation
+from engine.async_engine import AsyncEngine, Reservation
 from engine.batch import SampledToken
 from engine.choices import ChoiceFork
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
+from engine.remote_commit import CommitOutcome, CommitStatus
 from kvtransfer.base import LandedKV
 from kvtransfer.integrity import LandedVerifier
 from services.worker.config import DisaggPolicy
+from services.worker.decode_flow import DecodeFlow
 from services.worker.decode_jobs import (
     GenerateEvent,
     GenerateJob,
@@ -58,39 +59,10 @@ from services.worker.kv_link import OnLanded
 from services.worker.metrics import HandoffPhase, WorkerMetrics
 from services.worker.prefill_peers import HandshakeRefusedError, PrefillPeer, PrefillPeers
 from services.worker.prefill_service import DrainingError
-from services.worker.remote_prefill import AttemptResult, FallbackReason, RemotePrefill
+from services.worker.remote_prefill import AskedPrefill, AttemptResult, FallbackReason, RemotePrefill
 
 log = logging.getLogger(__name__)
 _MAX_REMOTE_ATTEMPTS = 2  # the preferred prefill worker, then one other
-
-
-@dataclass
-class _Flow:
-    job: GenerateJob
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # every choice aborted
-    events: asyncio.Queue[GenerateEvent | BaseException | None] = field(default_factory=asyncio.Queue)
-    engine_rids: tuple[str, ...] = ()  # per choice, of the latest attempt; [0] holds a remote reservation
-    choice_aborted: list[bool] = field(default_factory=list)
-    in_engine: bool = False
-    attempts: int = 0
-    peer_address: str = ""  # the prefill worker of the latest remote attempt
-    task: asyncio.Task[None] | None = None
-    counted: bool = False  # in the worker's intake (`DecodeService._taken`)
-
-    def __post_init__(self) -> None:
-        self.choice_aborted = [False] * len(self.job.choice_ids)
-
-    @property
-    def engine_rid(self) -> str:
-        return self.engine_rids[0]
-
-    def next_engine_rid(self) -> str:
-        self.engine_rids = tuple(f"{rid}@{self.attempts}" for rid in self.job.choice_ids)
-        self.attempts += 1
-        return self.engine_rid
-
-    def live(self) -> list[int]:
-        return [i for i, aborted in enumerate(self.choice_aborted) if not aborted]
 
 
 # Per choice its engine stream (None: aborted before it reached the engine), where it was prefilled, why.
@@ -110,7 +82,7 @@ class DecodeService:
         self._remote = remote
         self._peers = peers
         self._verifier = verifier
-        self._flows: dict[str, _Flow] = {}
+        self._flows: dict[str, DecodeFlow] = {}
         self._quarantined: set[str] = set()  # engine ids holding blocks a late WRITE may still hit
         self._reclaimed_early: set[str] = set()  # reported reclaimable before we registered them
         self.draining = False
@@ -131,7 +103,7 @@ class DecodeService:
         ids = job.choice_ids
         if len(set(ids)) != len(ids) or any(rid in self._flows for rid in ids):
             raise InvalidRequestError(f"duplicate request id among {list(ids)!r}")
-        flow = _Flow(job)
+        flow = DecodeFlow(job)
         for rid in ids:
             self._flows[rid] = flow
         flow.task = asyncio.create_task(self._run(flow), name=f"flow-{job.request_id}")
@@ -176,16 +148,16 @@ class DecodeService:
             self._reclaimed_early.add(engine_rid)
 
     # ---- the flow -------------------------------------------------------------------------------
-    def _forget(self, flow: _Flow) -> None:
+    def _forget(self, flow: DecodeFlow) -> None:
         for rid in flow.job.choice_ids:
             if self._flows.get(rid) is flow:
                 del self._flows[rid]
 
-    def _abort_flow(self, flow: _Flow) -> None:
+    def _abort_flow(self, flow: DecodeFlow) -> None:
         for i in flow.live():
             self._abort_choice(flow, i)
 
-    def _abort_choice(self, flow: _Flow, i: int) -> None:
+    def _abort_choice(self, flow: DecodeFlow, i: int) -> None:
         """In the engine: abort that choice's sequence. Before: it is left out of the commit's forks (or
         aborted right after it), and the remote attempt stops once no choice is left."""
         if flow.choice_aborted[i]:
@@ -196,7 +168,7 @@ class DecodeService:
         if flow.in_engine:
             asyncio.ensure_future(self._engine.abort(flow.engine_rids[i]))
 
-    async def _run(self, flow: _Flow) -> None:
+    async def _run(self, flow: DecodeFlow) -> None:
         try:
             streams, path, reason = await self._prefill(flow)
             self._metrics.prefill_path.labels(path.value).inc()
@@ -209,7 +181,7 @@ class DecodeService:
         finally:
             flow.events.put_nowait(None)
 
-    async def _pump(self, flow: _Flow, i: int, stream: AsyncIterator[RequestOutput] | None, path: PrefillPath,
+    async def _pump(self, flow: DecodeFlow, i: int, stream: AsyncIterator[RequestOutput] | None, path: PrefillPath,
                     reason: FallbackReason | None) -> None:
         """One choice's engine outputs onto the flow's queue; its first carries where it was prefilled."""
         rid = flow.job.choice_ids[i]
@@ -223,7 +195,7 @@ class DecodeService:
             flow.events.put_nowait(GenerateEvent(out, path if first else None, reason if first else None, rid))
             first = False
 
-    async def _prefill(self, flow: _Flow) -> _Prefilled:
+    async def _prefill(self, flow: DecodeFlow) -> _Prefilled:
         """Get the request into the engine: remote attempts, else local. None: aborted first."""
         if not self._wants_remote(flow.job):
             return await self._local(flow), PrefillPath.LOCAL, None
@@ -256,7 +228,7 @@ class DecodeService:
             return False
         return job.mode is PrefillMode.REMOTE or self._policy.remote_by_length(len(job.prompt))
 
-    async def _try_remote(self, flow: _Flow, tried: frozenset[str]) -> _Prefilled | AttemptResult:
+    async def _try_remote(self, flow: DecodeFlow, tried: frozenset[str]) -> _Prefilled | AttemptResult:
         """One remote attempt: a finished prefill (stream, path, reason) or why it failed."""
         assert self._peers is not None and self._remote is not None
         job = flow.job
@@ -278,11 +250,16 @@ class DecodeService:
         streams: list[AsyncIterator[RequestOutput] | None] = [self._engine.open_stream(r) for r in flow.engine_rids]
         reserved = time.perf_counter()
         force = job.mode is PrefillMode.REMOTE
+        asked = self._remote.ask_early(peer, erid, flow.attempts - 1, job.prompt, job.params, job.traceparent,
+                                       job.choice_params[1:])  # overlaps the reservation (remote_prefill.py)
         self._taken(flow)  # same turn as the engine command below (intake.py)
         reservation = await self._engine.reserve_remote(
             erid, job.prompt, job.params,
             wants_remote=lambda cached: force or self._policy.remote_given_cache(len(job.prompt), cached))
+        self._metrics.handoff_phase(HandoffPhase.RESERVE, time.perf_counter() - reserved)
         if not reservation.remote:  # choice 0 is queued locally: so are the others
+            if asked is not None:
+                self._remote.withdraw(peer, erid, asked)
             for rid, params in zip(flow.engine_rids[1:], job.choice_params[1:], strict=True):
                 await self._engine.add_request(rid, job.prompt, params)
             if not reservation.out_of_blocks:
@@ -290,39 +267,42 @@ class DecodeService:
             reason = FallbackReason.DECODE_OUT_OF_BLOCKS
             self._metrics.fallbacks.labels(reason.value).inc()
             return await self._enter_engine(flow, streams), PrefillPath.LOCAL_FALLBACK, reason
-        return await self._run_attempt(flow, peer, reservation, streams, reserved)
+        return await self._run_attempt(flow, peer, reservation, streams, reserved, asked)
 
-    async def _run_attempt(self, flow: _Flow, peer: PrefillPeer, reservation: Reservation,
-                           streams: list[AsyncIterator[RequestOutput] | None],
-                           reserved: float) -> _Prefilled | AttemptResult:
+    async def _run_attempt(self, flow: DecodeFlow, peer: PrefillPeer, reservation: Reservation,
+                           streams: list[AsyncIterator[RequestOutput] | None], reserved: float,
+                           asked: AskedPrefill | None) -> _Prefilled | AttemptResult:
         assert self._remote is not None
         job, erid = flow.job, flow.engine_rid
         order = self._remote.order(erid, flow.attempts - 1, job.prompt, job.params, reservation.block_ids,
                                    reservation.num_cached_tokens, job.traceparent, job.choice_params[1:])
         if flow.aborted.is_set():
+            if asked is not None:
+                self._remote.withdraw(peer, erid, asked)
             result = AttemptResult(aborted=True)
         else:
-            result = await self._remote.run(order, peer, flow.aborted, on_landed=self._committer(flow))
+            result = await self._remote.run(order, peer, flow.aborted, self._committer(flow), asked)
         if not result.ok:
             await self._drop(flow, result.blocks_safe)
             return result
-        problem = result.commit_problem
-        assert problem is not None, "the KV link runs the commit hook for every landed attempt"
-        if problem:  # not committed: the blocks landed (the WRITE is over) but must never be used
+        commit = result.commit
+        assert commit is not None, "the KV link runs the commit hook for every landed attempt"
+        if not commit.committed:  # the blocks landed (the WRITE is over) but must never be used
             await self._drop(flow, blocks_safe=True)
-            if problem == ABORTED_BEFORE_COMMIT:
+            if commit.status is CommitStatus.ABORTED:
                 return AttemptResult(aborted=True)
-            reason = FallbackReason.INTERNAL_ERROR if result.commit_failed else FallbackReason.CHECKSUM_MISMATCH
-            return AttemptResult(fallback=reason, detail=problem)
+            failed = commit.status is CommitStatus.FAILED
+            reason = FallbackReason.INTERNAL_ERROR if failed else FallbackReason.CHECKSUM_MISMATCH
+            return AttemptResult(fallback=reason, detail=commit.problem)
         self._observe_handoff(result, reserved)
         return await self._enter_engine(flow, streams), PrefillPath.REMOTE, None
 
-    def _committer(self, flow: _Flow) -> OnLanded:
+    def _committer(self, flow: DecodeFlow) -> OnLanded:
         """The KV link's hook for this attempt: verify and commit on the engine thread the moment the
         DONE notice is seen (no event-loop round trip between the notice and the commit)."""
         erid = flow.engine_rid
 
-        def on_landed(landed: LandedKV) -> concurrent.futures.Future[str]:
+        def on_landed(landed: LandedKV) -> concurrent.futures.Future[CommitOutcome]:
             token = landed.payload.first_token_id
             if token is None:
                 raise ValueError("the DONE notice carries no first token")
@@ -331,7 +311,7 @@ class DecodeService:
         return on_landed
 
     @staticmethod
-    def _forks(flow: _Flow, landed: LandedKV) -> Callable[[], tuple[ChoiceFork, ...]]:
+    def _forks(flow: DecodeFlow, landed: LandedKV) -> Callable[[], tuple[ChoiceFork, ...]]:
         """The other choices to fork at the commit (engine thread): those not aborted by then."""
         def forks() -> tuple[ChoiceFork, ...]:
             firsts = landed.payload.choice_first
@@ -357,7 +337,7 @@ class DecodeService:
         committed = result.committed_at or time.monotonic()
         self._metrics.handoff_phase(HandoffPhase.NOTICE_TO_COMMIT, max(committed - result.noticed_at, 0.0))
 
-    async def _local(self, flow: _Flow) -> list[AsyncIterator[RequestOutput] | None] | None:
+    async def _local(self, flow: DecodeFlow) -> list[AsyncIterator[RequestOutput] | None] | None:
         """Every live choice as an engine request of its own (None: all aborted first)."""
         if flow.aborted.is_set():
             return None
@@ -370,13 +350,13 @@ class DecodeService:
             await self._engine.add_request(flow.engine_rids[i], job.prompt, job.choice_params[i])
         return await self._enter_engine(flow, streams)
 
-    def _taken(self, flow: _Flow) -> None:
+    def _taken(self, flow: DecodeFlow) -> None:
         """Count the flow as taken on, once (a local fallback after a remote attempt is the same request)."""
         if not flow.counted:
             flow.counted = True
             self._intake.take()
 
-    async def _enter_engine(self, flow: _Flow, streams: list[AsyncIterator[RequestOutput] | None],
+    async def _enter_engine(self, flow: DecodeFlow, streams: list[AsyncIterator[RequestOutput] | None],
                             ) -> list[AsyncIterator[RequestOutput] | None]:
         """From here an abort goes through the engine (which ends the stream with ABORT). A choice
         aborted until now (so maybe never forked) is aborted in the engine, which also drops its stream."""
@@ -387,7 +367,7 @@ class DecodeService:
                 streams[i] = None
         return streams
 
-    async def _drop(self, flow: _Flow, blocks_safe: bool) -> None:
+    async def _drop(self, flow: DecodeFlow, blocks_safe: bool) -> None:
         """Give up an attempt: its choices' streams now; its blocks (all choice 0's) now if no WRITE
         can land, else once reclaimable."""
         for rid in flow.engine_rids[1:]:

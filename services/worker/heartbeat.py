@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from engine.block_manager import KVEvent, KVEventKind
-from engine.kv_tiers.types import Tier
+from engine.kv_tiers.types import KVTier
 from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
@@ -43,7 +43,7 @@ from services.common.cluster_auth import ClusterToken, sync_internal_channel
 
 log = logging.getLogger(__name__)
 _UINT64 = (1 << 64) - 1
-_TIERS = {Tier.GPU: spb.KVEvent.TIER_GPU, Tier.HOST: spb.KVEvent.TIER_HOST, Tier.DISK: spb.KVEvent.TIER_DISK}
+_TIERS = {KVTier.GPU: spb.KVEvent.TIER_GPU, KVTier.HOST: spb.KVEvent.TIER_HOST, KVTier.DISK: spb.KVEvent.TIER_DISK}
 _RPC_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 10.0
 

@@ -39,9 +39,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, LandedKV, TransferPlan, TransferState
+from engine.remote_commit import CommitOutcome, commit_failed
+from kvtransfer.base import HandshakeInfo, LandedKV, TransferPlan, TransferState
 from kvtransfer.faults import FaultInjector
-from kvtransfer.roles import KVTransfer
+from kvtransfer.layout import KVLayoutInfo
+from kvtransfer.roles import KVStream, KVTransfer
 from kvtransfer.shards import KVShards
 from kvtransfer.transport import open_transport
 from services.worker.config import TransferConfig
@@ -70,16 +72,15 @@ class Arrival:
     reason: str
     landed: LandedKV | None = None  # DONE only
     at: float = 0.0  # time.monotonic() when the link thread saw it
-    # DONE with an `on_landed` hook (see KVLink.expect): what the hook's commit said ("" = committed),
-    # and when it finished; None when no hook ran.
-    commit_problem: str | None = None
-    commit_failed: bool = False  # the hook or its commit raised (a bug: `commit_problem` says what)
+    # DONE with an `on_landed` hook (see KVLink.expect): how the hook's commit ended, and when; None
+    # when no hook ran.
+    commit: CommitOutcome | None = None
     committed_at: float = 0.0
 
 
 # A DONE arrival's hook, called on the link thread: it must not block (e.g. it queues a command for
-# the engine thread) and returns a future of the problem ("" when the landed KV was committed).
-OnLanded = Callable[[LandedKV], "concurrent.futures.Future[str]"]
+# the engine thread) and returns a future of the commit's outcome.
+OnLanded = Callable[[LandedKV], "concurrent.futures.Future[CommitOutcome]"]
 
 
 @dataclass
@@ -113,6 +114,7 @@ class KVLink:
         self._wake = threading.Event()  # a command is queued: poll now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="baton-kv-link", daemon=True)
+        self._sliced_peers: dict[str, int] = {}  # decode peers of another TP size -> it (event loop only)
         self.num_inflight = 0  # WRITEs not yet terminal; read by status (a plain int: atomic under the GIL)
 
     @property
@@ -126,7 +128,20 @@ class KVLink:
     # ---- asyncio API ----------------------------------------------------------------------------
     async def add_peer(self, info: HandshakeInfo) -> str:
         """Sender: check compatibility (IncompatiblePeerError), connect, prepare descriptors once."""
-        return str(await self._call(lambda: self._sender.add_peer(info)))
+        name = str(await self._call(lambda: self._sender.add_peer(info)))
+        if self._info.is_head_sliced(info):
+            self._sliced_peers[name] = info.layout.tp_size
+        return name
+
+    def can_stream_to(self, peer: str) -> bool:
+        """Per-chunk streaming: into a peer of the same TP size (kvtransfer/nixl/sliced.py); a multi-rank
+        worker streams rank 0's blocks per chunk, the rest at the end (kvtransfer/nixl/staged_stream.py)."""
+        return peer not in self._sliced_peers
+
+    def head_slices(self, peer: str) -> int:
+        """How many head slices each block goes to `peer` in (its TP size when it differs from ours, else 1):
+        the prefill engine checksums each slice as that peer's rank will hold it."""
+        return self._sliced_peers.get(peer, 1)
 
     async def accept_peer(self, info: HandshakeInfo) -> str:
         """Receiver: check a sender's compatibility (IncompatiblePeerError)."""
@@ -177,6 +192,36 @@ class KVLink:
 
         await self._call(start)
         return fut
+
+    def open_stream(self, peer: str, request_id: str, attempt: int, deadline: float) -> asyncio.Future[TransferResult]:
+        """Sender (event loop): open a per-chunk stream (kvtransfer KVStream); its parts are posted by
+        `write_part`, its end by `finish_stream`; the future resolves once it is terminal, like `send`'s.
+        Not awaited (no round trip before the prefill starts): the link thread opens it before any
+        later command, and a stream it cannot open resolves FAILED at once (nothing was posted)."""
+        loop = self._loop
+        assert loop is not None
+        fut: asyncio.Future[TransferResult] = loop.create_future()
+
+        def open_() -> None:
+            try:
+                stream = self._sender.open_stream(peer, request_id, attempt, deadline)
+            except Exception as e:  # noqa: BLE001 - the owner reads it as the stream's end
+                failed = TransferResult(request_id, TransferState.FAILED, f"cannot open the KV stream: {e}", 0.0, 0)
+                loop.call_soon_threadsafe(_settle, fut, failed, None)
+                return
+            self._sends[(request_id, attempt)] = _Send(fut, time.monotonic(), stream)
+
+        self._submit(open_)
+        return fut
+
+    def write_part(self, request_id: str, attempt: int, local: tuple[int, ...], remote: tuple[int, ...]) -> None:
+        """Sender, from any thread (the engine's, right after the step that filled the blocks): post
+        one part of an open stream. A part the stream refuses stops the stream (it then fails)."""
+        self._submit(lambda: self._on_stream(request_id, attempt, lambda s: s.write(local, remote)))
+
+    def finish_stream(self, plan: TransferPlan) -> None:
+        """Sender, any thread: post the rest of the stream's plan and its DONE notice after every part."""
+        self._submit(lambda: self._on_stream(plan.request_id, plan.attempt, lambda s: s.finish(plan)))
 
     def cancel(self, request_id: str, attempt: int) -> None:
         """Sender: ask NIXL to stop a WRITE; its future still resolves only once it is terminal."""
@@ -267,12 +312,11 @@ class KVLink:
                 self._loop.call_soon_threadsafe(self._on_reclaimable, rid)
 
     def _finish_send(self, transfer: KVTransfer) -> None:
-        plan = transfer.plan
-        send = self._sends.pop((plan.request_id, plan.attempt), None)
+        send = self._sends.pop((transfer.request_id, transfer.attempt), None)
         if send is None or self._loop is None:
             return
-        result = TransferResult(plan.request_id, transfer.state, transfer.reason,
-                                time.monotonic() - send.started_at, plan.num_blocks * self._info.bytes_per_block)
+        result = TransferResult(transfer.request_id, transfer.state, transfer.reason,
+                                time.monotonic() - send.started_at, transfer.num_blocks * self._info.bytes_per_block)
         self._loop.call_soon_threadsafe(_settle, send.future, result, None)
 
     def _resolve_expect(self, arrival: Arrival) -> None:
@@ -287,18 +331,27 @@ class KVLink:
         try:
             commit = hook(arrival.landed)
         except Exception as e:  # noqa: BLE001 - a broken hook must still resolve the arrival
-            failed = dataclasses.replace(arrival, commit_problem=f"commit failed: {e}", commit_failed=True)
+            failed = dataclasses.replace(arrival, commit=commit_failed(e))
             loop.call_soon_threadsafe(_settle, fut, failed, None)
             return
 
-        def committed(done: concurrent.futures.Future[str]) -> None:  # on the engine thread
+        def committed(done: concurrent.futures.Future[CommitOutcome]) -> None:  # on the engine thread
             error = done.exception()
-            problem = f"commit failed: {error}" if error is not None else done.result()
-            outcome = dataclasses.replace(arrival, commit_problem=problem, commit_failed=error is not None,
+            outcome = dataclasses.replace(arrival, commit=commit_failed(error) if error is not None else done.result(),
                                           committed_at=time.monotonic())
             loop.call_soon_threadsafe(_settle, fut, outcome, None)
 
         commit.add_done_callback(committed)
+
+    def _on_stream(self, request_id: str, attempt: int, act: Callable[[KVStream], object]) -> None:
+        send = self._sends.get((request_id, attempt))
+        if send is None or not isinstance(send.transfer, KVStream):
+            return  # already terminal (cancelled, failed): nothing to post
+        try:
+            act(send.transfer)
+        except Exception:  # a malformed part is a bug: the stream fails rather than lands wrong
+            log.exception("stream of %s#%d refused a part; cancelling it", request_id, attempt)
+            send.transfer.cancel()
 
     def _cancel_now(self, request_id: str, attempt: int) -> None:
         send = self._sends.get((request_id, attempt))

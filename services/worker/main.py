@@ -13,14 +13,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtransfer.faults import FaultConfig
 from services.common.cluster_auth import ClusterToken
+from services.common.quantization_flags import add_quantization_args
 from services.common.tracing import EXPORTERS, setup_tracing
 from services.worker.config import DisaggPolicy, TransferConfig, WorkerConfig, WorkerRole
+
+if TYPE_CHECKING:  # the engine is imported in main only, after the flags are read
+    from engine.parallel.launcher import RankServiceFactory
 
 log = logging.getLogger("services.worker")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -62,6 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="engine seed: dummy weights (same seed, same weights) and unseeded sampling")
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    add_quantization_args(p)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -79,6 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=int, default=1,
                    help="MoE models: ranks that each hold 1/N of every MoE layer's experts, one process (and "
                         "GPU) each; attention is replicated; --role both only; not with --tensor-parallel-size")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the layers over this many stages of --tensor-parallel-size ranks each "
+                        "(GPUs = tensor x pipeline); a prefill worker's stages each hand their layers' KV to "
+                        "the decode worker (same stage count, or fewer decode stages whose layers contain them)")
     _kv_tier_args(p)
 
 
@@ -117,6 +125,12 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
                         "thread behind the event loop)")
     p.add_argument("--nixl-threads", type=int, default=t.nixl_threads,
                    help="UCX worker threads per NIXL agent (0: NIXL's default)")
+    p.add_argument("--kv-stream", action=argparse.BooleanOptionalAction, default=t.stream_kv,
+                   help="prefill: write each chunk's full KV blocks while the next chunk computes")
+    p.add_argument("--overlap-reserve", action=argparse.BooleanOptionalAction, default=t.overlap_reserve,
+                   help="decode: send the Prefill RPC before reserving the blocks; they follow once reserved")
+    p.add_argument("--kv-stream-min-prompt-tokens", type=int, default=t.stream_min_prompt_tokens,
+                   help="prefill: stream the KV of prompts at least this long (shorter: one WRITE)")
 
 
 def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -128,6 +142,7 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
         scheduler_address=args.scheduler, metrics_port=args.metrics_port, prefill_peers=peers,
         heartbeat_interval_s=args.heartbeat_interval_s, drain_grace_s=args.drain_grace_s,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         allow_fault_injection=args.allow_fault_injection, faults=FaultConfig(),
         policy=DisaggPolicy(args.min_remote_prompt_tokens, args.min_remote_uncached_tokens,
                             args.max_cached_fraction),
@@ -135,7 +150,9 @@ def build_worker_config(args: argparse.Namespace) -> WorkerConfig:
                                 transfer_timeout_s=args.transfer_timeout_s,
                                 quarantine_s=args.kv_quarantine_s, checksums=args.kv_checksums,
                                 notice_grace_s=args.notice_grace_s, peer_down_s=args.peer_down_s,
-                                progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads),
+                                progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads,
+                                stream_kv=args.kv_stream, stream_min_prompt_tokens=args.kv_stream_min_prompt_tokens,
+                                overlap_reserve=args.overlap_reserve),
         cluster_token=ClusterToken.from_environ(os.environ),
     )
 
@@ -147,12 +164,14 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         batcher=BatcherConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_chunk=args.max_prefill_chunk),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                expert_parallel_size=args.expert_parallel_size),
+                                expert_parallel_size=args.expert_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size),
         speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
         tiers=TierConfig.from_gib(args.host_kv_gib, args.disk_kv_dir, args.disk_kv_gib, args.kv_load_min_speedup),
     )
@@ -195,9 +214,9 @@ def run_worker_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_service(config: WorkerConfig) -> Callable[[Any, Any], Any] | None:
-    """With tensor parallelism and NIXL, every follower rank gets a NIXL agent over its KV shard."""
-    if not config.uses_nixl or config.tensor_parallel_size == 1:
+def _rank_service(config: WorkerConfig) -> RankServiceFactory | None:
+    """With tensor or pipeline parallelism and NIXL, every follower rank gets a NIXL agent over its KV shard."""
+    if not config.uses_nixl or config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return None
     from kvtransfer.nixl.shards import ShardAgentFactory
 

@@ -23,6 +23,10 @@ class HandoffPhase(StrEnum):
     QUEUE_WAIT = "queue_wait"  # prefill worker: Prefill RPC in -> its first chunk scheduled
     PREFILL_COMPUTE = "prefill_compute"  # prefill worker: first chunk scheduled -> first token resolved
     PREFILL_JOB = "prefill_job"  # prefill worker: Prefill RPC in -> WRITE done
+    # prefill worker: first token held -> WRITE done (streamed: the last part and the notice; the
+    # earlier parts went while later chunks computed)
+    WRITE_AFTER_PREFILL = "write_after_prefill"
+    RESERVE = "reserve"  # decode worker: blocks asked of the engine -> reserved (a step boundary away)
     NOTICE_WAIT = "notice_wait"  # decode worker: Prefill RPC sent -> DONE notice seen by the KV link
     NOTICE_TO_COMMIT = "notice_to_commit"  # decode worker: DONE notice seen -> verified and in the batch
     HANDOFF = "handoff"  # decode worker: blocks reserved -> committed (the whole remote prefill)
@@ -62,6 +66,8 @@ class WorkerMetrics:
         self.quarantined = Gauge("baton_kv_quarantined_requests",
                                  "Requests whose blocks wait for a late WRITE's notice", registry=r)
         self.held_blocks = Gauge("baton_kv_held_blocks", "Prefill: blocks held for pending WRITEs", registry=r)
+        self.stream_parts = Counter("baton_kv_stream_parts",
+                                    "Prefill: KV parts written while the prompt's later chunks computed", registry=r)
         self.handoff_phases = Histogram("baton_pd_handoff_phase_seconds",
                                         "KV hand-off phases (successful remote prefills), by phase",
                                         ["phase"], buckets=_PHASE_BUCKETS, registry=r)

@@ -8,7 +8,7 @@ concept on both sides of the wire.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -30,6 +30,13 @@ class PrefillOrder:
     transfer_timeout_s: float  # the WRITE's deadline on the prefill worker
     traceparent: str = ""  # W3C trace context of the request, forwarded as gRPC metadata
     choice_params: tuple[SamplingParams, ...] = ()  # n > 1: the other choices' first-token settings
+    # The decode worker reserves while this runs: remote_block_ids / num_cached_tokens come later, in a
+    # `PrefillDestination` (then `with_destination`); nothing is written before it.
+    destination_follows: bool = False
+
+    def with_destination(self, destination: PrefillDestination) -> PrefillOrder:
+        return replace(self, remote_block_ids=destination.remote_block_ids,
+                       num_cached_tokens=destination.num_cached_tokens, destination_follows=False)
 
     def to_proto(self) -> pb.PrefillRequest:
         """The Prefill RPC's request (the trace context travels as gRPC metadata, not in it)."""
@@ -37,7 +44,8 @@ class PrefillOrder:
             request_id=self.request_id, prompt_token_ids=self.prompt, sampling=convert.sampling_to_proto(self.params),
             decode_agent=self.decode_agent, remote_block_ids=list(self.remote_block_ids),
             num_cached_tokens=self.num_cached_tokens, attempt=self.attempt, transfer_timeout_s=self.transfer_timeout_s,
-            choice_sampling=[convert.sampling_to_proto(p) for p in self.choice_params])
+            choice_sampling=[convert.sampling_to_proto(p) for p in self.choice_params],
+            destination_follows=self.destination_follows)
 
     @classmethod
     def from_proto(cls, msg: pb.PrefillRequest, traceparent: str = "") -> PrefillOrder:
@@ -47,4 +55,23 @@ class PrefillOrder:
         return cls(msg.request_id, msg.attempt, convert.prompt_from_proto(msg.prompt_token_ids),
                    convert.sampling_from_proto(msg.sampling), tuple(msg.remote_block_ids), msg.num_cached_tokens,
                    msg.decode_agent, msg.transfer_timeout_s or _DEFAULT_TRANSFER_TIMEOUT_S, traceparent,
-                   tuple(convert.sampling_from_proto(p) for p in msg.choice_sampling))
+                   tuple(convert.sampling_from_proto(p) for p in msg.choice_sampling), msg.destination_follows)
+
+
+@dataclass(frozen=True)
+class PrefillDestination:
+    """Where a `destination_follows` order writes: the decode worker's reserved blocks."""
+
+    request_id: str
+    attempt: int
+    remote_block_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+    def to_proto(self) -> pb.PrefillDestinationRequest:
+        return pb.PrefillDestinationRequest(request_id=self.request_id, attempt=self.attempt,
+                                            remote_block_ids=list(self.remote_block_ids),
+                                            num_cached_tokens=self.num_cached_tokens)
+
+    @classmethod
+    def from_proto(cls, msg: pb.PrefillDestinationRequest) -> PrefillDestination:
+        return cls(msg.request_id, msg.attempt, tuple(msg.remote_block_ids), msg.num_cached_tokens)

@@ -32,13 +32,14 @@ from typing import Any
 import grpc
 
 from engine.batch import TokenLogprobs
+from engine.remote_commit import CommitOutcome
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import LandedKV, TransferState
 from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc.convert import outcome_from_proto
 from services.worker.config import TransferConfig
 from services.worker.kv_link import Arrival, KVLink, OnLanded
-from services.worker.prefill_order import PrefillOrder
+from services.worker.prefill_order import PrefillDestination, PrefillOrder
 from services.worker.prefill_peers import PrefillPeer, PrefillPeers
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,9 @@ class AttemptResult:
     first_logprobs: TokenLogprobs | None = None
     noticed_at: float = 0.0  # time.monotonic() when the KV link saw the DONE notice
     notice_wait_s: float = 0.0  # Prefill RPC sent -> DONE notice seen
-    # With an `on_landed` hook: None if it did not run, "" once the KV is committed, else why not
-    # (the caller still owns the blocks then); `commit_failed`: it raised (a bug, not a mismatch).
-    commit_problem: str | None = None
-    commit_failed: bool = False
+    # With an `on_landed` hook: how its commit ended (None if it did not run); unless committed, the
+    # caller still owns the blocks.
+    commit: CommitOutcome | None = None
     committed_at: float = 0.0
     fallback: FallbackReason | None = None  # set unless it succeeded or was aborted
     detail: str = ""
@@ -109,6 +109,10 @@ class _CallEnd:
     idle: bool  # the prefill worker vouched that nothing more will land
 
 
+# A Prefill RPC in flight (`RemotePrefill.ask`): resolves with how the call ended.
+AskedPrefill = asyncio.Future[_CallEnd]
+
+
 class RemotePrefill:
     def __init__(self, link: KVLink, peers: PrefillPeers, config: TransferConfig, block_size: int) -> None:
         self._link = link
@@ -116,6 +120,12 @@ class RemotePrefill:
         self._config = config
         self._block_size = block_size
         self._trailing: set[asyncio.Future[_CallEnd]] = set()  # answered after their KV landed
+
+    def early_order(self, request_id: str, attempt: int, prompt: list[int], params: SamplingParams,
+                    traceparent: str = "", choice_params: tuple[SamplingParams, ...] = ()) -> PrefillOrder:
+        """An order sent before this worker reserved: its blocks follow (`run(..., asked=...)`)."""
+        return PrefillOrder(request_id, attempt, prompt, params, (), 0, self._link.handshake_info.agent_name,
+                            self._config.transfer_timeout_s, traceparent, choice_params, destination_follows=True)
 
     def order(self, request_id: str, attempt: int, prompt: list[int], params: SamplingParams,
               block_table: tuple[int, ...], num_cached_tokens: int, traceparent: str = "",
@@ -128,9 +138,32 @@ class RemotePrefill:
                             num_cached_tokens, self._link.handshake_info.agent_name,
                             self._config.transfer_timeout_s, traceparent, choice_params)
 
+    def ask_early(self, peer: PrefillPeer, request_id: str, attempt: int, prompt: list[int], params: SamplingParams,
+                  traceparent: str = "", choice_params: tuple[SamplingParams, ...] = ()) -> AskedPrefill | None:
+        """With `overlap_reserve`: send the Prefill RPC before this worker reserved its blocks; they
+        follow in `run(..., asked=...)`. None without it (the RPC goes from `run`)."""
+        if not self._config.overlap_reserve:
+            return None
+        return self.ask(self.early_order(request_id, attempt, prompt, params, traceparent, choice_params), peer)
+
+    def ask(self, order: PrefillOrder, peer: PrefillPeer) -> AskedPrefill:
+        """Send the Prefill RPC now; for a `destination_follows` order, before this worker reserved
+        (the prefill worker computes meanwhile, and writes nothing before `run` sends the destination)."""
+        rpc = asyncio.ensure_future(self._call(peer, order))
+        peer.inflight += 1
+        rpc.add_done_callback(lambda _: _leave(peer))
+        return rpc
+
+    def withdraw(self, peer: PrefillPeer, request_id: str, rpc: AskedPrefill) -> None:
+        """Stop an asked prefill that never got a destination: nothing can land here, so nobody waits."""
+        self._trail(rpc, request_id)
+        asyncio.ensure_future(_abort_quietly(peer, request_id))
+
     async def run(self, order: PrefillOrder, peer: PrefillPeer, aborted: asyncio.Event,
-                  on_landed: OnLanded | None = None) -> AttemptResult:
+                  on_landed: OnLanded | None = None, asked: AskedPrefill | None = None) -> AttemptResult:
         """One attempt, to a definite end (see the module docstring for when blocks are safe).
+        `asked`: the Prefill RPC already sent with its destination to follow (`ask`): after `expect`,
+        the destination goes in a PrefillDestination call.
 
         Never raises: a bug inside reads as fallback INTERNAL_ERROR with the blocks' real safety."""
         deadline = time.monotonic() + self._config.prefill_timeout_s + self._config.notice_grace_s
@@ -139,22 +172,26 @@ class RemotePrefill:
                                               on_landed)
         except Exception as e:  # nothing registered, nothing asked: the blocks are ours
             log.exception("%s: cannot expect a transfer", order.request_id)
+            if asked is not None:
+                self.withdraw(peer, order.request_id, asked)
             return AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
-        asked = time.monotonic()
-        rpc = asyncio.ensure_future(self._call(peer, order))
-        peer.inflight += 1
-        rpc.add_done_callback(lambda _: _leave(peer))
+        sent_at = time.monotonic()
+        if asked is None:
+            rpc = self.ask(order, peer)
+        else:
+            rpc = asked
+            asyncio.ensure_future(_send_destination(peer, order))
         end: _CallEnd | None = None
         try:
             if await _landed_first(arrival, rpc, aborted):
-                result = _landed(arrival.result(), asked)
+                result = _landed(arrival.result(), sent_at)
                 self._trail(rpc, order.request_id)  # its answer follows; the WRITE is over already
             else:
                 end = await self._until_rpc_end(peer, order, rpc, aborted)
                 answered = time.monotonic()
                 result = (AttemptResult(aborted=True) if aborted.is_set()
-                          else await self._judge(peer, end, arrival, aborted, asked))
-                _log_phases(order.request_id, end, answered - asked, time.monotonic() - answered)
+                          else await self._judge(peer, end, arrival, aborted, sent_at))
+                _log_phases(order.request_id, end, answered - sent_at, time.monotonic() - answered)
         except Exception as e:
             log.exception("%s: remote prefill attempt failed", order.request_id)
             result = AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
@@ -248,8 +285,26 @@ def _landed(arrival: Arrival, asked: float) -> AttemptResult:
     payload = arrival.landed.payload
     return AttemptResult(landed=arrival.landed, first_token_id=payload.first_token_id,
                          first_logprobs=payload.first_logprobs, noticed_at=arrival.at,
-                         notice_wait_s=max(arrival.at - asked, 0.0), commit_problem=arrival.commit_problem,
-                         commit_failed=arrival.commit_failed, committed_at=arrival.committed_at)
+                         notice_wait_s=max(arrival.at - asked, 0.0), commit=arrival.commit,
+                         committed_at=arrival.committed_at)
+
+
+async def _send_destination(peer: PrefillPeer, order: PrefillOrder) -> None:
+    """Tell an asked prefill where to write. A refusal needs no action here: the Prefill RPC then ends
+    with why (or the prefill worker fails the WRITE for want of a destination) and the attempt falls back."""
+    destination = PrefillDestination(order.request_id, order.attempt, order.remote_block_ids, order.num_cached_tokens)
+    try:
+        reply = await peer.stub.PrefillDestination(destination.to_proto(), timeout=_ABORT_RPC_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.warning("%s: PrefillDestination failed: %s %s", order.request_id, e.code().name, e.details())
+        return
+    if not reply.accepted:
+        log.warning("%s: the prefill worker refused its destination: %s", order.request_id, reply.reason)
+
+
+async def _abort_quietly(peer: PrefillPeer, request_id: str) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await peer.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=_ABORT_RPC_TIMEOUT_S)
 
 
 def _leave(peer: PrefillPeer) -> None:

@@ -15,18 +15,30 @@ A decode worker's configured prefill peers are remembered across switches.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from services.worker.config import WorkerRole
-
-if TYPE_CHECKING:
-    from services.worker.server import WorkerServer
+from services.worker.config import WorkerConfig, WorkerRole
 
 log = logging.getLogger(__name__)
 
 
+class RoleHost(Protocol):
+    """What a role switch needs of its worker (services/worker/server.py's `WorkerServer`)."""
+
+    config: WorkerConfig  # its role and prefill peers; replaced by `rebuild_role_services`
+    worker_id: str
+
+    def is_idle(self) -> bool:
+        """No Generate flow and no Prefill job here."""
+        ...
+
+    async def rebuild_role_services(self, role: WorkerRole, prefill_peers: tuple[str, ...]) -> None:
+        """Serve `role` from now on, on the same engine; called only when `is_idle()`."""
+        ...
+
+
 class RoleSwitcher:
-    def __init__(self, server: WorkerServer) -> None:
+    def __init__(self, server: RoleHost) -> None:
         self._server = server
         self._prefill_peers = server.config.prefill_peers  # kept for a later switch back to decode
         self.switches = 0

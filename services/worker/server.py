@@ -21,14 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.async_engine import AsyncEngine
 from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.llm_engine import LLMEngine
-from engine.parallel.launcher import TensorParallelRunner
 from engine.step_stats import StepStats
-from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
+from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.nixl.shards import FollowerShards
 from rpcgen.baton.v1 import worker_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2_grpc
-from services.common.cluster_auth import internal_server
+from services.common.cluster_auth import bind_internal_port, internal_server
 from services.worker.config import WorkerConfig, WorkerRole
 from services.worker.decode_service import DecodeService
 from services.worker.expert_load import ExpertLoadMeter
@@ -43,6 +42,7 @@ from services.worker.remote_prefill import RemotePrefill
 from services.worker.role_switch import RoleSwitcher
 from services.worker.servicer import WorkerServicer
 from services.worker.tier_metrics import TierMetrics
+from tokenization.kv_blocks import KVTier
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "baton.v1.Worker"
@@ -57,7 +57,7 @@ class WorkerServer:
         self.metrics = WorkerMetrics(config.role.value)
         self.tier_metrics = TierMetrics(self.metrics.registry)
         self._tier_snapshot: TierStatsSnapshot | None = None  # the KV tiers at the latest KV-event drain
-        self._expert_load = (ExpertLoadMeter(engine.runner.expert_load, self.metrics.registry)
+        self._expert_load = (ExpertLoadMeter(engine.view.expert_load, self.metrics.registry)
                              if engine.model_config.moe is not None else None)
         self.faults = WorkerFaults(config.faults)
         self.telemetry = TelemetryBuffer()
@@ -91,13 +91,13 @@ class WorkerServer:
                                                    self._prefill)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = bind_internal_port(self._server, f"{self.config.host}:{self.config.port}")
         await self._server.start()
         if self._link is not None:
             self._link.start()
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.host)
-        self.metrics.total_blocks.set(self.engine.block_manager.num_total_blocks)
+        self.metrics.total_blocks.set(self.engine.view.kv_pool().total_blocks)
         self._start_telemetry()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -105,16 +105,16 @@ class WorkerServer:
         return self.port
 
     def _build_role_services(self, engine: AsyncEngine) -> None:
-        cfg, block_size = self.config, self.engine.block_manager.block_size
+        cfg, block_size = self.config, self.engine.view.kv_pool().block_size
         if cfg.uses_nixl and self._link is None:  # kept across role switches
-            runner = self.engine.runner
-            tp = runner.tp.size if isinstance(runner, TensorParallelRunner) else 1
-            layout = KVLayoutInfo.from_spec(runner.kv_spec, cfg.model_id, tp_size=tp, tp_rank=0)
+            kv = self.engine.view.kv_export()
+            layout = KVLayoutInfo.from_spec(kv.kv_spec, cfg.model_id, tp_size=kv.tp_size, tp_rank=0,
+                                            pp_size=kv.pp_size)
             # The followers built their agents at engine start (main passes a ShardAgentFactory).
-            shards = FollowerShards(runner.call_followers) if isinstance(runner, TensorParallelRunner) else None
-            self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", runner.kv_cache, layout,
+            shards = FollowerShards(kv.call_followers) if kv.call_followers is not None else None
+            self._link = KVLink(f"{self.worker_id}-{uuid.uuid4().hex[:8]}", kv.kv_cache, layout,
                                 cfg.transfer, self.faults.kv, self._on_reclaimable, shards)
-            self._verifier = LandedVerifier(runner.kv_cache, enabled=cfg.transfer.checksums, faults=self.faults.kv,
+            self._verifier = LandedVerifier(kv.kv_cache, enabled=cfg.transfer.checksums, faults=self.faults.kv,
                                             shards=shards)
         if cfg.role is WorkerRole.PREFILL:
             assert self._link is not None
@@ -194,13 +194,14 @@ class WorkerServer:
         if snap is None:
             return []
         return [pb.KVTierStatus(tier=tier.value, capacity_blocks=cap, occupied_blocks=snap.occupied_blocks[tier],
-                                pinned_blocks=snap.pinned_blocks[tier], hit_blocks=snap.hit_blocks.get(tier, 0))
+                                pinned_blocks=snap.pinned_blocks[tier], hit_blocks=snap.hit_blocks.get(tier, 0),
+                                spills_dropped=snap.spills_dropped if tier is KVTier.DISK else 0)
                 for tier, cap in snap.capacity_blocks.items() if cap]
 
     def _on_step(self, stats: StepStats) -> None:
         """Engine thread, after every step that ran something."""
         self.metrics.observe_step(stats)
-        self.metrics.free_blocks.set(self.engine.block_manager.num_free_blocks)
+        self.metrics.free_blocks.set(self.engine.view.kv_pool().free_blocks)
         self.telemetry.add_step(stats)
         if self._expert_load is not None:
             self._expert_load.maybe_observe()

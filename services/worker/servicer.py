@@ -26,7 +26,7 @@ from services.worker.decode_jobs import GenerateEvent, GenerateJob, JobChoice, P
 from services.worker.decode_service import DecodeService
 from services.worker.faults import WorkerFaults
 from services.worker.metrics import WorkerMetrics
-from services.worker.prefill_order import PrefillOrder
+from services.worker.prefill_order import PrefillDestination, PrefillOrder
 from services.worker.prefill_service import DrainingError, PrefillResult, PrefillService
 from services.worker.remote_prefill import KV_IDLE_TRAILER
 
@@ -113,6 +113,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context.set_trailing_metadata(_IDLE)  # the job is terminal: nothing more will land
         self._metrics.requests.labels("Prefill", "OK").inc()
         return _prefill_response(result)
+
+    async def PrefillDestination(self, request: pb.PrefillDestinationRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> pb.PrefillDestinationResponse:
+        if self._prefill is None:
+            await self._abort(context, "PrefillDestination", grpc.StatusCode.FAILED_PRECONDITION,
+                              "this is not a prefill worker")
+        assert self._prefill is not None
+        try:
+            why = self._prefill.place(PrefillDestination.from_proto(request))
+        except InvalidRequestError as e:
+            await self._abort(context, "PrefillDestination", grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._metrics.requests.labels("PrefillDestination", "OK").inc()
+        return pb.PrefillDestinationResponse(accepted=not why, reason=why)
 
     async def Handshake(self, request: pb.HandshakeRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:

@@ -41,6 +41,9 @@ class TierMetrics:
         self.skipped = Counter("baton_kv_tier_load_skipped",
                                "Prefix lookups that found a block but judged loading it slower than recomputing",
                                registry=r)
+        self.spills_dropped = Counter("baton_kv_tier_spills_dropped",
+                                      "Host-tier evictions dropped instead of written to the disk tier: the spill "
+                                      "window was full (the disk writer is behind)", registry=r)
         self.load_seconds = Histogram("baton_kv_tier_load_seconds", "Promotion latency (start -> blocks landed)",
                                       buckets=LOAD_LATENCY_BUCKETS_S, registry=r)
         self._last: TierStatsSnapshot | None = None
@@ -57,9 +60,8 @@ class TierMetrics:
         _add_deltas(self.demoted, snap.demoted_blocks, last.demoted_blocks if last else {})
         _add_deltas(self.demoted_bytes, snap.demoted_bytes, last.demoted_bytes if last else {})
         _add_deltas(self.fallbacks, snap.fallbacks, last.fallbacks if last else {})
-        skipped = snap.skipped_slower_than_recompute - (last.skipped_slower_than_recompute if last else 0)
-        if skipped > 0:
-            self.skipped.inc(skipped)
+        _add_delta(self.skipped, snap.skipped_slower_than_recompute, last.skipped_slower_than_recompute if last else 0)
+        _add_delta(self.spills_dropped, snap.spills_dropped, last.spills_dropped if last else 0)
         for seconds in snap.load_latency_s:
             self.load_seconds.observe(seconds)
         self._last = snap
@@ -68,6 +70,10 @@ class TierMetrics:
 def _add_deltas(counter: Counter, now: Mapping[K, int], before: Mapping[K, int]) -> None:
     """Bring a labelled counter from the `before` totals to the `now` totals."""
     for key, value in now.items():
-        delta = value - before.get(key, 0)
-        if delta > 0:
-            counter.labels(key.value).inc(delta)
+        _add_delta(counter.labels(key.value), value, before.get(key, 0))
+
+
+def _add_delta(counter: Counter, now: int, before: int) -> None:
+    """Bring a counter from the `before` total to the `now` total."""
+    if now > before:
+        counter.inc(now - before)

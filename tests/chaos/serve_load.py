@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from services.gateway.auth import generate_api_key
+from services.gateway.tenancy.auth import generate_api_key
 from services.launcher.process import free_port
 
 SERVE = ("import sys, argparse\nfrom services.launcher.serve import register_serve_command\n"

@@ -11,7 +11,6 @@ Each worker sees only its own GPU; every wait has a timeout, and the workers are
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 
@@ -26,14 +25,11 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 require_module("nixl._api")
 
-from loadtest.micro.bench_disagg_gpu import GPU_MODEL  # noqa: E402
-from loadtest.micro.disagg_workers import (  # noqa: E402
-    Worker,
-    generate,
-    physical_gpu,
-    wait_all_serving,
-)
+from lab.micro.bench_disagg_gpu import GPU_MODEL  # noqa: E402
+from lab.micro.disagg_workers import DisaggWorkers, Worker, generate, physical_gpu  # noqa: E402
 from rpcgen.baton.v1 import worker_pb2 as pb  # noqa: E402
+from scheduler.types import WorkerRole  # noqa: E402
+from services.launcher.fleet import WorkerPlan  # noqa: E402
 
 MODEL = dict(GPU_MODEL, num_hidden_layers=4)  # the bench's shape, fewer layers: the same KV layout per layer
 THRESHOLD = 256
@@ -44,25 +40,20 @@ MAX_TOKENS = 24
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Worker]]:
     root = tmp_path_factory.mktemp("disagg")
     (root / "config.json").write_text(json.dumps(MODEL))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
-    common = ["--model", str(root), "--load-format", "dummy", "--seed", "3", "--num-blocks", "1024",
+    env = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+    common = ("--model", str(root), "--load-format", "dummy", "--seed", "3", "--num-blocks", "1024",
               "--max-num-seqs", "16", "--max-model-len", "4096", "--drain-grace-s", "1", "--dtype", "bfloat16",
-              "--attention-backend", "triton", "--device", "cuda:0", "--allow-fault-injection"]
+              "--attention-backend", "triton", "--device", "cuda:0", "--allow-fault-injection")
 
     def on(gpu: int) -> dict[str, str]:
         return {**env, "CUDA_VISIBLE_DEVICES": physical_gpu(gpu)}
 
-    prefill = Worker("prefill-0", "prefill", common, on(0), root).start()
-    both = Worker("both-0", "both", common, on(0), root).start()
-    decode = Worker("decode-0", "decode", [*common, "--prefill-peers", prefill.address,
-                                           "--min-remote-prompt-tokens", str(THRESHOLD)], on(1), root).start()
-    workers = {"prefill": prefill, "both": both, "decode": decode}
-    try:
-        wait_all_serving(list(workers.values()), 240)
-        yield workers
-    finally:
-        for w in (decode, both, prefill):  # decode first: it holds the prefill worker as a KV peer
-            w.stop()
+    plans = [WorkerPlan("prefill-0", WorkerRole.PREFILL, common, on(0), worker_id=True),
+             WorkerPlan("both-0", WorkerRole.BOTH, common, on(0), worker_id=True),
+             WorkerPlan("decode-0", WorkerRole.DECODE, (*common, "--min-remote-prompt-tokens", str(THRESHOLD)), on(1),
+                        prefill_peers=("prefill-0",), worker_id=True)]
+    with DisaggWorkers(plans, root, 240) as workers:  # stops decode first: it holds prefill as a KV peer
+        yield {"prefill": workers["prefill-0"], "both": workers["both-0"], "decode": workers["decode-0"]}
 
 
 def _prompt(n: int, seed: int) -> list[int]:

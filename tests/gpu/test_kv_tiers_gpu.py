@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.kv_tiers.store import TieredKVStore
-from engine.kv_tiers.types import LoadState, Tier, TierConfig
+from engine.kv_tiers.types import KVTier, LoadState, TierConfig
 from tokenization.block_hashes import block_hashes
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +65,7 @@ def test_host_and_disk_blocks_come_back_bit_exact(tmp_path: Path) -> None:
     torch.cuda.synchronize()
     assert all(torch.equal(store.kv_cache[20 + i], originals[i]) for i in range(6))
     hits = store.snapshot().hit_blocks
-    assert hits[Tier.HOST] == 2 and hits[Tier.DISK] == 4
+    assert hits[KVTier.HOST] == 2 and hits[KVTier.DISK] == 4
 
 
 def test_cancel_waits_for_copies_and_releases_every_pin(tmp_path: Path) -> None:
@@ -76,4 +76,38 @@ def test_cancel_waits_for_copies_and_releases_every_pin(tmp_path: Path) -> None:
     assert store.start_load("r", TOKENS, list(range(20, 29)), 0) == 6 * BS
     assert store.cancel("r")
     snap = store.snapshot()
-    assert snap.pinned_blocks == {Tier.HOST: 0, Tier.DISK: 0} and snap.loads_in_flight == 0
+    assert snap.pinned_blocks == {KVTier.HOST: 0, KVTier.DISK: 0} and snap.loads_in_flight == 0
+
+
+def test_a_load_into_a_block_whose_demotion_is_only_queued_keeps_both_blocks_bytes(tmp_path: Path) -> None:
+    """The load runs on its own stream: it must still follow the (queued, then batched) copy that reads
+    the old bytes of its destination block, and that copy must see the old bytes."""
+    store = _store(tmp_path, host_blocks=8, disk_blocks=0)
+    first = store.kv_cache[0].clone()
+    store.demote(0, HASHES[0])
+    second = store.kv_cache[5].clone()
+    store.offer(5, HASHES[1])  # queued for the host, not issued
+    assert store.start_load("r", TOKENS[:2 * BS], [5, 6], 0) == BS  # HASHES[0] into block 5
+    assert _wait(store, "r") == BS
+    torch.cuda.synchronize()
+    assert torch.equal(store.kv_cache[5], first)
+    assert store.start_load("s", TOKENS, list(range(20, 29)), 0) == 2 * BS
+    assert _wait(store, "s") == 2 * BS
+    torch.cuda.synchronize()
+    assert torch.equal(store.kv_cache[21], second)
+
+
+def test_offered_blocks_spill_from_their_host_slots_bit_exact(tmp_path: Path) -> None:
+    """A full host tier writes its victims to disk from the retired slots (after their copy's event)."""
+    store = _store(tmp_path, host_blocks=2, disk_blocks=16)
+    originals = [store.kv_cache[i].clone() for i in range(8)]
+    for i in range(8):
+        store.offer(i, HASHES[i])
+    store.between_steps()  # one batch of 8 copies; 6 victims written from their slots
+    store.flush()
+    store.kv_cache[:8].fill_(3)
+    assert store.start_load("r", TOKENS, list(range(20, 29)), 0) == 8 * BS
+    assert _wait(store, "r") == 8 * BS
+    torch.cuda.synchronize()
+    assert all(torch.equal(store.kv_cache[20 + i], originals[i]) for i in range(8))
+    assert store.snapshot().spills_dropped == 0

@@ -3,7 +3,8 @@
 Shapes: 32 query heads, 8 KV heads, head_dim 128, block size 16, batches up to 64, contexts up to 8k,
 random non-contiguous block tables, fresh random bf16 inputs per test, NaN-poisoned outputs.
 Pass mark: ||out - ref|| / ||ref|| <= 1e-2 per sequence, against attention computed in float32 from
-the same (bf16) cache contents.
+the same (bf16) cache contents. Every launch config the attention sweep may choose
+(engine/kernels/attention_tiles.py candidates) is run here against the same reference.
 """
 
 from __future__ import annotations
@@ -24,8 +25,19 @@ require_module("triton")
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from engine.kernels.attention_tiles import (  # noqa: E402
+    DECODE_CANDIDATES,
+    PREFILL_CANDIDATES,
+    PREFILL_TABLE,
+    WARP_SPECIALIZED_CANDIDATES,
+    DecodeConfig,
+    DecodeRows,
+    PrefillConfig,
+    PrefillRows,
+)
 from engine.kernels.kv_store import is_interpreted, store_kv  # noqa: E402
 from engine.kernels.paged_decode import _decode_split_kernel, choose_num_splits, paged_decode  # noqa: E402
+from engine.kernels.paged_mixed import paged_mixed  # noqa: E402
 from engine.kernels.paged_prefill import paged_prefill  # noqa: E402
 
 H_Q, H_KV, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -162,6 +174,23 @@ def test_paged_decode_matches_fp32_reference(batch: int, min_ctx: int, max_ctx: 
     assert_close(out, reference(query, cache, tables, seq_lens, [1] * batch), [1] * batch)
 
 
+@pytest.mark.parametrize("config", DECODE_CANDIDATES, ids=DecodeConfig.label)
+def test_every_decode_candidate_config_matches_fp32_reference(config: DecodeConfig) -> None:
+    """Each config the sweep may pick, with the split count it gives a batch of 8 on this card."""
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    seq_lens = random_lens(8, 1, 8192, gen)
+    num_blocks = sum(math.ceil(n / BLOCK) for n in seq_lens) + 64
+    cache = make_cache(num_blocks, torch.bfloat16, gen)
+    tables = random_block_tables(seq_lens, num_blocks, gen)
+    query = torch.randn(8, H_Q, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    splits = config.num_splits(8, H_KV, sms, max(seq_lens))
+    paged_decode(query, cache, LAYER, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), SCALE,
+                 splits, out=out, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages)
+    assert_close(out, reference(query, cache, tables, seq_lens, [1] * 8), [1] * 8)
+
+
 def test_paged_decode_replays_in_a_cuda_graph_as_contexts_change() -> None:
     """A captured decode (fixed splits) stays correct when the metadata buffers change in place."""
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -220,6 +249,38 @@ def test_paged_prefill_matches_fp32_reference(seq_lens: list[int], query_lens: l
     out = torch.full_like(query, float("nan"))
     paged_prefill(query, cache, LAYER, tables, meta.seq_lens, meta.query_start_loc, SCALE, out=out)
     assert_close(out, reference(query, cache, tables, seq_lens, query_lens), query_lens)
+
+
+MIXED_SEQ_LENS = [3072, 3072] + [2048] * 30 + [5000, 1]
+MIXED_QUERY_LENS = [1024, 700] + [1] * 30 + [333, 1]
+
+
+@pytest.mark.parametrize(
+    ("config", "decode_rows"),
+    [*((c, DecodeRows.INLINE) for c in (*PREFILL_CANDIDATES, *WARP_SPECIALIZED_CANDIDATES)),
+     *((PREFILL_TABLE[PrefillRows.LARGE], mode) for mode in DecodeRows)],
+    ids=lambda v: v.label() if isinstance(v, PrefillConfig) else v.value,
+)
+def test_every_prefill_candidate_config_matches_fp32_reference(config: PrefillConfig,
+                                                               decode_rows: DecodeRows) -> None:
+    """A mixed batch (prompt chunks, an extend, decode rows, a one-token prompt) through each config the
+    sweep may pick, and through the default config with the decode rows in each place they can run."""
+    if config.warp_specialize and torch.cuda.get_device_capability(DEVICE)[0] < 10:
+        pytest.skip("Triton documents automatic warp specialization for Blackwell (capability 10) only")
+    gen = torch.Generator(device=DEVICE).manual_seed(23)
+    num_blocks = sum(math.ceil(n / BLOCK) for n in MIXED_SEQ_LENS) + 64
+    cache = make_cache(num_blocks, torch.bfloat16, gen)
+    tables = random_block_tables(MIXED_SEQ_LENS, num_blocks, gen)
+    meta = metadata(MIXED_SEQ_LENS, MIXED_QUERY_LENS, tables)
+    query = torch.randn(sum(MIXED_QUERY_LENS), H_Q, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    args = (query, cache, LAYER, tables, meta.seq_lens, meta.query_start_loc, SCALE)
+    if decode_rows == DecodeRows.DECODE_KERNEL:
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        paged_mixed(*args, MIXED_QUERY_LENS.count(1), sms, max(MIXED_SEQ_LENS), out=out, prefill=config)
+    else:
+        paged_prefill(*args, out=out, config=config, decode_rows=decode_rows)
+    assert_close(out, reference(query, cache, tables, MIXED_SEQ_LENS, MIXED_QUERY_LENS), MIXED_QUERY_LENS)
 
 
 # ------------------------------------------------------------------------------------------- backend

@@ -13,6 +13,7 @@ import torch
 from engine.config import BatcherConfig, CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.support.prefix_hits import generate_counting_cached
 from tests.support.required import require_module
 
 NEW_TOKENS = 32  # long enough for every batching case to overlap; 64 doubled the test time
@@ -103,12 +104,7 @@ def test_prefix_cache_hit_reuses_blocks_and_matches_hf(engine, hf_model):
     first = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}])
     second = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "Name a city."}])
     engine.generate([first], GREEDY)
-    engine.add_request("prefix-hit", second, GREEDY)
-    tokens, cached = [], 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-            cached = max(cached, out.num_cached_tokens)
+    tokens, cached = generate_counting_cached(engine, "prefix-hit", second, GREEDY)
     shared = len(_common_prefix(first, second))
     block = engine.config.cache.block_size
     assert cached == shared // block * block > 0

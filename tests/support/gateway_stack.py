@@ -1,5 +1,5 @@
 """The real serving stack for gateway tests: a `both` worker, the billing consumer and the gateway, as
-subprocesses (started by the launcher's `Supervisor`), on the session's Postgres, Redis and broker.
+subprocesses (started by the launcher's cluster builder), on the session's Postgres, Redis and broker.
 
 Tenants are real organisations and keys in the gateway's database, created per test with unique
 names, so tests never share rate-limit buckets, conversations or usage rows.
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -25,11 +26,22 @@ from openai import OpenAI
 
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.settings import Tier
-from services.gateway.admin import create_key, create_org
+from scheduler.types import Tier, WorkerRole
 from services.gateway.db.pool import Database, DatabaseConfig
-from services.launcher.process import SupervisedProcess, free_port
-from services.launcher.supervisor import ChildSpec, Supervisor, http_ok, listening, log_line
+from services.gateway.tenancy.admin import create_key, create_org
+from services.launcher.builder import (
+    BillingSpec,
+    ClusterBuilder,
+    ClusterEndpoints,
+    ClusterSpec,
+    GatewaySpec,
+    SafetySpec,
+    SchedulerSpec,
+    start_cluster,
+)
+from services.launcher.fleet import WorkerPlan
+from services.launcher.process import SupervisedProcess
+from services.launcher.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -101,35 +113,63 @@ class GatewayStack:
         return int(float(match.group(1))) if match else 0
 
     def gateway_env(self, **extra: str) -> dict[str, str]:
-        return {**self.infra_env, "BATON_WORKER_ADDRESSES": json.dumps([self.worker_address]),
-                "BATON_SSE_KEEPALIVE_S": "0.1", "BATON_STREAM_REPLAY_WINDOW_S": "60",
-                "BATON_STREAM_DETACH_GRACE_S": "0",  # a disconnect aborts at once; the detach tests start their own
-                "BATON_DRAIN_TIMEOUT_S": "20", "PYTHONUNBUFFERED": "1", **extra}
+        return {**_gateway_env(self.infra_env), "BATON_WORKER_ADDRESSES": json.dumps([self.worker_address]), **extra}
 
     def start_gateway(self, name: str, **extra_env: str) -> tuple[SupervisedProcess, str]:
-        """Another gateway on this stack (e.g. with safety, or to be drained); stopped with the stack."""
+        """Another gateway on this stack (e.g. with safety, or to be drained); stopped when its module ends."""
         self._extra_gateways.append(name)
         return start_gateway(self.supervisor, name, self.gateway_env(**extra_env))
 
     def start_pattern_safety(self, policy_dir: Path) -> str:
         """A safety service whose thresholds are 1.0, so only the deterministic pattern tier fires (the
-        classifier's scores never reach 1.0); stopped with the stack. Its address."""
+        classifier's scores never reach 1.0); stopped when its module ends. Its address."""
         return self.start_safety(policy_dir, {"default": {"categories": {
             c: {"threshold": 1.0, "input": c != "pii"} for c in SAFETY_CATEGORIES}}})
 
     def start_safety(self, policy_dir: Path, policy: dict[str, object] | None = None) -> str:
-        """A safety service with `policy` (None: the built-in default policy); stopped with the stack."""
-        argv = [sys.executable, "-m", "services.safety", "--host", "127.0.0.1"]
+        """A safety service with `policy` (None: the built-in default policy); stopped when its module ends."""
+        args: tuple[str, ...] = ()
         if policy is not None:
             (policy_dir / "policy.json").write_text(json.dumps(policy))
-            argv += ["--policy", str(policy_dir / "policy.json")]
-        port = free_port()
-        self.supervisor.start(ChildSpec(f"safety-{port}", [*argv, "--port", str(port)], listening(port),
-                                        ready_timeout_s=60))
-        return f"127.0.0.1:{port}"
+            args = ("--policy", str(policy_dir / "policy.json"))
+        safety = SafetySpec(f"safety-{uuid.uuid4().hex[:8]}", args, ready_timeout_s=60)
+        address = ClusterBuilder(ClusterSpec(scheduler=None, safety=safety), self.supervisor).start().safety
+        assert address is not None
+        return address
+
+    def start_disaggregated(self, scheduler: str, prefill: str, decoders: Sequence[str],
+                            gateway: str) -> ClusterEndpoints:
+        """A scheduler, a prefill worker, decode workers that hand off from it, all registered with that
+        scheduler, and a gateway that routes through it alone; stopped when the module ends (or one by one).
+        least_loaded keeps the fixed remote-prefill threshold: these tests are about the path, and the
+        goodput policy prices an idle CPU decode worker's own prefill cheaper than a hand-off (tested on
+        its own in tests/integration/scheduler/test_prefill_siting_process.py)."""
+        workers = (worker_plan(prefill, "prefill", self.model_dir),
+                   *(replace(worker_plan(name, "decode", self.model_dir), prefill_peers=(prefill,))
+                     for name in decoders))
+        spec = ClusterSpec(workers, scheduler=SchedulerSpec(scheduler, args=(
+            "--heartbeat-interval-s", "0.5", "--policy", "least_loaded"), ready_timeout_s=60),
+            gateway=_gateway_spec(gateway, self.gateway_env(BATON_WORKER_ADDRESSES="[]")), worker_ready_timeout_s=180)
+        self._extra_gateways.append(gateway)
+        return ClusterBuilder(spec, self.supervisor).start()
 
     def log_tail(self, name: str = "gateway", lines: int = 40) -> str:
         return self.supervisor.log_tail(name, lines)
+
+    @contextmanager
+    def stopping_what_starts(self) -> Iterator[None]:
+        """Stop, on exit, every process started on this stack meanwhile (a module's extra gateways, safety
+        services, schedulers, workers), all at once; the stack's own children stay, and so does one a test
+        restarted under their names. "Stopped with the stack" alone kept them to the end of the session:
+        a P/D pair, a scheduler, four gateways and a safety service left by the gateway suite used ~0.25 of
+        a core (NIXL polls every millisecond) and 3 GB through every later suite."""
+        own = {spec.name for spec, _ in self.supervisor.children}
+        try:
+            yield
+        finally:
+            started = {spec.name for spec, _ in self.supervisor.children} - own
+            self.supervisor.stop_peers(started)
+            self._extra_gateways = [name for name in self._extra_gateways if name not in started]
 
     def close(self) -> None:
         if self._channel is not None:
@@ -152,11 +192,21 @@ async def _make_tenant(database_url: str, tier: Tier, rpm: int | None, tpm: int 
 
 
 def start_gateway(supervisor: Supervisor, name: str, env: dict[str, str]) -> tuple[SupervisedProcess, str]:
-    port = free_port()
-    process = supervisor.start(ChildSpec(name, [sys.executable, "-m", "services.gateway", "--port", str(port)],
-                                         http_ok(f"http://127.0.0.1:{port}/readyz"), env=env, ready_timeout_s=60,
-                                         stop_timeout_s=30))
-    return process, f"http://127.0.0.1:{port}"
+    """A gateway named `name` on a free port, configured by `env` alone (its workers included)."""
+    url = ClusterBuilder(ClusterSpec(scheduler=None, gateway=_gateway_spec(name, env)), supervisor).start().gateway_url
+    assert url is not None
+    return supervisor.process(name), url
+
+
+def _gateway_spec(name: str, env: dict[str, str]) -> GatewaySpec:
+    return GatewaySpec(name=name, env=env, ready_timeout_s=60, stop_timeout_s=30)
+
+
+def _gateway_env(infra_env: dict[str, str]) -> dict[str, str]:
+    """A test gateway's settings beside its infrastructure's (and its workers')."""
+    return {**infra_env, "BATON_SSE_KEEPALIVE_S": "0.1", "BATON_STREAM_REPLAY_WINDOW_S": "60",
+            "BATON_STREAM_DETACH_GRACE_S": "0",  # a disconnect aborts at once; the detach tests start their own
+            "BATON_DRAIN_TIMEOUT_S": "20", "PYTHONUNBUFFERED": "1"}
 
 
 def open_gateway_env(worker: str, model_dir: Path, **extra: str) -> dict[str, str]:
@@ -166,14 +216,17 @@ def open_gateway_env(worker: str, model_dir: Path, **extra: str) -> dict[str, st
             "BATON_DRAIN_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1", **extra}
 
 
+def worker_plan(name: str, role: str, model_dir: Path, *extra: str) -> WorkerPlan:
+    """A one-thread worker of the test model with the tests' KV pool and context window."""
+    args = ("--model", str(model_dir), "--model-id", MODEL, "--torch-threads", "1", "--num-blocks", str(WORKER_BLOCKS),
+            "--max-model-len", str(CONTEXT_WINDOW), *extra)
+    return WorkerPlan(name, WorkerRole(role), args, {"OMP_NUM_THREADS": "1"}, worker_id=True)
+
+
 def start_worker(supervisor: Supervisor, name: str, role: str, model_dir: Path, *extra: str) -> str:
-    port = free_port()
-    argv = [sys.executable, "-m", "services.worker", "--role", role, "--model", str(model_dir), "--model-id", MODEL,
-            "--port", str(port), "--worker-id", name, "--torch-threads", "1", "--num-blocks", str(WORKER_BLOCKS),
-            "--max-model-len", str(CONTEXT_WINDOW), *extra]
-    supervisor.start(ChildSpec(name, argv, log_line("BATON_WORKER_READY"), env={"OMP_NUM_THREADS": "1"},
-                               ready_timeout_s=180))
-    return f"127.0.0.1:{port}"
+    """A worker (see `worker_plan`) under `supervisor`; its address. `extra` flags win over the defaults."""
+    spec = ClusterSpec((worker_plan(name, role, model_dir, *extra),), scheduler=None, worker_ready_timeout_s=180)
+    return ClusterBuilder(spec, supervisor).start().workers[0].address
 
 
 def start_stack(log_dir: Path, model_dir: Path, database_url: str, redis_url: str, kafka: str) -> GatewayStack:
@@ -185,15 +238,11 @@ def start_stack(log_dir: Path, model_dir: Path, database_url: str, redis_url: st
                  "BATON_BILLING_GROUP_ID": f"billing-{topic}", "BATON_BILLING_BATCH_SIZE": "20",
                  "BATON_KAFKA_CONSUMER_CONFIG": json.dumps(KAFKA_TEST_CONSUMER_CONFIG),
                  "BATON_USAGE_SPOOL_DIR": str(log_dir / "usage-spool")}
-    try:
-        metrics_port = free_port()
-        worker = start_worker(supervisor, "worker-both", "both", model_dir, "--metrics-port", str(metrics_port))
-        supervisor.start(ChildSpec("billing", [sys.executable, "-m", "services.billing"],
-                                   log_line("billing consumer:"), env=infra_env))
-        stack = GatewayStack("", database_url, worker, infra_env, supervisor, model_dir,
-                             f"http://127.0.0.1:{metrics_port}/metrics")
-        _, stack.url = start_gateway(supervisor, "gateway", stack.gateway_env())
-    except BaseException:
-        supervisor.stop_all()
-        raise
-    return stack
+    spec = ClusterSpec((worker_plan("worker-both", "both", model_dir),), scheduler=None,
+                       billing=BillingSpec(infra_env), gateway=_gateway_spec("gateway", _gateway_env(infra_env)),
+                       worker_ready_timeout_s=180)
+    endpoints = start_cluster(spec, supervisor)
+    assert endpoints.gateway_url is not None
+    worker = endpoints.workers[0]
+    return GatewayStack(endpoints.gateway_url, database_url, worker.address, infra_env, supervisor, model_dir,
+                        worker.metrics_url)

@@ -13,8 +13,8 @@ import grpc
 
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler.adapters.convert import summary_to_proto
 from scheduler.types import RequestSummary
+from services.gateway.routing.convert import summary_to_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 

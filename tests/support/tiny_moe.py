@@ -20,7 +20,11 @@ from tests.support.required import require_module
 
 SMALL: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)
-# family -> (transformers config class, its kwargs beyond SMALL)
+_MLA: dict[str, Any] = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+_YARN: dict[str, Any] = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512,
+                             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=1.0)
+# family -> (transformers config class, its kwargs beyond SMALL, which they override)
 TINY_MOE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, head_dim=32)),
@@ -31,6 +35,15 @@ TINY_MOE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-moe-shared-expert": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
                                                        moe_intermediate_size=32,
                                                        shared_expert_intermediate_size=48)),
+    # DeepSeek-V2 (MLA without q_lora, like V2-Lite; softmax grouped routing; a dense first layer; yarn
+    # rope with DeepSeek's mscale on the softmax scale) and V3 (q_lora, sigmoid routing + correction
+    # bias, renormalised and scaled).
+    "deepseek-v2": ("DeepseekV2Config", dict(**_MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=1,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=1.5, rope_parameters=_YARN)),
+    "deepseek-v3": ("DeepseekV3Config", dict(**_MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1,
+                                             n_group=4, topk_group=2, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5)),
 }
 _TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -39,7 +52,7 @@ def build_tiny_moe(family: str, vocab_size: int, tie_word_embeddings: bool = Fal
     """A `transformers` model of the family with seeded random weights (norms and all, see `randomize`)."""
     transformers = require_module("transformers")
     config_cls, kwargs = TINY_MOE_FAMILIES[family]
-    hf_config = getattr(transformers, config_cls)(**SMALL, **kwargs, vocab_size=vocab_size,
+    hf_config = getattr(transformers, config_cls)(**{**SMALL, **kwargs}, vocab_size=vocab_size,
                                                   tie_word_embeddings=tie_word_embeddings)
     hf_config.architectures = [config_cls.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)

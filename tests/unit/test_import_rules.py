@@ -24,4 +24,4 @@ def test_the_layering_contracts_are_configured() -> None:
     """Dropping a contract from pyproject.toml must be a deliberate change here too."""
     contracts = {c["id"] for c in read_configuration(str(ROOT / "pyproject.toml"))["contracts_options"]}
     assert {"ground-floor", "ground-floor-independent", "torch-free", "gateway-no-engine", "scheduler-no-services",
-            "common-below", "engine-below", "kvtransfer-below"} <= contracts
+            "common-below", "engine-below", "kvtransfer-below", "product-no-lab"} <= contracts

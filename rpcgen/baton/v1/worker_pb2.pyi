@@ -193,7 +193,7 @@ class AbortResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "attempt", "transfer_timeout_s", "choice_sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent", "remote_block_ids", "num_cached_tokens", "attempt", "transfer_timeout_s", "choice_sampling", "destination_follows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class PrefillRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CHOICE_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -212,7 +213,28 @@ class PrefillRequest(_message.Message):
     attempt: int
     transfer_timeout_s: float
     choice_sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., choice_sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
+    destination_follows: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_agent: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., choice_sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., destination_follows: _Optional[bool] = ...) -> None: ...
+
+class PrefillDestinationRequest(_message.Message):
+    __slots__ = ("request_id", "attempt", "remote_block_ids", "num_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    attempt: int
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillDestinationResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "outcome", "reason", "prefill_seconds", "transfer_seconds", "transfer_bytes", "num_prefill_cached_tokens")
@@ -237,7 +259,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., outcome: _Optional[_Union[TransferOutcome, str]] = ..., reason: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank")
+    __slots__ = ("protocol_version", "model_id", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank", "pp_size", "pp_rank", "first_layer")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +270,9 @@ class KVLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     dtype: str
@@ -258,7 +283,10 @@ class KVLayout(_message.Message):
     head_dim: int
     tp_size: int
     tp_rank: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    pp_size: int
+    pp_rank: int
+    first_layer: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., first_layer: _Optional[int] = ...) -> None: ...
 
 class KVHandshake(_message.Message):
     __slots__ = ("layout", "agent_name", "agent_metadata", "base_address", "num_blocks", "bytes_per_block", "device_kind", "device_id", "ranks")
@@ -349,18 +377,20 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., quarantined_requests: _Optional[int] = ..., waiting_for_remote_kv: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., inflight_prefill_requests: _Optional[int] = ..., running_context_tokens: _Optional[int] = ..., running_remaining_tokens: _Optional[int] = ..., requests_received: _Optional[int] = ..., max_prefill_chunk: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
 
 class KVTierStatus(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "occupied_blocks", "pinned_blocks", "hit_blocks")
+    __slots__ = ("tier", "capacity_blocks", "occupied_blocks", "pinned_blocks", "hit_blocks", "spills_dropped")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OCCUPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     capacity_blocks: int
     occupied_blocks: int
     pinned_blocks: int
     hit_blocks: int
-    def __init__(self, tier: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., occupied_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ...) -> None: ...
+    spills_dropped: int
+    def __init__(self, tier: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., occupied_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., spills_dropped: _Optional[int] = ...) -> None: ...
 
 class InjectFaultRequest(_message.Message):
     __slots__ = ("fault", "times", "delay_s")

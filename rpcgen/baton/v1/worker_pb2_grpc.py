@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillDestination = channel.unary_unary(
+                '/baton.v1.Worker/PrefillDestination',
+                request_serializer=baton_dot_v1_dot_worker__pb2.PrefillDestinationRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillDestinationResponse.FromString,
+                _registered_method=True)
         self.Handshake = channel.unary_unary(
                 '/baton.v1.Worker/Handshake',
                 request_serializer=baton_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
@@ -82,6 +87,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillDestination(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +133,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillDestination': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillDestination,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillDestinationRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.PrefillDestinationResponse.SerializeToString,
             ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
@@ -220,6 +236,33 @@ class Worker:
             '/baton.v1.Worker/Prefill',
             baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillDestination(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/PrefillDestination',
+            baton_dot_v1_dot_worker__pb2.PrefillDestinationRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.PrefillDestinationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,12 +148,12 @@ class GoodputPolicy(Policy):
         return cached[1] - view.cost(decode.worker_id).prefill_marginal_s(hit)
 
     def _decide(
-        self, request: RequestSummary, placement: Placement, kind: DecisionKind, reason: str,
+        self, request: RequestSummary, placement: Placement, kind: DecisionKind, reason: Reason,
         max_tokens: int | None = None,
     ) -> RouteDecision:
         decision = placement.decision(request, kind, reason, max_tokens)
         choice = self._sites.get(id(placement))
-        return decision if choice is None else replace(decision, prefill_reason=choice.reason.value)
+        return decision if choice is None else replace(decision, prefill_reason=choice.reason)
 
     def _best(
         self, request: RequestSummary, view: ClusterView, placements: Sequence[Placement]

@@ -9,8 +9,9 @@ from decimal import Decimal
 
 from psycopg import errors as pg_errors
 
+from scheduler.types import Tier
 from services.common.errors import InvalidRequestError, NotFoundError
-from services.common.settings import TIERS, Tier
+from services.common.settings import TIERS
 from services.gateway.db.pool import Database, returned
 
 _ORG_COLUMNS = "id, name, tier, monthly_budget_usd, created_at"
@@ -41,7 +42,7 @@ class AccountStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def create_org(self, name: str, tier: Tier = "free",
+    async def create_org(self, name: str, tier: Tier = Tier.FREE,
                          monthly_budget_usd: Decimal | None = None) -> Organisation:
         if tier not in TIERS:
             raise InvalidRequestError(f"unknown tier {tier!r}; valid tiers: {list(TIERS)}")

@@ -8,8 +8,8 @@ from datetime import datetime
 
 from psycopg import errors as pg_errors
 
+from scheduler.types import Tier
 from services.common.errors import InvalidRequestError, NotFoundError
-from services.common.settings import Tier
 from services.gateway.db.pool import Database, returned
 
 _KEY_COLUMNS = ("k.id, k.org_id, k.user_id, k.prefix, k.name, k.created_at, k.revoked_at, "

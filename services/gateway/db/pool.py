@@ -23,7 +23,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from services.common.errors import ConfigError, DependencyUnavailableError
 from services.common.settings import BatonSettings
 from services.gateway.db.migrations import migrate_gateway
-from services.gateway.outage import OutageLog
+from services.gateway.tenancy.outage import OutageLog
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rpcgen.baton.v1 import api_pb2 as pb
+from tokenization.finish_reason import FinishReason
 
 Body = Mapping[str, Any]
 FINISH_TO_PROTO = {
     None: pb.COMPLETION_FINISH_UNSPECIFIED,
-    "stop": pb.COMPLETION_FINISH_STOP,
-    "length": pb.COMPLETION_FINISH_LENGTH,
-    "content_filter": pb.COMPLETION_FINISH_CONTENT_FILTER,
-    "tool_calls": pb.COMPLETION_FINISH_TOOL_CALLS,
-    "abort": pb.COMPLETION_FINISH_ABORT,
-    "error": pb.COMPLETION_FINISH_ERROR,
+    FinishReason.STOP: pb.COMPLETION_FINISH_STOP,
+    FinishReason.LENGTH: pb.COMPLETION_FINISH_LENGTH,
+    FinishReason.CONTENT_FILTER: pb.COMPLETION_FINISH_CONTENT_FILTER,
+    FinishReason.TOOL_CALLS: pb.COMPLETION_FINISH_TOOL_CALLS,
+    FinishReason.ABORT: pb.COMPLETION_FINISH_ABORT,
+    FinishReason.ERROR: pb.COMPLETION_FINISH_ERROR,
 }
 
 

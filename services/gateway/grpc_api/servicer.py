@@ -20,12 +20,12 @@ import grpc
 
 from rpcgen.baton.v1 import api_pb2 as pb
 from rpcgen.baton.v1 import api_pb2_grpc as pb_grpc
-from services.gateway.auth import Principal, key_from_authorization
+from services.gateway.completions.service import ClientGone, Outcome, StreamOutcome
 from services.gateway.deps import GatewayDeps
 from services.gateway.grpc_api.chunks import chunk_from_body
 from services.gateway.grpc_api.requests import chat_body, text_body
 from services.gateway.grpc_api.status import RpcFailure, failure_of, stream_failure
-from services.gateway.service import ClientGone, Outcome, StreamOutcome
+from services.gateway.tenancy.auth import Principal, key_from_authorization
 
 Start = Callable[[Principal, ClientGone], Awaitable[Outcome]]
 DONE = "[DONE]"

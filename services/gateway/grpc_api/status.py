@@ -19,7 +19,6 @@ from google.rpc import error_details_pb2, status_pb2
 
 from services.common.errors import BatonError
 from services.gateway.errors import error_headers
-from tokenization.errors import InvalidRequestError as TemplateRejectedError
 
 log = logging.getLogger(__name__)
 DETAILS_KEY = "grpc-status-details-bin"
@@ -46,8 +45,6 @@ class RpcFailure:
 def failure_of(exc: Exception) -> RpcFailure:
     if isinstance(exc, BatonError):
         return _baton_failure(exc)
-    if isinstance(exc, TemplateRejectedError):  # the chat template refused the messages
-        return _failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error", "messages")
     log.error("unexpected error in a gRPC API call", exc_info=exc)
     return _failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error")
 

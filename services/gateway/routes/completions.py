@@ -16,11 +16,11 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from services.gateway.completions.service import ClientGone, Outcome, StreamOutcome
 from services.gateway.deps import Completions, CurrentPrincipal, Deps
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.service import ClientGone, Outcome, StreamOutcome
-from services.gateway.sse import SSEResponse
-from services.gateway.streams import parse_last_event_id
+from services.gateway.streams.replay_log import parse_last_event_id
+from services.gateway.streams.sse import SSEResponse
 
 router = APIRouter(tags=["completions"])
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=300)]

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from services.gateway.deps import Deps
-from services.gateway.routing import RouterClient
+from services.gateway.routing.router_client import RouterClient
 
 router = APIRouter(tags=["health"])
 log = logging.getLogger(__name__)

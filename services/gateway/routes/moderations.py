@@ -28,9 +28,9 @@ from typing import Annotated
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway.completions.safety_gate import InputDecision, SafetyVerdict, check_length_or_400
 from services.gateway.deps import CurrentPrincipal, Deps
 from services.gateway.errors import BadRequestError
-from services.gateway.safety_gate import InputDecision, SafetyVerdict, check_length_or_400
 
 router = APIRouter(tags=["moderations"])
 

@@ -1,5 +1,5 @@
 """`POST /v1/responses` and `POST /v1/responses/{id}/cancel`: OpenAI's Responses API, text and function
-tools (see services/gateway/responses.py)."""
+tools (see services/gateway/completions/responses.py)."""
 
 from __future__ import annotations
 

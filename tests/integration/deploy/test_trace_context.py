@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind
 from scheduler.adapters.server import SchedulerService, SchedulerServiceConfig
 from scheduler.types import SLO, RequestSummary, Tier
 from services.common.tracing import traced
-from services.gateway.routing import RouterClient
+from services.gateway.routing.router_client import RouterClient
 from tests.support.spans import recorded_spans
 
 ROUTE = "baton.v1.Scheduler/Route"

@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from services.gateway.db.conversations import ConversationStore
 from services.gateway.db.pool import Database, DatabaseConfig
-from services.gateway.retention import purge_expired_conversations
+from services.gateway.tenancy.retention import purge_expired_conversations
 from tests.support.gateway_stack import CONTEXT_WINDOW, MODEL, GatewayStack, Tenant
 from tokenization.tokenizer import Tokenizer
 

@@ -9,7 +9,6 @@ prefilled.
 from __future__ import annotations
 
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,9 +17,7 @@ from dataclasses import dataclass
 import pytest
 from openai import OpenAI
 
-from services.launcher.process import free_port
-from services.launcher.supervisor import ChildSpec, listening
-from tests.support.gateway_stack import MODEL, GatewayStack, Tenant, start_worker
+from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 from tests.support.required import require_module
 
 require_module("nixl._api")  # the prefill -> decode hand-off: a missing nixl is an ERROR, never a skip
@@ -29,32 +26,18 @@ require_module("nixl._api")  # the prefill -> decode hand-off: a missing nixl is
 @dataclass(frozen=True)
 class Disaggregated:
     url: str
-    decode_metrics_port: int
+    decode_metrics_url: str
 
 
 @pytest.fixture(scope="module")
 def disaggregated(gateway_stack: GatewayStack) -> Iterator[Disaggregated]:
-    supervisor = gateway_stack.supervisor
-    port = free_port()
-    # least_loaded keeps the fixed remote-prefill threshold: this test is about the path, and the goodput
-    # policy prices an idle CPU decode worker's own prefill cheaper than a hand-off (tested on its own in
-    # tests/integration/scheduler/test_prefill_siting_process.py).
-    supervisor.start(ChildSpec("scheduler", [sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1",
-                                             "--port", str(port), "--heartbeat-interval-s", "0.5",
-                                             "--policy", "least_loaded"],
-                               listening(port), ready_timeout_s=60))
-    scheduler = f"127.0.0.1:{port}"
-    prefill = start_worker(supervisor, "worker-prefill", "prefill", gateway_stack.model_dir, "--scheduler", scheduler)
-    metrics_port = free_port()
-    start_worker(supervisor, "worker-decode", "decode", gateway_stack.model_dir, "--scheduler", scheduler,
-                 "--prefill-peers", prefill, "--metrics-port", str(metrics_port))
-    _, url = gateway_stack.start_gateway("gateway-pd", BATON_SCHEDULER_ADDRESS=scheduler,
-                                         BATON_WORKER_ADDRESSES="[]")
-    yield Disaggregated(url, metrics_port)
+    cluster = gateway_stack.start_disaggregated("scheduler", "worker-prefill", ["worker-decode"], "gateway-pd")
+    assert cluster.gateway_url is not None
+    yield Disaggregated(cluster.gateway_url, cluster.worker("worker-decode").metrics_url)
 
 
-def _remote_prefills(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+def _remote_prefills(metrics_url: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
         text = response.read().decode()
     return sum(float(m.group(1)) for m in re.finditer(r'baton_pd_prefill_path_total\{[^}]*path="remote"[^}]*\} (\S+)',
                                                        text))
@@ -62,7 +45,7 @@ def _remote_prefills(port: int) -> float:
 
 def test_a_long_prompt_is_prefilled_remotely_and_streamed(disaggregated: Disaggregated, tenant: Tenant) -> None:
     client = OpenAI(base_url=f"{disaggregated.url}/v1", api_key=tenant.key, max_retries=0, timeout=60)
-    before = _remote_prefills(disaggregated.decode_metrics_port)
+    before = _remote_prefills(disaggregated.decode_metrics_url)
     # Above the scheduler's remote-prefill threshold (256 uncached tokens).
     prompt = "Summarise this in one word: " + "the sea is calm and blue today. " * 45
     deadline = time.monotonic() + 20  # the workers' first heartbeats may still be on their way
@@ -78,7 +61,7 @@ def test_a_long_prompt_is_prefilled_remotely_and_streamed(disaggregated: Disaggr
             time.sleep(0.5)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert _remote_prefills(disaggregated.decode_metrics_port) == before + 1
+    assert _remote_prefills(disaggregated.decode_metrics_url) == before + 1
 
 
 def test_n_choices_share_one_remote_prefill_with_the_co_located_logprobs(
@@ -89,9 +72,9 @@ def test_n_choices_share_one_remote_prefill_with_the_co_located_logprobs(
     ask = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, n=3, seed=77,
                temperature=1.0, logprobs=True, top_logprobs=2)
     pd = OpenAI(base_url=f"{disaggregated.url}/v1", api_key=tenant.key, max_retries=0, timeout=60)
-    before = _remote_prefills(disaggregated.decode_metrics_port)
+    before = _remote_prefills(disaggregated.decode_metrics_url)
     reply = pd.chat.completions.create(**ask)  # type: ignore[call-overload]
-    assert _remote_prefills(disaggregated.decode_metrics_port) == before + 1  # one prefill for all three
+    assert _remote_prefills(disaggregated.decode_metrics_url) == before + 1  # one prefill for all three
     with gateway_stack.openai(tenant.key) as co_located:
         reference = co_located.chat.completions.create(**ask)  # type: ignore[call-overload]
     assert [c.index for c in reply.choices] == [0, 1, 2]

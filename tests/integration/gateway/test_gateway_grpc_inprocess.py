@@ -19,9 +19,9 @@ from services.common.settings import BatonSettings
 from services.gateway.config import GatewayConfig, ServedModel
 from services.gateway.deps import GatewayDeps
 from services.gateway.grpc_api.server import SERVICE_NAME, GrpcApiConfig, GrpcApiServer
-from services.gateway.last_view import StaticWorkers
-from services.gateway.routing import RouterClient
-from services.gateway.tenancy import build_open_tenancy
+from services.gateway.routing.last_view import StaticWorkers
+from services.gateway.routing.router_client import RouterClient
+from services.gateway.tenancy.backends import build_open_tenancy
 from services.launcher.process import free_port
 from tests.support.gateway_stack import MODEL
 from tokenization.tokenizer import Tokenizer

@@ -1,5 +1,5 @@
 """A decode worker killed (SIGKILL) under a running request: retried before its first token, migrated
-after it (services/gateway/migration.py), on real `both` workers and gateways of the session's stack.
+after it (services/gateway/completions/migration.py), on real `both` workers and gateways of the session's stack.
 
 Two workers of their own (the module kills them) behind gateways with static routing over both. Each
 gateway avoids a worker it saw die, so the tests that need a gateway unaware of a death start a fresh

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,11 +25,9 @@ from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from rpcgen.baton.v1 import worker_pb2_grpc as wpb_grpc
-from services.launcher.process import free_port
-from services.launcher.supervisor import ChildSpec, listening
 from tests.integration.gateway.migration_checks import billed, content, migrations
 from tests.integration.gateway.sse_events import Event, events
-from tests.support.gateway_stack import MODEL, GatewayStack, Tenant, start_worker
+from tests.support.gateway_stack import MODEL, GatewayStack, Tenant
 from tests.support.required import require_module
 
 require_module("nixl._api")  # the prefill -> decode hand-off: a missing nixl is an ERROR, never a skip
@@ -69,18 +66,11 @@ class PDCluster:
 @pytest.fixture(scope="module")
 def cluster(gateway_stack: GatewayStack) -> Iterator[PDCluster]:
     supervisor = gateway_stack.supervisor
-    port, metrics_port = free_port(), free_port()
-    supervisor.start(ChildSpec("scheduler-pd", [sys.executable, "-m", "scheduler.adapters", "--host", "127.0.0.1",
-                                                "--port", str(port), "--metrics-port", str(metrics_port),
-                                                "--heartbeat-interval-s", "0.5", "--policy", "least_loaded"],
-                               listening(port), ready_timeout_s=60))
-    scheduler = f"127.0.0.1:{port}"
-    prefill = start_worker(supervisor, "worker-pd-p", "prefill", gateway_stack.model_dir, "--scheduler", scheduler)
-    decoders = {name: start_worker(supervisor, name, "decode", gateway_stack.model_dir, "--scheduler", scheduler,
-                                   "--prefill-peers", prefill) for name in DECODERS}
-    _, url = gateway_stack.start_gateway("gateway-pd-m", BATON_SCHEDULER_ADDRESS=scheduler,
-                                         BATON_WORKER_ADDRESSES="[]")
-    pd = PDCluster(gateway_stack, url, scheduler, f"http://127.0.0.1:{metrics_port}/metrics", decoders)
+    started = gateway_stack.start_disaggregated("scheduler-pd", "worker-pd-p", DECODERS, "gateway-pd-m")
+    assert started.gateway_url is not None and started.scheduler is not None
+    assert started.scheduler_metrics_url is not None
+    decoders = {name: started.worker(name).address for name in DECODERS}
+    pd = PDCluster(gateway_stack, started.gateway_url, started.scheduler, started.scheduler_metrics_url, decoders)
     give_up = time.monotonic() + 20  # registrations may still be on their way
     while pd.listed() != {"worker-pd-p", *DECODERS}:
         assert time.monotonic() < give_up, f"workers never all registered: {pd.listed()}"

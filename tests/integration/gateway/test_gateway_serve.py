@@ -25,7 +25,7 @@ from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as spb_grpc
 from services.client import BatonClient, Sampling
 from services.common.cluster_auth import ClusterToken, sync_internal_channel
-from services.gateway.auth import generate_api_key
+from services.gateway.tenancy.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.process import free_port, port_in_use
 from services.launcher.redis_server import EmbeddedRedis

@@ -6,12 +6,14 @@ gateway ignores SIGTERM until it serves: seconds to tens of seconds.)"""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,15 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+@pytest.fixture
+def serve_tmp() -> Iterator[Path]:
+    """The serve's TMPDIR: one the embedded Postgres's account may traverse (pytest's temp root is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="baton-interrupt-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _log_shows(marker: str) -> Callable[[Path], bool]:
     return lambda tmp: marker in (tmp / "serve.log").read_text(errors="replace")
 
@@ -58,8 +69,9 @@ def _infra_starting(tmp: Path) -> bool:
     ("gateway starting", _log_shows("billing ready in"), False),
 ])
 def test_ctrl_c_during_start_up_stops_everything_promptly(
-        phase: str, started: Callable[[Path], bool], embedded: bool, tmp_path: Path, postgres: EmbeddedPostgres,
+        phase: str, started: Callable[[Path], bool], embedded: bool, serve_tmp: Path, postgres: EmbeddedPostgres,
         redis_server: EmbeddedRedis, kafka_broker: EmbeddedKafka, default_model_dir: Path) -> None:
+    tmp_path = serve_tmp
     env = {k: v for k, v in os.environ.items() if k not in _EXTERNAL} | {
         "TMPDIR": str(tmp_path), "BATON_SERVED_MODEL_NAME": MODEL, "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}"}
     if not embedded:

@@ -1,4 +1,6 @@
-"""`baton serve` with two models: workers for each, one gateway serving both, routed by model."""
+"""`baton serve` with two models: workers for each, one gateway serving both, routed by model. The second is a
+tiny DeepSeek-V2 checkpoint (latent attention, routed + shared experts): `baton serve --model NAME=DIR` serves
+a mixture-of-experts model like any other."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from services.gateway.auth import generate_api_key
+from services.gateway.tenancy.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.process import free_port
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.tansu import EmbeddedKafka
 from tests.integration.gateway.test_gateway_serve import SERVE, _children, _wait_for
 from tests.support.gateway_stack import MODEL
+from tests.support.tiny_moe import save_tiny_moe
 
 
 def test_serve_starts_workers_for_two_models_and_routes_by_model(
@@ -29,9 +32,10 @@ def test_serve_starts_workers_for_two_models_and_routes_by_model(
            "BATON_REDIS_URL": redis_server.url, "BATON_KAFKA_BOOTSTRAP": kafka_broker.url,
            "BATON_USAGE_TOPIC": f"serve.{uuid.uuid4().hex[:8]}", "BATON_CACHE_DIR": str(default_model_dir.parents[1])}
     log = tmp_path / "serve.log"
+    moe_dir = save_tiny_moe("deepseek-v2", tmp_path / "tiny-deepseek-v2", default_model_dir)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--port", str(port), "--workers-role", "both",
-                                 "--no-safety", "--model", MODEL, "--model", "tiny=baton-tiny-random",
+                                 "--no-safety", "--model", MODEL, "--model", f"tiny={moe_dir}",
                                  "--num-blocks", "128", "--data-dir", str(tmp_path / "run")],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

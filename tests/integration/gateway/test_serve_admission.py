@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.auth import generate_api_key
+from services.gateway.tenancy.auth import generate_api_key
 from services.launcher.postgres import EmbeddedPostgres
 from services.launcher.process import free_port
 from services.launcher.redis_server import EmbeddedRedis

@@ -12,10 +12,10 @@ import psycopg
 import pytest
 
 from services.common.errors import AuthenticationError, NotFoundError, RevokedKeyError
-from services.gateway.admin import create_key, create_org, register_admin_commands, revoke_key
-from services.gateway.auth import ApiKeyAuthenticator, key_from_authorization
 from services.gateway.db.api_keys import ApiKeyStore
 from services.gateway.db.pool import Database
+from services.gateway.tenancy.admin import create_key, create_org, register_admin_commands, revoke_key
+from services.gateway.tenancy.auth import ApiKeyAuthenticator, key_from_authorization
 
 
 def _org_name() -> str:

@@ -181,3 +181,14 @@ def test_a_trust_data_dir_of_an_older_baton_gets_a_password_and_deleting_it_rota
     finally:
         server.close()
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to the postgres account")
+def test_a_work_dir_the_postgres_account_cannot_reach_is_refused_by_name() -> None:
+    root_only = Path(tempfile.mkdtemp(prefix="baton-root-only-"))  # mkdtemp: mode 0700
+    try:
+        server = EmbeddedPostgres(PostgresConfig(work_dir=root_only / "run" / "pg"))
+        with pytest.raises(InfraStartError, match=f"cannot reach .*{root_only} is mode 0700"):
+            server.start()
+    finally:
+        shutil.rmtree(root_only)

@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 
 from services.common.errors import RateLimitError
 from services.common.settings import TierLimitSettings
-from services.gateway.auth import Principal
-from services.gateway.ratelimit import RateLimitConfig, RateLimiter, RateLimitLease
+from services.gateway.tenancy.auth import Principal
+from services.gateway.tenancy.ratelimit import RateLimitConfig, RateLimiter, RateLimitLease
 
 BIG = 10_000_000
 

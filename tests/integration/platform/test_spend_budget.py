@@ -12,9 +12,9 @@ from services.billing.events import UsageEvent
 from services.billing.ledger import UsageLedger
 from services.billing.pricing import ModelPrice, PriceTable
 from services.common.errors import BudgetExceededError
-from services.gateway.budget import BudgetGuard, month_bounds
 from services.gateway.db.accounts import AccountStore
 from services.gateway.db.pool import Database
+from services.gateway.tenancy.budget import BudgetGuard, month_bounds
 
 PRICES = PriceTable({}, fallback=ModelPrice(Decimal("1"), Decimal("1"), Decimal("1")))  # $1 per 1K tokens
 NOW = datetime(2026, 7, 15, tzinfo=UTC)

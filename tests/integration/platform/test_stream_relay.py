@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.common.errors import DependencyUnavailableError, NotFoundError
-from services.gateway import redis_relay
 from services.gateway.config import StreamConfig
 from services.gateway.errors import StreamGoneError
-from services.gateway.redis_relay import RedisRelay
-from services.gateway.streams import EventLog, StreamHub, StreamOwner, StreamSource
+from services.gateway.streams import redis_relay
+from services.gateway.streams.redis_relay import RedisRelay
+from services.gateway.streams.replay_log import EventLog, StreamHub, StreamOwner, StreamSource
 from services.launcher.process import free_port
 from services.launcher.redis_server import EmbeddedRedis
 
@@ -145,7 +145,7 @@ async def test_a_reader_ends_when_the_owner_replica_is_gone(redis_server: Embedd
 
 async def test_redis_down_keeps_streams_local_and_is_a_503_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    with caplog.at_level(logging.WARNING, logger="services.gateway.outage"):
+    with caplog.at_level(logging.WARNING, logger="services.gateway.tenancy.outage"):
         a = await _relay(dead)
         try:
             logs = [_stream(a) for _ in range(3)]

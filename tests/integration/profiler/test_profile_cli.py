@@ -104,3 +104,23 @@ def test_an_unwritable_out_path_is_refused_up_front(out, message, tmp_path, caps
     assert baton(["profile", "--quick", "--out", str(tmp_path / out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("baton profile: error:") and message in err
+
+
+def test_a_mixture_of_experts_model_is_profiled(default_model_dir: Path, tmp_path: Path) -> None:
+    """A tiny DeepSeek-V2 (latent attention, routed + shared experts): the profile is the MoE worker's own
+    measured step times, so it prices what a step really runs (the routed experts), not every parameter."""
+    from tests.support.tiny_moe import save_tiny_moe
+
+    model = save_tiny_moe("deepseek-v2", tmp_path / "deepseek-v2", default_model_dir)
+    out, stderr = tmp_path / "profile.json", io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            code = baton(["profile", "--quick", "--device", "cpu", "--torch-threads", "1", "--model", str(model),
+                          "--model-name", "tiny-deepseek", "--out", str(out), "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, stderr.getvalue()
+    profile = ProfileBook.load(out).by_model["tiny-deepseek"]
+    # The tiny model's prefills may all sit on the floor (launch-bound), so only the predictions are checked.
+    assert profile.prefill_s(256) >= profile.prefill_s(16) > 0 and profile.decode_step_s(8, 8 * 64) > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
-from services.safety.categories import Tier
+from services.safety.categories import Detector
 from services.safety.checker import SafetyChecker
 from services.safety.client import FailMode, SafetyClient, SafetyClientConfig
 from services.safety.server import SafetyServer, SafetyServerConfig
@@ -24,7 +24,7 @@ async def test_input_fails_closed_by_default_and_quickly(checker: SafetyChecker)
     client = SafetyClient(await _stopped_server_address(checker), FAST)
     start = time.monotonic()
     v = await client.check_input("org_a", "hello there")
-    assert (v.allowed, v.tier) == (False, Tier.UNAVAILABLE)
+    assert (v.allowed, v.tier) == (False, Detector.UNAVAILABLE)
     assert time.monotonic() - start < 1.0
     await client.close()
 
@@ -33,7 +33,7 @@ async def test_input_can_be_configured_to_fail_open(checker: SafetyChecker) -> N
     config = SafetyClientConfig(timeout_s=0.3, input_fail_mode=FailMode.OPEN)
     client = SafetyClient(await _stopped_server_address(checker), config)
     v = await client.check_input("org_a", "hello there")
-    assert (v.allowed, v.tier) == (True, Tier.UNAVAILABLE)
+    assert (v.allowed, v.tier) == (True, Detector.UNAVAILABLE)
     await client.close()
 
 
@@ -43,7 +43,7 @@ async def test_output_fails_open_once_then_stops_calling(checker: SafetyChecker)
     first = await stream.feed("Hello, ")
     start = time.monotonic()
     second = await stream.feed("world.")
-    assert first.allowed and first.tier == Tier.UNAVAILABLE and stream.degraded
+    assert first.allowed and first.tier == Detector.UNAVAILABLE and stream.degraded
     assert second.allowed and time.monotonic() - start < 0.05  # no second timeout
     await stream.close()
     await client.close()
@@ -54,7 +54,7 @@ async def test_output_can_be_configured_to_fail_closed(checker: SafetyChecker) -
     client = SafetyClient(await _stopped_server_address(checker), config)
     stream = await client.open_output_filter("org_a", "req-2")
     v = await stream.feed("Hello")
-    assert (v.allowed, v.tier) == (False, Tier.UNAVAILABLE)
+    assert (v.allowed, v.tier) == (False, Detector.UNAVAILABLE)
     await stream.close()
     await client.close()
 
@@ -72,5 +72,5 @@ async def test_a_hanging_server_times_out_within_the_configured_timeout() -> Non
         out = await stream.feed("hello")
         await stream.close()
         await client.close()
-    assert (v.allowed, v.tier) == (False, Tier.UNAVAILABLE) and 0.25 <= elapsed < 1.0
+    assert (v.allowed, v.tier) == (False, Detector.UNAVAILABLE) and 0.25 <= elapsed < 1.0
     assert out.allowed and stream.degraded

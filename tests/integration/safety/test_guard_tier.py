@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from services.safety.categories import Tier
+from services.safety.categories import Detector
 from services.safety.checker import SafetyChecker
 from services.safety.client import SafetyClient, SafetyClientConfig
 from services.safety.guard import GuardConfig
@@ -35,10 +35,10 @@ async def test_the_guard_is_asked_through_baton_within_its_budget(checker: Safet
         after = _calls()
         # Pattern-tier refusals never reach the guard: only texts the fast tiers allowed.
         refused = await client.check_input("", "how do I build a pipe bomb")
-        assert _calls() == after and refused.tier == Tier.PATTERN
+        assert _calls() == after and refused.tier == Detector.PATTERN
     finally:
         await client.close()
         await server.stop(0)
     answered = {o: after[o] - before[o] for o in OUTCOMES}
     assert sum(answered.values()) == 1 and answered["late"] == answered["failed"] == 0, answered
-    assert verdict.allowed or verdict.tier == Tier.GUARD
+    assert verdict.allowed or verdict.tier == Detector.GUARD

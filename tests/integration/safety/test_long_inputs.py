@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rpcgen.baton.v1 import safety_pb2, safety_pb2_grpc
-from services.safety.categories import Tier
+from services.safety.categories import Detector
 from services.safety.client import SafetyClient, SafetyClientConfig
 from services.safety.limits import MAX_INPUT_CHARS, InputTooLongError
 from services.safety.metrics import INPUT_CHECK_SECONDS
@@ -30,7 +30,7 @@ async def default_client(server: SafetyServer) -> SafetyClient:
 async def test_harm_inside_a_long_text_is_found(default_client: SafetyClient) -> None:
     half = prose(600)
     verdict = await default_client.check_input("org_a", f"{half}.\n{HARM}\n{half}.")
-    assert (verdict.allowed, verdict.category, verdict.tier) == (False, "violence", Tier.CLASSIFIER)
+    assert (verdict.allowed, verdict.category, verdict.tier) == (False, "violence", Detector.CLASSIFIER)
 
 
 async def test_short_checks_do_not_queue_behind_a_long_one(default_client: SafetyClient) -> None:
@@ -40,8 +40,8 @@ async def test_short_checks_do_not_queue_behind_a_long_one(default_client: Safet
     await asyncio.sleep(0.05)  # the long text is on the service's thread first
     shorts = await asyncio.gather(*(default_client.check_input("org_a", f"Tell me a story about cat {i}.")
                                     for i in range(8)))
-    assert [v.tier for v in shorts] == [Tier.CLASSIFIER] * 8
-    assert (await long_check).tier == Tier.CLASSIFIER and (await long_check).allowed
+    assert [v.tier for v in shorts] == [Detector.CLASSIFIER] * 8
+    assert (await long_check).tier == Detector.CLASSIFIER and (await long_check).allowed
 
 
 async def test_check_time_is_recorded_by_size(default_client: SafetyClient) -> None:

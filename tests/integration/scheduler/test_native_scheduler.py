@@ -1,7 +1,7 @@
 """The compiled decision path (scheduler/native.py) decides exactly as the interpreted one.
 
 A copy of the `scheduler` package is compiled with mypyc (~25 s on 2 cores). The decision benchmark
-(64 workers, ~100k indexed blocks, 1,000 requests/s; loadtest/micro/bench_scheduler_decisions.py) then
+(64 workers, ~100k indexed blocks, 1,000 requests/s; lab/micro/bench_scheduler_decisions.py) then
 runs two simulated seconds per policy under each build, in a process whose `scheduler` is that build;
 `decisions_sha256` hashes every answer, the predicted TTFT/TPOT to the last bit. The same process
 checks that the load tests' tap, an interpreted subclass of the compiled `Scheduler`, still works.
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 RUN_POLICIES = """
 import json, sys
-from loadtest.experiments.scheduler_tap import TappedScheduler
-from loadtest.micro.bench_scheduler_decisions import BenchConfig, run
+from lab.experiments.scheduler_tap import TappedScheduler
+from lab.micro.bench_scheduler_decisions import BenchConfig, run
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.native import compiled
 
@@ -51,8 +51,9 @@ def _decide(site: Path, cwd: Path) -> dict[str, object]:
 
 def test_compiled_scheduler_decides_exactly_as_interpreted(tmp_path: Path) -> None:
     interpreted, native = tmp_path / "interpreted", tmp_path / "native"
-    for site in (interpreted, native):
-        shutil.copytree(ROOT / "scheduler", site / "scheduler", ignore=shutil.ignore_patterns("__pycache__"))
+    for site in (interpreted, native):  # an installed site: the scheduler and the ground floor it imports
+        for package in ("scheduler", "tokenization"):
+            shutil.copytree(ROOT / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
     compiling = subprocess.run([sys.executable, "-m", "scheduler.native", str(native)], cwd=tmp_path,
                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                                capture_output=True, text=True, timeout=900, check=False)

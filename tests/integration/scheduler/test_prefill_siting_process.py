@@ -17,8 +17,8 @@ import pytest
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import worker_pb2
 from scheduler.types import SLO, RequestSummary, Tier
-from services.gateway.generation import GenerateTarget
-from services.gateway.routing import RouterClient, RouteSource
+from services.gateway.completions.generation import GenerateTarget
+from services.gateway.routing.router_client import RouterClient, RouteSource
 from tests.support.scheduler_process import ROOT, SchedulerProcess
 
 ADDRESSES = {"d": "127.0.0.1:7201", "p": "127.0.0.1:7202"}

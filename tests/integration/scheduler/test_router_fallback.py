@@ -19,7 +19,7 @@ from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from rpcgen.baton.v1 import worker_pb2
 from scheduler.types import SLO, RequestSummary, Tier
-from services.gateway.routing import RouteKind, RouterClient, RouterConfig, RouteSource
+from services.gateway.routing.router_client import RouteKind, RouterClient, RouterConfig, RouteSource
 from tests.support.scheduler_process import SchedulerProcess
 
 WORKERS = {"a": "127.0.0.1:7101", "b": "127.0.0.1:7102"}

@@ -51,8 +51,20 @@ def worker_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(default_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
-    yield from _run_cluster(default_model_dir, worker_log_dir)
+def both_worker(default_model_dir: Path, worker_log_dir: Path) -> Iterator[WorkerProcess]:
+    """The default model's single-process `both` worker: `cluster`'s, and the pipeline- and tensor-parallel
+    tests' reference (ending after them, while the cluster's NIXL pair ends after its own last test).
+    Started, not waited for: its users wait for it together with the workers they start beside it."""
+    worker = WorkerProcess("both-1", "both", default_model_dir, worker_log_dir, "--num-blocks", NUM_BLOCKS).start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(default_model_dir: Path, worker_log_dir: Path, both_worker: WorkerProcess) -> Iterator[Cluster]:
+    yield from _run_cluster(default_model_dir, worker_log_dir, both_worker)
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +83,29 @@ def moe_cluster(moe_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
     yield from _run_cluster(moe_model_dir, log_dir)
 
 
-def _run_cluster(model_dir: Path, log_dir: Path) -> Iterator[Cluster]:
+@pytest.fixture(scope="session")
+def mla_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny seeded DeepSeek-V2 checkpoint (latent attention, grouped routing) with the default tokenizer."""
+    from tests.support.tiny_moe import save_tiny_moe
+
+    return save_tiny_moe("deepseek-v2", tmp_path_factory.mktemp("deepseek-v2"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def mla_cluster(mla_model_dir: Path, worker_log_dir: Path) -> Iterator[Cluster]:
+    """The same three workers as `cluster`, serving the tiny DeepSeek-V2: the hand-off moves latent blocks."""
+    log_dir = worker_log_dir / "mla"
+    log_dir.mkdir()
+    yield from _run_cluster(mla_model_dir, log_dir)
+
+
+def _run_cluster(model_dir: Path, log_dir: Path, both: WorkerProcess | None = None) -> Iterator[Cluster]:
+    """The three workers; `both` when given is another fixture's (waited for here, stopped by its owner)."""
     prefill = WorkerProcess("prefill-1", "prefill", model_dir, log_dir, "--num-blocks", NUM_BLOCKS,
                             "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--allow-fault-injection").start()
-    both = WorkerProcess("both-1", "both", model_dir, log_dir, "--num-blocks", NUM_BLOCKS).start()
+    own_both = both is None
+    if both is None:
+        both = WorkerProcess("both-1", "both", model_dir, log_dir, "--num-blocks", NUM_BLOCKS).start()
     decode = WorkerProcess("decode-1", "decode", model_dir, log_dir, *decode_args(prefill.address)).start()
     started = Cluster(prefill, decode, both, log_dir)
     try:
@@ -82,7 +113,7 @@ def _run_cluster(model_dir: Path, log_dir: Path) -> Iterator[Cluster]:
             worker.wait_serving()
         yield started
     finally:
-        stop_workers(started.workers)
+        stop_workers([prefill, decode, *([both] if own_both else [])])
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,7 +1,8 @@
 """1 prefill + 1 decode worker give the same greedy tokens as a `both` worker and the in-process engine.
 
-The concurrent-requests check runs on the default model and on a tiny Qwen3-MoE (`moe_cluster`): the KV
-handoff is the same whatever the MLP, but a MoE worker must load, prefill and decode to the same tokens.
+The concurrent-requests check runs on the default model, on a tiny Qwen3-MoE (`moe_cluster`) and on a
+tiny DeepSeek-V2 (`mla_cluster`): the KV handoff is the same whatever the MLP, but a MoE worker must load,
+prefill and decode to the same tokens, and an MLA worker hands off latent blocks instead of K/V ones.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def mixed_prompts(tokenizer) -> list[tuple[list[int], int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen3-moe"])
+_CLUSTERS = {"smollm2": ("cluster", "default_model_dir"), "qwen3-moe": ("moe_cluster", "moe_model_dir"),
+             "deepseek-v2": ("mla_cluster", "mla_model_dir")}
+
+
+@pytest.fixture(scope="module", params=list(_CLUSTERS))
 def parity_model(request):  # noqa: ANN201 - (Cluster, Path), the cluster type lives in conftest
     """(cluster, model dir) of the model under test; each cluster starts on first use."""
-    if request.param == "smollm2":
-        return request.getfixturevalue("cluster"), request.getfixturevalue("default_model_dir")
-    return request.getfixturevalue("moe_cluster"), request.getfixturevalue("moe_model_dir")
+    cluster, model_dir = _CLUSTERS[request.param]
+    return request.getfixturevalue(cluster), request.getfixturevalue(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,15 @@ def test_sixteen_concurrent_requests_match_both_worker_and_engine(parity_model, 
     assert [r.token_ids for r in both] == engine_reference
     assert [r.text for r in disagg] == [r.text for r in both]
     paths = [r.prefill_path for r in disagg]
-    assert paths == [pb.PREFILL_PATH_LOCAL if len(p) < 8 else pb.PREFILL_PATH_REMOTE for p, _ in mixed_prompts]
+    expected = [pb.PREFILL_PATH_LOCAL if len(p) < 8 else pb.PREFILL_PATH_REMOTE for p, _ in mixed_prompts]
+    # A repeated question (i >= len(QUESTIONS)) differs from its first asking by one token near the end. If that
+    # first asking has finished when the repeat is reserved, the decode worker's prefix cache holds all but a
+    # few of its tokens, and prefilling locally is the policy's right answer (--min-remote-uncached-tokens);
+    # whether it has finished depends on timing (the tiny MoE is fast enough that it always has).
+    repeats = {i for i in range(len(QUESTIONS), len(mixed_prompts)) if len(mixed_prompts[i][0]) >= 8}
+    firsts = [i for i in range(len(paths)) if i not in repeats]
+    assert [paths[i] for i in firsts] == [expected[i] for i in firsts]
+    assert all(paths[i] in (pb.PREFILL_PATH_LOCAL, pb.PREFILL_PATH_REMOTE) for i in repeats)
     wait_baseline([cluster.decode, cluster.prefill])
     handshakes = cluster.prefill.log_path.read_text().count("kv peer added: decode-1-")
     assert handshakes == 1  # once per peer pair, however many requests

@@ -3,11 +3,9 @@ fallback is counted by reason in the decode worker's /metrics."""
 
 from __future__ import annotations
 
-import re
-
 import grpc
 import pytest
-from worker_client import generate, request, wait_baseline
+from worker_client import fallbacks, generate, request, wait_baseline
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from tokenization.tokenizer import Tokenizer
@@ -24,10 +22,6 @@ def reference(cluster, prompt) -> list[int]:
     return generate(cluster.both, request(prompt, 12)).token_ids
 
 
-def _fallbacks(worker, reason: str) -> float:
-    match = re.search(rf'^baton_pd_fallback_total{{reason="{reason}"}} (\S+)$', worker.metrics_text(), re.M)
-    return float(match.group(1)) if match else 0.0
-
 
 @pytest.mark.parametrize(("fault", "side", "reason"), [
     ("fail_transfer", "prefill", "transfer_failed"),
@@ -36,12 +30,12 @@ def _fallbacks(worker, reason: str) -> float:
     ("drop_notification", "decode", "transfer_timeout"),  # DONE response, but no NIXL notice
 ])
 def test_injected_fault_recomputes_locally_with_the_right_tokens(cluster, prompt, reference, fault, side, reason):
-    before = _fallbacks(cluster.decode, reason)
+    before = fallbacks(cluster.decode, reason)
     getattr(cluster, side).stub.InjectFault(pb.InjectFaultRequest(fault=fault))
     result = generate(cluster.decode, request(prompt, 12))
     assert (result.prefill_path, result.fallback_reason) == (pb.PREFILL_PATH_LOCAL_FALLBACK, reason)
     assert result.token_ids == reference
-    assert _fallbacks(cluster.decode, reason) == before + 1
+    assert fallbacks(cluster.decode, reason) == before + 1
     wait_baseline([cluster.decode, cluster.prefill], timeout_s=4.0)
 
 

@@ -7,13 +7,12 @@ every TP worker here runs 3 ranks (3 processes).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from worker_client import QUESTIONS, generate, generate_many, request, wait_baseline
-from worker_procs import WorkerProcess, stop_workers
+from worker_client import QUESTIONS, fallbacks, generate, generate_many, request, wait_baseline
+from worker_procs import WorkerProcess, stop_workers, wait_all_serving
 
 from rpcgen.baton.v1 import worker_pb2 as pb
 from tokenization.tokenizer import Tokenizer
@@ -21,6 +20,7 @@ from tokenization.tokenizer import Tokenizer
 TP = "3"
 TP_ARGS = ("--tensor-parallel-size", TP)
 NUM_BLOCKS = "128"
+GROUP_START_S = 480.0  # 9 processes of the default model load at once; the test timeout (600 s) includes this
 TRANSFER_TIMEOUT_S = "3"
 MAX_TOKENS = 8
 
@@ -29,33 +29,39 @@ def decode_args(prefill_address: str) -> list[str]:
     """As the session cluster's decode worker: prompts >= 8 tokens prefill remotely, short deadlines."""
     return ["--num-blocks", NUM_BLOCKS, "--prefill-peers", prefill_address, "--max-num-seqs", "8",
             "--min-remote-prompt-tokens", "8", "--min-remote-uncached-tokens", "4",
-            "--transfer-timeout-s", TRANSFER_TIMEOUT_S, "--kv-quarantine-s", "6", "--prefill-timeout-s", "20"]
+            "--transfer-timeout-s", TRANSFER_TIMEOUT_S, "--kv-quarantine-s", "6", "--prefill-timeout-s", "20",
+            "--allow-fault-injection"]
 
 
 class TPCluster:
-    def __init__(self, model_dir, log_dir) -> None:  # noqa: ANN001
+    """The TP workers of this module, and the session's single-process `both` worker as their reference."""
+
+    def __init__(self, model_dir, log_dir, reference: WorkerProcess) -> None:  # noqa: ANN001
+        self.reference = reference
         self.prefill = WorkerProcess("prefill-tp3", "prefill", model_dir, log_dir, "--num-blocks", NUM_BLOCKS,
                                      "--transfer-timeout-s", TRANSFER_TIMEOUT_S, "--allow-fault-injection",
                                      *TP_ARGS).start()
         self.decode = WorkerProcess("decode-tp3", "decode", model_dir, log_dir, *decode_args(self.prefill.address),
                                     *TP_ARGS).start()
         self.both = WorkerProcess("both-tp3", "both", model_dir, log_dir, "--num-blocks", NUM_BLOCKS, *TP_ARGS).start()
-        self.reference = WorkerProcess("both-tp1", "both", model_dir, log_dir, "--num-blocks", NUM_BLOCKS).start()
+
+    @property
+    def own(self) -> list[WorkerProcess]:
+        return [self.prefill, self.decode, self.both]
 
     @property
     def workers(self) -> list[WorkerProcess]:
-        return [self.prefill, self.decode, self.both, self.reference]
+        return [*self.own, self.reference]
 
 
 @pytest.fixture(scope="module")
-def tp_cluster(default_model_dir, worker_log_dir) -> Iterator[TPCluster]:
-    cluster = TPCluster(default_model_dir, worker_log_dir)
+def tp_cluster(default_model_dir, worker_log_dir, both_worker) -> Iterator[TPCluster]:
+    cluster = TPCluster(default_model_dir, worker_log_dir, both_worker)
     try:
-        for worker in cluster.workers:
-            worker.wait_serving(180.0)
+        wait_all_serving(cluster.workers, GROUP_START_S)
         yield cluster
     finally:
-        stop_workers(cluster.workers)
+        stop_workers(cluster.own)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +77,6 @@ def reference(tp_cluster, prompts) -> list[list[int]]:
     assert [r.code for r in results] == [None] * len(prompts)
     return [r.token_ids for r in results]
 
-
-def _fallbacks(worker: WorkerProcess, reason: str) -> float:
-    match = re.search(rf'^baton_pd_fallback_total{{reason="{reason}"}} (\S+)$', worker.metrics_text(), re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_both_worker_with_three_ranks_gives_the_single_rank_tokens(tp_cluster, prompts, reference):
@@ -93,13 +95,29 @@ def test_a_failed_follower_write_recomputes_locally_with_the_reference_tokens(tp
     tok = Tokenizer.from_dir(default_model_dir)
     fresh = tok.encode_chat([{"role": "user", "content": QUESTIONS[5]}])  # not in the decode prefix cache
     expected = generate(tp_cluster.reference, request(fresh, MAX_TOKENS)).token_ids
-    before = _fallbacks(tp_cluster.decode, "transfer_failed")
+    before = fallbacks(tp_cluster.decode, "transfer_failed")
     tp_cluster.prefill.stub.InjectFault(pb.InjectFaultRequest(fault="fail_shard_transfer"))
     result = generate(tp_cluster.decode, request(fresh, MAX_TOKENS))
     assert (result.prefill_path, result.fallback_reason) == (pb.PREFILL_PATH_LOCAL_FALLBACK, "transfer_failed")
     assert result.token_ids == expected
-    assert _fallbacks(tp_cluster.decode, "transfer_failed") == before + 1
+    assert fallbacks(tp_cluster.decode, "transfer_failed") == before + 1
     assert "rank 2 failed: injected fault: fail_transfer" in tp_cluster.decode.log_path.read_text()
+    wait_baseline([tp_cluster.decode, tp_cluster.prefill], timeout_s=4.0)
+
+
+@pytest.mark.parametrize(("fault", "question"), [
+    ("corrupt_destination", "Name a famous painting."),  # rank 0's shard
+    ("corrupt_shard_destination", "Name a river in Africa."),  # the last rank's shard
+], ids=["rank0", "rank2"])
+def test_a_corrupted_shard_is_caught_recomputed_and_counted(tp_cluster, default_model_dir, fault, question):
+    prompt = Tokenizer.from_dir(default_model_dir).encode_chat([{"role": "user", "content": question}])
+    expected = generate(tp_cluster.reference, request(prompt, MAX_TOKENS)).token_ids
+    before = fallbacks(tp_cluster.decode, "checksum_mismatch")
+    tp_cluster.decode.stub.InjectFault(pb.InjectFaultRequest(fault=fault))
+    result = generate(tp_cluster.decode, request(prompt, MAX_TOKENS))
+    assert (result.prefill_path, result.fallback_reason) == (pb.PREFILL_PATH_LOCAL_FALLBACK, "checksum_mismatch")
+    assert result.token_ids == expected
+    assert fallbacks(tp_cluster.decode, "checksum_mismatch") == before + 1
     wait_baseline([tp_cluster.decode, tp_cluster.prefill], timeout_s=4.0)
 
 

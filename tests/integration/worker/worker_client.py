@@ -110,7 +110,17 @@ def _wait_one_baseline(worker: WorkerProcess, timeout_s: float) -> None:
         raise AssertionError(f"{e}: (free, held, quarantined, remote, seqs) = {last} of {total}") from None
 
 
+def metric(worker: WorkerProcess, series: str) -> float:
+    """The value of one series of the worker's /metrics (`name{labels}` as exposed), 0 when absent."""
+    match = re.search(rf'^{re.escape(series)} (\S+)$', worker.metrics_text(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
 def generated_tokens(worker: WorkerProcess) -> int:
     """Tokens the worker's engine generated since it started (`baton_worker_tokens_total{kind="generated"}`)."""
-    match = re.search(r'^baton_worker_tokens_total\{kind="generated"\} (\S+)$', worker.metrics_text(), re.M)
-    return int(float(match.group(1))) if match else 0
+    return int(metric(worker, 'baton_worker_tokens_total{kind="generated"}'))
+
+
+def fallbacks(worker: WorkerProcess, reason: str) -> float:
+    """Remote prefills that fell back to local for `reason` (`baton_pd_fallback_total`), from /metrics."""
+    return metric(worker, f'baton_pd_fallback_total{{reason="{reason}"}}')

@@ -16,7 +16,15 @@ from rpcgen.baton.v1 import scheduler_pb2_grpc
 from rpcgen.baton.v1 import worker_pb2 as wpb
 from scheduler.adapters.admin import cmd_workers
 from scheduler.adapters.server import SchedulerService, SchedulerServiceConfig
-from services.common.cluster_auth import METADATA_KEY, ROTATING_ENV, TOKEN_ENV, ClusterToken, internal_channel
+from services.common.cluster_auth import (
+    METADATA_KEY,
+    ROTATING_ENV,
+    TOKEN_ENV,
+    ClusterToken,
+    bind_internal_port,
+    internal_channel,
+    internal_server,
+)
 from services.common.errors import ConfigError
 from services.worker.heartbeat import HeartbeatClient, TelemetryBuffer
 
@@ -148,3 +156,12 @@ async def test_the_admin_cli_sends_the_token_of_its_environment(scheduler: Sched
     monkeypatch.setenv(TOKEN_ENV, TOKEN.value)
     assert await asyncio.to_thread(cmd_workers, args) == 0
     assert capsys.readouterr().out.strip() == "[]"
+
+
+async def test_an_internal_port_another_server_holds_is_refused_not_shared(scheduler: SchedulerService) -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second server would then share the port and
+    callers would reach either one at random."""
+    second = internal_server(TOKEN, "second")
+    with pytest.raises(OSError, match=f"127.0.0.1:{scheduler.port}: address already in use"):
+        bind_internal_port(second, f"127.0.0.1:{scheduler.port}")
+    await second.stop(None)

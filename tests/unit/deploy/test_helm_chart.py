@@ -313,7 +313,35 @@ def test_an_expert_parallel_fleet_takes_one_gpu_per_expert_rank(rendered: dict[s
     assert "--expert-parallel-size=1" in default["args"]
 
 
+def test_the_moe_example_serves_the_model_from_expert_parallel_both_workers(
+        rendered: dict[str, list[Manifest]]) -> None:
+    """charts/baton/ci/moe-ep-values.yaml: Qwen3-30B-A3B on 2 co-located workers of 4 expert ranks each."""
+    docs = rendered["moe-ep-values.yaml"]
+    worker = _find(docs, "Deployment", "baton-worker-both")
+    container = _container(worker)
+    assert worker["spec"]["replicas"] == 2 and container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"--role=both", "--expert-parallel-size=4", "--model=/models/Qwen3-30B-A3B"} <= set(container["args"])
+    assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] in (
+        "baton-worker-prefill", "baton-worker-decode")]
+
+
+def test_a_pipeline_fleet_takes_tensor_times_pipeline_gpus(rendered: dict[str, list[Manifest]]) -> None:
+    fleet = _render_with_both_fleet(tensorParallelSize=2, pipelineParallelSize=2)
+    container = _container(_find(fleet, "Deployment", "baton-worker-both"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"--tensor-parallel-size=2", "--pipeline-parallel-size=2"} <= set(container["args"])
+    default = _container(_find(rendered["xpyd-tp-values.yaml"], "Deployment", "baton-worker-decode"))
+    assert "--pipeline-parallel-size=1" in default["args"]
+
+
+def test_a_disaggregated_fleet_takes_its_pipeline_stages() -> None:
+    decode = _container(_find(_render_with_both_fleet(role="decode", pipelineParallelSize=2), "Deployment",
+                              "baton-worker-both"))
+    assert "--pipeline-parallel-size=2" in decode["args"] and decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
 @pytest.mark.parametrize(("fleet", "message"), [
+    ({"pipelineParallelSize": 2, "expertParallelSize": 2}, "pipelineParallelSize and expertParallelSize cannot"),
     ({"expertParallelSize": 2, "tensorParallelSize": 2}, "cannot both be above 1"),
     ({"expertParallelSize": 2, "role": "prefill"}, "needs role both"),
 ])
@@ -321,3 +349,11 @@ def test_unsupported_expert_parallel_fleets_fail_to_render(fleet: dict[str, Any]
     errors = require_module("helm_python.errors")
     with pytest.raises(errors.HelmRenderError, match=message):
         _render_with_both_fleet(**fleet)
+
+
+def test_fp8_weights_and_kv_cache_come_from_fleet_values(rendered: dict[str, list[Manifest]]) -> None:
+    args = _container(_find(_render_with_both_fleet(quantization="fp8", kvCacheDtype="fp8_e4m3"), "Deployment",
+                            "baton-worker-both"))["args"]
+    assert {"--quantization=fp8", "--kv-cache-dtype=fp8_e4m3"} <= set(args)
+    default = _container(_find(rendered["default"], "Deployment", "baton-worker-decode"))["args"]
+    assert "--kv-cache-dtype=auto" in default and not [a for a in default if a.startswith("--quantization")]

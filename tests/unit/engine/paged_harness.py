@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.config import ModelConfig
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import kv_cache_spec_for
 
 
 def build_metadata(
@@ -69,7 +69,8 @@ class PagedHarness:
                  num_blocks: int = 128, dtype: str = "float32") -> None:
         self.model = model
         self.block_size = block_size
-        self.spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+        self.spec = kv_cache_spec_for(config.num_layers, config.num_kv_heads, config.head_dim,
+                                      config.mla.latent_dim if config.mla else None, block_size, dtype)
         self.kv_cache = self.spec.allocate(num_blocks, "cpu")
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}

@@ -243,3 +243,35 @@ def test_without_prefix_caching_nothing_is_shared_or_reported() -> None:
     bm.free(first)
     bm.free(second)
     assert bm.drain_events() == [] and bm.num_free_blocks == 8 and bm.num_cached_blocks == 0
+
+
+# ---- the demoter (KV tiers) ----------------------------------------------------------------------
+class RecordingDemoter:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def offer(self, block_id: int, block_hash: int) -> None:
+        self.calls.append(("offer", block_id, block_hash))
+
+    def demote(self, block_id: int, block_hash: int) -> None:
+        self.calls.append(("demote", block_id, block_hash))
+
+
+def test_a_block_becoming_cached_free_is_offered_and_its_eviction_demoted() -> None:
+    demoter = RecordingDemoter()
+    bm = BlockManager(num_blocks=2, block_size=BS, demoter=demoter)
+    tokens = toks(2 * BS)
+    table = computed(bm, tokens)
+    h0, h1 = block_hashes(tokens, BS)
+    bm.free(table)  # the tail first, as eviction order has it
+    assert demoter.calls == [("offer", table[1], h1), ("offer", table[0], h0)]
+    bm.allocate_for_prompt([999])  # evicts the oldest cached-free block
+    assert demoter.calls[-1] == ("demote", table[1], h1)
+
+
+def test_a_block_without_a_registered_hash_is_not_offered() -> None:
+    demoter = RecordingDemoter()
+    bm = BlockManager(num_blocks=4, block_size=BS, demoter=demoter)
+    table, _ = bm.allocate_for_prompt(toks(BS + 1))  # never computed: no hash
+    bm.free(table)
+    assert demoter.calls == []

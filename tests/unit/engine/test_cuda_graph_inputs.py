@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import UNSCALED, AttentionBackend, AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ScheduledChunk
 from engine.config import CUDA_GRAPH_BATCH_SIZES, ModelConfig
@@ -136,16 +136,17 @@ class PaddingAwareBackend(AttentionBackend):
     def __init__(self) -> None:
         self.ref = TorchAttentionBackend()
 
-    def write_kv(self, kv_cache, layer, key, value, slot_mapping) -> None:  # type: ignore[no-untyped-def]
+    def write_kv(self, kv_cache, layer, key, value, slot_mapping, kv_scale=UNSCALED) -> None:  # type: ignore[no-untyped-def]
         keep = slot_mapping >= 0
-        self.ref.write_kv(kv_cache, layer, key[keep], value[keep], slot_mapping[keep])
+        self.ref.write_kv(kv_cache, layer, key[keep], value[keep], slot_mapping[keep], kv_scale)
 
-    def attend(self, query, kv_cache, layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def attend(self, query, kv_cache, layer, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
+               kv_scale=UNSCALED) -> torch.Tensor:
         empty = meta.seq_lens == 0
         clamped = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens.clamp_min(1),
                                     meta.block_tables, meta.max_query_len, meta.max_seq_len,
                                     meta.query_lens_cpu, meta.seq_lens_cpu)
-        return self.ref.attend(query, kv_cache, layer, clamped, scale).masked_fill(empty[:, None, None], 0.0)
+        return self.ref.attend(query, kv_cache, layer, clamped, scale, kv_scale).masked_fill(empty[:, None, None], 0.0)
 
 
 class ReplayOnBuffers:

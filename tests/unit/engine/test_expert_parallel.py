@@ -7,6 +7,8 @@
   of EP=1), then greedy-decode 3 prompts, the last steps one sequence alone (a rank with no tokens):
   the tokens must equal EP=1's. They also run the fused Triton
   MoE kernel (under triton's CPU interpreter) as the local-expert compute of the all-to-all.
+- FP8 experts (online quantization): each of the 2 ranks holds only its half of the experts, in e4m3, and
+  the ranks give the logits and tokens of one process holding them all in FP8.
 - The launcher: this process is rank 0 of an EP=2 worker group (one spawned follower) and greedy
   generation through broadcast plans gives the single-process runner's tokens and per-expert counts.
 """
@@ -22,7 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from paged_harness import PagedHarness
-from test_tensor_parallel import build_model, greedy_generate, run_steps
+from test_tensor_parallel import build_model, greedy_generate, random_weights, run_steps
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -36,6 +38,8 @@ from engine.moe_config import MIXTRAL_EXPERT_NAMES, MoeConfig
 from engine.parallel.expert import ExpertParallel, dispatch_compute_combine
 from engine.parallel.group import TensorParallel, free_port, init_tensor_parallel, shutdown_tensor_parallel
 from engine.parallel.launcher import TensorParallelRunner, create_model_runner
+from engine.quant.config import Fp8Config
+from engine.quant.fp8 import FP8_DTYPE, quantize_rows
 
 EP = 2
 TOLERANCE = 1e-4  # of max |logit|
@@ -70,6 +74,22 @@ def test_a_rank_loads_only_its_experts() -> None:
         gate, up = (weights[f"{prefix}experts.{expert}.{p}.weight"] for p in ("gate_proj", "up_proj"))
         assert torch.equal(block.experts.w13.data[local], torch.cat([gate, up]))
         assert torch.equal(block.experts.w2.data[local], weights[f"{prefix}experts.{expert}.down_proj.weight"])
+
+
+def test_a_rank_holds_only_its_experts_fp8_bytes() -> None:
+    config = CASES["qwen3-moe"]
+    weights = dict(dummy_weights(config, torch.float32, seed=7))
+    block = SparseMoeBlock(config, TensorParallel(expert=ExpertParallel(rank=1, size=2)))
+    block.use_fp8(Fp8Config())
+    prefix = "model.layers.0.mlp."
+    for name in block.hf_names():
+        block.load(name, weights[prefix + name])
+    experts = block.experts
+    assert experts.w13.dtype == FP8_DTYPE and experts.w13.nbytes + experts.w2.nbytes == 4 * 3 * 32 * 64  # 4 of 8
+    for local, expert in enumerate(range(4, 8)):
+        q, s = quantize_rows(weights[f"{prefix}experts.{expert}.down_proj.weight"])
+        assert torch.equal(experts.w2[local].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(experts.w2_scale[local], s)
 
 
 def test_each_moe_layer_counts_k_slots_per_token_until_reset() -> None:
@@ -137,6 +157,14 @@ def fused_dispatch(ep: ExpertParallel) -> tuple[torch.Tensor, torch.Tensor]:
     return fused, ref
 
 
+def build_fp8_model(config: ModelConfig, tp: TensorParallel) -> LlamaForCausalLM:
+    """`build_model` with every projection and expert quantized to FP8 as it loads (`--quantization fp8`)."""
+    model = LlamaForCausalLM(config, TorchAttentionBackend(), tp)
+    model.use_fp8(Fp8Config())
+    model.load_weights(random_weights(config).items())
+    return model.eval()
+
+
 def _ep_worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     tp = init_tensor_parallel(ParallelConfig(expert_parallel_size=EP, timeout_s=60), rank, port, "cpu")
@@ -146,6 +174,10 @@ def _ep_worker(rank: int, port: int, out_dir: str) -> None:
         for name, cfg in CASES.items():
             model = build_model(cfg, tp)
             results[name] = (run_steps(model, cfg, 1), greedy_tokens(model, cfg))
+        fp8 = build_fp8_model(CASES["qwen3-moe"], tp)
+        experts = fp8.model.layers[0].mlp.experts
+        results["fp8"] = (run_steps(fp8, CASES["qwen3-moe"], 1), greedy_tokens(fp8, CASES["qwen3-moe"]),
+                          str(experts.w13.dtype), (experts.owned.start, experts.owned.stop))
         results["fused"] = fused_dispatch(tp.expert)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -169,6 +201,18 @@ def test_ep2_gives_the_single_process_logits_and_greedy_tokens(ep_results: list[
     for rank in range(EP):  # attention is replicated: every rank computes the logits
         logits, tokens = ep_results[rank][case]
         assert logits.shape == expected_logits.shape
+        assert (logits - expected_logits).abs().max().item() / expected_logits.abs().max().item() <= TOLERANCE
+        assert tokens == expected_tokens
+
+
+@pytest.mark.timeout(180)
+def test_ep2_over_fp8_experts_gives_the_single_process_fp8_logits_and_tokens(ep_results: list[dict]) -> None:
+    config = CASES["qwen3-moe"]
+    model = build_fp8_model(config, TensorParallel())
+    expected_logits, expected_tokens = run_steps(model, config, 1), greedy_tokens(model, config)
+    for rank in range(EP):
+        logits, tokens, dtype, owned = ep_results[rank]["fp8"]
+        assert dtype == str(FP8_DTYPE) and owned == (4 * rank, 4 * rank + 4)  # its half of the experts, in e4m3
         assert (logits - expected_logits).abs().max().item() / expected_logits.abs().max().item() <= TOLERANCE
         assert tokens == expected_tokens
 

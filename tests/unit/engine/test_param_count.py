@@ -8,8 +8,8 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.param_count import count_parameters
-from loadtest.micro.bench_decode import LLAMA31_8B, decode_bytes
-from loadtest.micro.bench_moe import QWEN3_30B_A3B, SMOKE
+from lab.micro.bench_decode import LLAMA31_8B, decode_bytes
+from lab.micro.bench_moe import QWEN3_30B_A3B, SMOKE
 
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
                 "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -4,7 +4,9 @@
 - `model_logits`: 2 spawned ranks run a tiny random Llama through prefill, a mixed varlen step and
   decodes over their own KV shards; rank 0's logits equal the TP=1 model's within 1e-4 of the
   logit scale. Cases: KV heads > tp, == tp, < tp (replicated), tied embeddings with a vocabulary
-  that does not divide (padded shard), q/k/v and o_proj biases, MoE experts and a shared expert.
+  that does not divide (padded shard), q/k/v and o_proj biases, MoE experts and a shared expert,
+  DeepSeek's latent attention (heads sharded, the latent replicated) with and without q_lora, through
+  the expanded (prefill, mixed) and absorbed (decode) paths.
 - The launcher: this process is rank 0 of a `TensorParallelRunner` (one spawned follower) and greedy
   generation through broadcast plans gives the TP=1 runner's tokens.
 """
@@ -25,7 +27,7 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import BatchPlan, ScheduledChunk
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.errors import ConfigError
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import kv_cache_spec_for
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, OutputShard, RowParallelLinear
 from engine.loader.dummy import dummy_weights
@@ -57,6 +59,14 @@ CASES = {
         num_experts=4, top_k=2, intermediate_size=32, renormalize=False, sparse_layers=(1,),
         shared_expert_intermediate_size=48, shared_expert_gated=True)}),
 }
+# DeepSeek-V2 (MLA without q_lora, interleaved rope rows, a dense first layer, routed + shared experts) and V3.
+DEEPSEEK_HF = dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96,
+                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1)
+CASES["mla-v2"] = ModelConfig.from_hf_config(DEEPSEEK_HF)
+CASES["mla-v3-q-lora"] = ModelConfig.from_hf_config({**DEEPSEEK_HF, "architectures": ["DeepseekV3ForCausalLM"],
+                                                     "q_lora_rank": 24, "n_group": 2, "topk_group": 1})
 PROMPTS = ([5, 17, 3, 88, 42, 7, 19, 60, 2], [33, 1, 90, 45, 12], [70, 71, 72])
 
 
@@ -103,8 +113,8 @@ def test_unshardable_models_are_rejected_naming_the_valid_sizes() -> None:
 def run_steps(model: LlamaForCausalLM, config: ModelConfig, tp_size: int) -> torch.Tensor:
     """Prefill, a mixed step (chunk + decode + new prefill), then decodes; all logits concatenated."""
     harness = PagedHarness(model, config, block_size=4, num_blocks=64)
-    harness.spec = KVCacheSpec(config.num_layers, local_kv_heads(config.num_kv_heads, tp_size), config.head_dim,
-                               4, "float32")
+    harness.spec = kv_cache_spec_for(config.num_layers, local_kv_heads(config.num_kv_heads, tp_size),
+                                     config.head_dim, config.mla.latent_dim if config.mla else None, 4, "float32")
     harness.kv_cache = harness.spec.allocate(64, "cpu")
     a, b, c = PROMPTS
     steps = [[("a", a[:6]), ("b", b)], [("a", a[6:]), ("b", [4]), ("c", c)]]

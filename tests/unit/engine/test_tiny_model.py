@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader.prepare import resolve_model
+from engine.loader.resolve import resolve_model
 from engine.loader.tiny import TINY_CONFIG, TINY_MODEL_NAME, tiny_model_dir
 from engine.sampling_params import SamplingParams
 

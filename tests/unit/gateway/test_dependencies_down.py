@@ -11,11 +11,11 @@ from redis.asyncio import Redis
 
 from services.common.errors import DependencyUnavailableError
 from services.common.settings import TierLimitSettings
-from services.gateway.auth import Principal
 from services.gateway.db.pool import Database, DatabaseConfig
 from services.gateway.errors import baton_error_response
-from services.gateway.outage import OutageLog
-from services.gateway.ratelimit import RateLimitConfig, RateLimiter
+from services.gateway.tenancy.auth import Principal
+from services.gateway.tenancy.outage import OutageLog
+from services.gateway.tenancy.ratelimit import RateLimitConfig, RateLimiter
 from services.launcher.process import free_port
 
 PRINCIPAL = Principal(uuid.uuid4(), uuid.uuid4(), None, "free", None, None)
@@ -55,7 +55,7 @@ async def test_postgres_down_is_a_503_not_a_hang() -> None:
 
 def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
     outage = OutageLog("redis")
-    with caplog.at_level(logging.WARNING, logger="services.gateway.outage"):
+    with caplog.at_level(logging.WARNING, logger="services.gateway.tenancy.outage"):
         for _ in range(50):
             outage.failed(ConnectionError("refused"))
         outage.succeeded()

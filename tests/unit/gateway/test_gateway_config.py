@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import ConfigError
 from services.gateway import config
-from services.gateway.generation import SamplingSpec, derive_seed
+from services.gateway.completions.generation import SamplingSpec, derive_seed
 from services.gateway.tracing import grpc_trace_metadata
 
 

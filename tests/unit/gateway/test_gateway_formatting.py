@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.formatting import ChatFormatter, ResponseMeta, TokenTexts, usage_body
-from services.gateway.generation import SamplingSpec, TokenLogprob
-from services.gateway.prompt import PreparedPrompt
-from services.gateway.run_state import ChoiceEvent, ChoiceSpec, ChoiceState
+from services.gateway.completions.formatting import ChatFormatter, ResponseMeta, TokenTexts, usage_body
+from services.gateway.completions.generation import SamplingSpec, TokenLogprob
+from services.gateway.completions.prompt import PreparedPrompt
+from services.gateway.completions.run_state import ChoiceEvent, ChoiceSpec, ChoiceState
 from tokenization.tokenizer import Tokenizer
 
 

@@ -17,15 +17,15 @@ from services.common.errors import (
     DependencyUnavailableError,
     RateLimitError,
 )
+from services.gateway.completions.formatting import ChatFormatter, ResponseMeta, TextFormatter, TokenTexts
+from services.gateway.completions.generation import TokenLogprob
+from services.gateway.completions.run_state import ChoiceEvent
 from services.gateway.errors import BadRequestError, FeatureDisabledError, ModelNotFoundError, UpstreamError
-from services.gateway.formatting import ChatFormatter, ResponseMeta, TextFormatter, TokenTexts
-from services.gateway.generation import TokenLogprob
 from services.gateway.grpc_api.chunks import chunk_from_body
 from services.gateway.grpc_api.requests import chat_body, text_body
 from services.gateway.grpc_api.server import GrpcApiConfig
 from services.gateway.grpc_api.servicer import presented_key
 from services.gateway.grpc_api.status import DETAILS_KEY, failure_of, stream_failure
-from services.gateway.run_state import ChoiceEvent
 from tokenization.tokenizer import Tokenizer
 
 KEY = "bt-" + "k" * 43

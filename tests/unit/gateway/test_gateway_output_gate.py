@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from services.gateway.output_gate import OutputGate
+from services.gateway.completions.output_gate import OutputGate
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from services.billing.pricing import ModelPrice
+from services.gateway.completions.prompt import PromptBuilder
 from services.gateway.config import ServedModel
 from services.gateway.errors import BadRequestError, ContextWindowError
-from services.gateway.prompt import PromptBuilder
 from tokenization.tokenizer import Tokenizer
 
 PRICE = ModelPrice(Decimal(0), Decimal(0), Decimal(0))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.gateway.safety_gate import SafetyGate, SafetyUnavailableError, VerdictCache
+from services.gateway.completions.safety_gate import SafetyGate, SafetyUnavailableError, VerdictCache
 
 ORG = uuid.uuid4()
 

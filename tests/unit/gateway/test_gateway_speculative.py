@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.generation import SamplingSpec
+from services.gateway.completions.generation import SamplingSpec
 from services.gateway.schemas import ChatCompletionRequest
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

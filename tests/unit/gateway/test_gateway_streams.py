@@ -10,7 +10,7 @@ import pytest
 
 from services.gateway.config import StreamConfig
 from services.gateway.errors import BadRequestError, StreamGoneError
-from services.gateway.streams import EventLog, StreamHub, StreamOwner, parse_last_event_id
+from services.gateway.streams.replay_log import EventLog, StreamHub, StreamOwner, parse_last_event_id
 
 ORG = StreamOwner(uuid.uuid4(), uuid.uuid4())
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway.errors import FeatureDisabledError, baton_error_response
-from services.gateway.tenancy import ANONYMOUS_ORG_ID, build_open_tenancy
+from services.gateway.tenancy.backends import ANONYMOUS_ORG_ID, build_open_tenancy
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.formatting import ChatFormatter, ResponseMeta, TokenTexts
-from services.gateway.generation import SamplingSpec
-from services.gateway.prompt import PreparedPrompt
-from services.gateway.run_state import ChoiceEvent, ChoiceSpec, ChoiceState
+from services.gateway.completions.formatting import ChatFormatter, ResponseMeta, TokenTexts
+from services.gateway.completions.generation import SamplingSpec
+from services.gateway.completions.prompt import PreparedPrompt
+from services.gateway.completions.run_state import ChoiceEvent, ChoiceSpec, ChoiceState
+from services.gateway.completions.tools import ToolFamily, ToolPlan
 from services.gateway.schemas import ToolDefinition
-from services.gateway.tools import ToolFamily, ToolPlan
 from tokenization.tokenizer import Tokenizer
 
 WEATHER = ToolDefinition.model_validate({"type": "function", "function": {

@@ -17,10 +17,10 @@ from starlette.routing import Route
 
 from engine.errors import InvalidRequestError as EngineInvalidRequest
 from services.billing.pricing import ModelPrice
+from services.gateway.completions.prompt import PromptBuilder
 from services.gateway.config import ServedModel
 from services.gateway.errors import PromptTooLongError
 from services.gateway.limits import BodySizeLimit
-from services.gateway.prompt import PromptBuilder
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, ConversationCreate
 from tokenization.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""Migration seams (services/gateway/migration.py) on the default model's real tokenizer: the text a
+"""Migration seams (services/gateway/completions/migration.py) on the default model's real tokenizer: the text a
 migrated choice shows is exactly what one uninterrupted worker would have produced, and which worker
 failures are taken over at all."""
 
@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from scheduler.types import SLO, RequestSummary, Tier, WorkerRole
-from services.gateway.generation import FailureKind, GenerationDelta, SamplingSpec
-from services.gateway.last_view import KnownWorker, LastView
-from services.gateway.migration import Continuation, first_attempt, next_attempt
+from services.gateway.completions.generation import FailureKind, GenerationDelta, SamplingSpec
+from services.gateway.completions.migration import Continuation, first_attempt, next_attempt
+from services.gateway.routing.last_view import KnownWorker, LastView
 from tokenization.detokenizer import IncrementalDetokenizer
 from tokenization.tokenizer import Tokenizer
 

@@ -12,10 +12,10 @@ from services.billing.pricing import PriceTable
 from services.common.errors import ConfigError
 from services.common.settings import BatonSettings
 from services.gateway import config
-from services.gateway.catalog import ModelCatalog, ModelRuntime
+from services.gateway.completions.catalog import ModelCatalog, ModelRuntime
+from services.gateway.completions.prompt import PreparedPrompt, PromptBuilder
 from services.gateway.config import GatewayConfig, ServedModel
 from services.gateway.errors import ModelNotFoundError, OverloadedError
-from services.gateway.prompt import PreparedPrompt, PromptBuilder
 from services.gateway.settings import GatewaySettings
 from tokenization.tokenizer import Tokenizer
 

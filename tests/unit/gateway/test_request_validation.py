@@ -83,7 +83,7 @@ def test_what_the_openai_sdk_sends_still_passes() -> None:
 
 
 def test_vllm_sampling_extensions_reach_the_worker_request() -> None:
-    from services.gateway.generation import SamplingSpec
+    from services.gateway.completions.generation import SamplingSpec
 
     body = ChatCompletionRequest.model_validate(CHAT | {"ignore_eos": True, "top_k": -1, "min_p": 0.1,
                                                         "repetition_penalty": 1.2, "stop_token_ids": [2, 7]})

@@ -3,7 +3,7 @@ to its status (an aborted generation is a cancelled response)."""
 
 from __future__ import annotations
 
-from services.gateway.response_draft import ResponseDraft
+from services.gateway.completions.response_draft import ResponseDraft
 from services.gateway.schemas import ResponsesRequest
 
 
@@ -90,8 +90,8 @@ def test_input_items_become_chat_turns_and_tools_chat_tools() -> None:
 
 
 def test_turns_with_calls_are_stored_as_the_prompt_spells_them() -> None:
-    from services.gateway.responses import storable_turns
-    from services.gateway.tools import ToolFamily
+    from services.gateway.completions.responses import storable_turns
+    from services.gateway.completions.tools import ToolFamily
 
     turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
              {"role": "tool", "tool_call_id": "call_1", "content": "21C"}]

@@ -10,7 +10,6 @@ tests.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -48,10 +47,18 @@ try:
 finally:
     _restore_env(_PREVIOUS_INTERPRET)
 
-from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from engine.block_checksum import reference_checksums  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from engine.kv_integrity import reference_checksums  # noqa: E402
+from engine.kernels.attention_tiles import PrefillConfig  # noqa: E402
+from tests.support.paged_reference import (  # noqa: E402
+    make_cache,
+    meta_for,
+    poisoned_like,
+    random_block_tables,
+    reference,
+    rel_err,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = list(TOLERANCE)
@@ -74,7 +81,7 @@ def test_kernels_are_interpreted() -> None:
 def test_prefill_warm_up_launches_every_bucket_and_tile_and_leaves_the_cache_alone() -> None:
     cache = make_cache(8, 2, 4, 2, 16, torch.float32, torch.Generator().manual_seed(3))
     before = cache.clone()
-    assert paged_prefill_mod.warm_up(cache, num_q_heads=4, max_num_seqs=40, dtype=torch.float32) == 6  # 16/32/64 x 2
+    assert paged_prefill_mod.warm_up(cache, num_q_heads=4, max_num_seqs=40, dtype=torch.float32) == 12  # 3 x 2 x 2
     assert torch.equal(cache, before)
 
 
@@ -87,79 +94,6 @@ def test_checksum_kernel_matches_the_reference(width: int) -> None:
     words[2] = 32767
     ids = [5, 0, 2, 1]
     assert kv_checksum.block_checksums_triton(words, ids).tolist() == reference_checksums(words, ids).tolist()
-
-
-# ----------------------------------------------------------------------------------------------- helpers
-
-
-def make_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """A random (never zero) cache, so unwritten or misread slots show up."""
-    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-    return torch.randn(shape, generator=gen).to(dtype)
-
-
-def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
-                        gen: torch.Generator) -> torch.Tensor:
-    """Distinct, shuffled (non-contiguous) block ids per sequence; padding entries are 0."""
-    need = [math.ceil(n / block_size) for n in seq_lens]
-    ids = torch.randperm(num_blocks, generator=gen)
-    assert sum(need) <= num_blocks
-    table = torch.zeros((len(seq_lens), max(max(need), 1) + 1), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(need):
-        table[i, :n] = ids[start:start + n]
-        start += n
-    return table
-
-
-def reference(query: torch.Tensor, cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-              seq_lens: list[int], query_lens: list[int], scale: float) -> torch.Tensor:
-    """Dense float64 causal attention: query rows are the last q_len positions of each context."""
-    block_size, num_kv_heads = cache.shape[3], cache.shape[4]
-    group = query.shape[1] // num_kv_heads
-    outs, row = [], 0
-    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        pos = torch.arange(seq_len)
-        blocks = block_tables[i].long()[pos // block_size]
-        k = cache[blocks, layer, 0, pos % block_size].double().repeat_interleave(group, dim=1)
-        v = cache[blocks, layer, 1, pos % block_size].double().repeat_interleave(group, dim=1)
-        q = query[row:row + q_len].double()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
-        row += q_len
-    return torch.cat(outs)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def poisoned_like(x: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(x, float("nan"))
-
-
-def meta_for(seq_lens: list[int], query_lens: list[int], block_tables: torch.Tensor,
-             block_size: int) -> AttentionMetadata:
-    slots = []
-    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=tuple(query_lens),
-        seq_lens_cpu=tuple(seq_lens),
-    )
 
 
 # --------------------------------------------------------------------------------------------- KV store
@@ -263,11 +197,10 @@ def test_paged_decode_row_without_context_outputs_zeros(num_splits: int) -> None
     assert rel_err(out[:1], reference(query[:1], cache, 0, tables[:1], [20], [1], 0.125)) < 1e-5
 
 
-def test_choose_num_splits_fills_the_machine_only_when_the_batch_does_not() -> None:
-    assert paged_decode_mod.choose_num_splits(64, 8, 132) == 1  # 512 programs already fill 132 SMs
-    assert paged_decode_mod.choose_num_splits(4, 8, 132) == 9  # 32 programs: split 9 ways
-    assert paged_decode_mod.choose_num_splits(1, 8, 132, max_seq_len=300) == 2
-    assert paged_decode_mod.choose_num_splits(1, 1, 1000) == paged_decode_mod.MAX_SPLITS
+def test_choose_num_splits_is_the_default_config_of_the_shape_class() -> None:
+    for batch, ctx in ((1, 8192), (8, 8192), (32, 2048), (64, 4096), (1, 300), (128, None)):
+        config = paged_decode_mod.decode_config(batch, 8, 132, ctx)
+        assert paged_decode_mod.choose_num_splits(batch, 8, 132, ctx) == config.num_splits(batch, 8, 132, ctx)
 
 
 # ------------------------------------------------------------------------------------------- prefill
@@ -285,7 +218,7 @@ def test_paged_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, 
     out = poisoned_like(query)
     paged_prefill_mod.paged_prefill(
         query, cache, 0, tables, torch.tensor(seq_lens, dtype=torch.int32),
-        torch.tensor([0, 21, 61], dtype=torch.int32), 0.125, out=out, block_m=16, block_n=16,
+        torch.tensor([0, 21, 61], dtype=torch.int32), 0.125, out=out, config=PrefillConfig(16, 16, 4, 2),
     )
     assert not out.isnan().any()
     ref = reference(query, cache, 0, tables, seq_lens, query_lens, 0.125)
@@ -305,7 +238,7 @@ def test_paged_prefill_mixed_varlen_batch_with_decode_rows(group: int) -> None:
     query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen)
     out = poisoned_like(query)
     paged_prefill_mod.paged_prefill(query, cache, 1, tables, meta.seq_lens, meta.query_start_loc, 0.08,
-                                    out=out, block_m=32, block_n=16)
+                                    out=out, config=PrefillConfig(32, 16, 4, 2))
     assert not out.isnan().any()
     assert rel_err(out, reference(query, cache, 1, tables, seq_lens, query_lens, 0.08)) < 1e-5
 
@@ -319,7 +252,7 @@ def test_head_dim_that_is_not_a_power_of_two_is_padded_and_masked() -> None:
     query = torch.randn(31, 2, 80, generator=gen)
     prefill_out, decode_out = poisoned_like(query), poisoned_like(query[:2])
     paged_prefill_mod.paged_prefill(query, cache, 0, tables, meta.seq_lens, meta.query_start_loc, 0.1,
-                                    out=prefill_out, block_m=16, block_n=16)
+                                    out=prefill_out, config=PrefillConfig(16, 16, 4, 2))
     assert rel_err(prefill_out, reference(query, cache, 0, tables, seq_lens, query_lens, 0.1)) < 1e-5
     decode_query = query[[0, 30]]
     paged_decode_mod.paged_decode(decode_query, cache, 0, tables, meta.seq_lens, 0.1, 2, out=decode_out,

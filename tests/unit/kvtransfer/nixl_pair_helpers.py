@@ -3,6 +3,7 @@ decode-side child process of the two-process test (must be importable by a spawn
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Iterable
@@ -12,7 +13,9 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import KVLayoutInfo, LandedKV, TransferFailure
+from kvtransfer.base import HandoffPayload, LandedKV, TransferFailure, TransferPlan
+from kvtransfer.integrity import block_checksums
+from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender
 from kvtransfer.roles import KVTransfer
 
@@ -89,3 +92,13 @@ def receiver_process(conn: Connection, num_blocks: int, requests: list[tuple[str
 
 def as_numpy(kv: torch.Tensor, ids: list[int]) -> np.ndarray:
     return kv[ids].numpy()
+
+
+def random_plan(request_id: str, num_blocks: int, checksums_of: torch.Tensor | None = None) -> TransferPlan:
+    """5 random local and remote blocks of a pool of `num_blocks`, seeded by the id; `checksums_of`: rank 0's
+    KV, checksummed into the payload as the prefill engine does."""
+    rng = random.Random(request_id)
+    local, remote = rng.sample(range(num_blocks), 5), rng.sample(range(num_blocks), 5)
+    sums = None if checksums_of is None else tuple(block_checksums(checksums_of, local))
+    return TransferPlan.create(request_id, local, remote, now=time.monotonic(), timeout_s=5.0,
+                               payload=HandoffPayload(sums, first_token_id=3))

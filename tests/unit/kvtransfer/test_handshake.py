@@ -5,16 +5,10 @@ from dataclasses import replace
 import pytest
 
 from engine.batch import TokenLogprobs
-from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import (
-    KV_PROTOCOL_VERSION,
-    HandoffPayload,
-    HandshakeInfo,
-    KVLayoutInfo,
-    TransferPlan,
-    TransferState,
-)
+from engine.kv_cache import KVCacheSpec, KVLayout
+from kvtransfer.base import HandoffPayload, HandshakeInfo, TransferPlan, TransferState
 from kvtransfer.errors import IncompatiblePeerError, InvalidTransferPlanError, MalformedNotificationError
+from kvtransfer.layout import KV_PROTOCOL_VERSION, KVLayoutInfo
 from kvtransfer.nixl.descriptors import block_indices, block_rows
 from kvtransfer.nixl.notification import NoticeKind, TransferNotice
 
@@ -70,6 +64,31 @@ def test_every_mismatching_field_is_named() -> None:
     with pytest.raises(IncompatiblePeerError) as err:
         _info("local").check_compatible(_info("peer", block_size=32, head_dim=128))
     assert [m[0] for m in err.value.mismatches] == ["block_size", "head_dim"]
+
+
+def _handshake(spec: KVCacheSpec, name: str) -> HandshakeInfo:
+    layout = KVLayoutInfo.from_spec(spec, model_id="deepseek-v2-lite")
+    return HandshakeInfo(layout=layout, agent_name=name, agent_metadata=b"md", base_address=0x10000, num_blocks=64,
+                         bytes_per_block=layout.bytes_per_block, device_kind="cpu")
+
+
+def test_a_latent_cache_worker_and_a_key_value_worker_are_refused() -> None:
+    """Same model id, layers, heads, width and block size: only the layout differs (MLA's one latent
+    plane against K and V planes), and that alone must keep their blocks apart."""
+    latent = KVCacheSpec(27, 1, 576, 16, "bfloat16", KVLayout.LATENT)
+    gqa = KVCacheSpec(27, 1, 576, 16, "bfloat16")
+    mla_side, gqa_side = _handshake(latent, "mla"), _handshake(gqa, "gqa")
+    assert mla_side.layout.compatibility_hash() != gqa_side.layout.compatibility_hash()
+    assert mla_side.layout.bytes_per_block == latent.bytes_per_block == gqa.bytes_per_block // 2
+    with pytest.raises(IncompatiblePeerError) as err:
+        mla_side.check_compatible(gqa_side)
+    assert [m[0] for m in err.value.mismatches] == ["layout"]
+    assert mla_side.layout.to_spec() == latent
+
+
+def test_an_unknown_layout_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown KV layout"):
+        _info(layout="block_major_v9").layout.to_spec()
 
 
 def test_hash_changes_with_any_layout_field() -> None:
@@ -182,5 +201,5 @@ def test_group_handshake_needs_every_follower_rank() -> None:
 def test_group_handshake_rejects_ranks_out_of_order() -> None:
     rank1 = _info("peer-tp1", tp_size=3, tp_rank=1)
     rank2 = _info("peer-tp2", tp_size=3, tp_rank=2)
-    with pytest.raises(ValueError, match=r"ranks\[0\] is tp_rank 2 of 3"):
+    with pytest.raises(ValueError, match=r"ranks\[0\] is world rank 2 of TP3 x PP1"):
         replace(_info("peer", tp_size=3), ranks=(rank2, rank1))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
+from engine.kv_integrity import layer_slice_checksums
 from kvtransfer.faults import Fault, FaultConfig, FaultInjector, corrupt_block_byte
 from kvtransfer.integrity import block_checksums, mismatched_blocks
 
@@ -56,6 +57,16 @@ def test_mismatched_blocks_names_the_corrupted_block() -> None:
     assert mismatched_blocks(kv, ids, expected) == [4]
 
 
+def test_a_layer_slices_checksums_are_those_of_a_stage_holding_just_those_layers() -> None:
+    whole = torch.randn((8, 5, 2, 4, 2, 8)).to(torch.bfloat16)  # 5 layers per block
+    ids = [6, 1, 3]
+    stage = whole[:, 2:4].contiguous()  # a stage of layers 2-3: its own KV cache, [blocks, 2 layers, ...]
+    assert layer_slice_checksums(whole, ids, 2, 2) == block_checksums(stage, ids)
+    assert layer_slice_checksums(whole, ids, 0, 5) == block_checksums(whole, ids)
+    with pytest.raises(ValueError, match="outside the 5 layers"):
+        layer_slice_checksums(whole, ids, 4, 2)
+
+
 def test_armed_fault_fires_once() -> None:
     faults = FaultInjector()
     faults.arm(Fault.FAIL_TRANSFER)
@@ -87,7 +98,7 @@ def _reference_checksum(block: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("segment_words", [1 << 21, 1000])
 def test_checksum_matches_the_documented_formula(monkeypatch, segment_words: int) -> None:
-    monkeypatch.setattr("engine.kv_integrity._SEGMENT_WORDS", segment_words)
+    monkeypatch.setattr("engine.block_checksum._SEGMENT_WORDS", segment_words)
     kv = _kv()
     kv[3].reshape(-1).view(torch.int16)[:] = 32767  # extreme words: the largest partial sums
     assert block_checksums(kv, [3, 11]) == [_reference_checksum(kv[3]), _reference_checksum(kv[11])]

@@ -1,11 +1,11 @@
 """Per-rank KV transfer with tensor parallelism, in one process: rank 0's NIXL sender and receiver
 drive real `ShardAgent`s (rank 1 of a prefill and of a decode worker, each its own NIXL agent and
 polling thread); `FollowerShards` reaches them through a direct call instead of the TP control group.
+A follower only posts inside that call; its WRITE's end comes back over rank 0's outcome socket.
 """
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 import uuid
@@ -20,13 +20,20 @@ from tests.support.required import require_module
 require_module("nixl._api")  # the KV hand-off: a missing nixl is an ERROR, never a skip
 
 sys.path.insert(0, str(Path(__file__).parent))
-from nixl_pair_helpers import LAYOUT, SPEC, drive  # noqa: E402
+from nixl_pair_helpers import LAYOUT, SPEC, ManualClock, drive, random_plan  # noqa: E402
 
-from kvtransfer.base import HandoffPayload, TransferPlan, TransferState  # noqa: E402
+from kvtransfer.base import HandshakeInfo, TransferPlan, TransferState  # noqa: E402
 from kvtransfer.faults import Fault, FaultInjector, corrupt_block_byte  # noqa: E402
-from kvtransfer.integrity import LandedVerifier, block_checksums  # noqa: E402
+from kvtransfer.integrity import LandedVerifier  # noqa: E402
 from kvtransfer.nixl import NixlAgent, NixlAgentConfig, NixlKVReceiver, NixlKVSender, ReceiverConfig  # noqa: E402
-from kvtransfer.nixl.shards import FollowerShards, ShardAgent  # noqa: E402
+from kvtransfer.nixl.shards import (  # noqa: E402
+    ChecksumsRequest,
+    FollowerShards,
+    HandshakeInfoRequest,
+    OrderInboxRequest,
+    ShardAgent,
+)
+from kvtransfer.shards import KVShards, ShardOutcome  # noqa: E402
 
 NUM_BLOCKS = 32
 RANK0, RANK1 = replace(LAYOUT, tp_size=2, tp_rank=0), replace(LAYOUT, tp_size=2, tp_rank=1)
@@ -39,13 +46,13 @@ def _kv(seed: int | None) -> torch.Tensor:
     return kv
 
 
-def _direct(agent: ShardAgent, before: dict[str, object] | None = None):  # noqa: ANN202
-    """call_followers for one in-process follower; `before[method]()` runs first (fault hooks)."""
-    def call(method: str, *args: object) -> list[object]:
-        hook = (before or {}).get(method)
+def _direct(agent: ShardAgent, before: dict[type, object] | None = None):  # noqa: ANN202
+    """call_followers for one in-process follower; `before[type(request)]()` runs first (fault hooks)."""
+    def call(request: object) -> list[object]:
+        hook = (before or {}).get(type(request))
         if hook is not None:
             hook()  # type: ignore[operator]
-        return [getattr(agent, method)(*args)]
+        return [agent.handle(request)]
     return call
 
 
@@ -60,7 +67,7 @@ class Workers:
         self.decode0 = NixlAgent(NixlAgentConfig(name=f"decode-{tag}"), self.decode_kv[0], RANK0)
         self.prefill1 = ShardAgent(f"prefill-{tag}-tp1", self.prefill_kv[1], RANK1, 1e-3, 5e-5)
         self.decode1 = ShardAgent(f"decode-{tag}-tp1", self.decode_kv[1], RANK1, 1e-3, 5e-5)
-        self.decode_hooks: dict[str, object] = {}
+        self.decode_hooks: dict[type, object] = {}
         self.sender = NixlKVSender(self.prefill0, faults=faults,
                                    shards=FollowerShards(_direct(self.prefill1)))
         self.receiver = NixlKVReceiver(self.decode0, ReceiverConfig(quarantine_s=60.0), faults,
@@ -88,12 +95,7 @@ def workers(faults):
 
 
 def _plan(request_id: str, checksums_of: torch.Tensor | None = None) -> TransferPlan:
-    """`checksums_of`: rank 0's KV, checksummed into the payload as the prefill engine does."""
-    rng = random.Random(request_id)
-    local, remote = rng.sample(range(NUM_BLOCKS), 5), rng.sample(range(NUM_BLOCKS), 5)
-    sums = None if checksums_of is None else tuple(block_checksums(checksums_of, local))
-    return TransferPlan.create(request_id, local, remote, now=time.monotonic(), timeout_s=5.0,
-                               payload=HandoffPayload(sums, first_token_id=3))
+    return random_plan(request_id, NUM_BLOCKS, checksums_of)
 
 
 def _verifier(workers: Workers) -> LandedVerifier:
@@ -133,8 +135,64 @@ def test_a_failed_follower_write_fails_the_whole_transfer(workers, faults) -> No
 def test_a_corrupted_follower_block_fails_the_checksum(workers) -> None:
     plan = _plan("req-corrupt", workers.prefill_kv[0])
     bad = plan.remote_block_ids[2]
-    workers.decode_hooks["checksums"] = lambda: corrupt_block_byte(workers.decode_kv[1], bad)
+    workers.decode_hooks[ChecksumsRequest] = lambda: corrupt_block_byte(workers.decode_kv[1], bad)
     transfer, arrived, failures = _start(workers, plan)
     assert transfer.state is TransferState.DONE and not failures
     problem = _verifier(workers).problem(arrived["req-corrupt"])
     assert problem == f"checksum mismatch in 1 block(s): [rank 1 block {bad}]"
+
+
+def test_a_follower_gets_its_order_without_the_control_group_and_reports_its_end_later(workers) -> None:
+    """The control group waits for the engine's step in progress (seconds under load), during which the
+    plan's deadline runs: an order over it reached the follower with its deadline spent."""
+    plan = _plan("req-post")
+    called: list[type] = []
+    direct = _direct(workers.prefill1)
+    shards = FollowerShards(lambda request: called.append(type(request)) or direct(request))
+    workers.receiver.expect(plan.request_id, plan.remote_block_ids, deadline=time.monotonic() + 10.0)
+    assert shards.post(workers.peer, plan, checksums=True) == {}  # ordered, not waited for: no outcome yet
+    assert called == [HandshakeInfoRequest, OrderInboxRequest]  # set-up only: the order itself went by socket
+    give_up = time.monotonic() + 10.0
+    while (ends := shards.outcomes("req-post", 0, [1])) is None and time.monotonic() < give_up:
+        time.sleep(0.001)
+    assert ends is not None and ends[1].state is TransferState.DONE and ends[1].checksums is not None
+    sent = workers.prefill_kv[1][list(plan.local_block_ids)]
+    assert torch.equal(workers.decode_kv[1][list(plan.remote_block_ids)], sent)
+
+
+class _SilentFollower(KVShards):
+    """A follower rank that posted its WRITE and then died: it never reports the end."""
+
+    def __init__(self, info: HandshakeInfo) -> None:
+        self._info = info
+
+    @property
+    def infos(self) -> tuple[HandshakeInfo, ...]:
+        return (self._info,)
+
+    def add_peer(self, peer: HandshakeInfo) -> None:
+        return None
+
+    def post(self, peer: str, plan: TransferPlan, *, checksums: bool,
+             fail_rank: int | None = None) -> dict[int, ShardOutcome]:
+        return {}
+
+    def outcomes(self, request_id: str, attempt: int, ranks) -> dict[int, ShardOutcome] | None:  # noqa: ANN001
+        return None
+
+    def forget(self, request_id: str, attempt: int) -> None:
+        return None
+
+    def checksums(self, block_ids, groups, corrupt_rank=None) -> list[tuple[int, ...]]:  # noqa: ANN001
+        return []
+
+
+def test_a_follower_that_never_reports_fails_the_transfer_past_its_deadline(workers) -> None:
+    clock = ManualClock()
+    sender = NixlKVSender(workers.prefill0, clock=clock, shards=_SilentFollower(workers.prefill1.handshake_info()))
+    plan = TransferPlan.create("req-silent", [1, 2], [3, 4], now=clock(), timeout_s=5.0)
+    transfer = sender.start(workers.peer, plan)
+    assert transfer.state is TransferState.TRANSFERRING and sender.poll() == []
+    clock.advance(5.0 + 5.0)  # the deadline and the followers' grace to report
+    assert sender.poll() == [transfer] and transfer.state is TransferState.FAILED
+    assert transfer.reason == "rank 1 failed: no report of its WRITE's end"

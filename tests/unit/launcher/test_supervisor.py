@@ -148,3 +148,22 @@ def test_a_child_starts_with_its_stop_signals_unblocked(tmp_path: Path) -> None:
         assert _blocked_signals(process.pid) & stop_signals == 0
         assert _blocked_signals(os.getpid()) & stop_signals == 0  # and the launcher holds them no longer
         assert process.stop() == 0  # it got SIGTERM and ran its handler
+
+
+def test_children_started_together_are_all_ready_and_stop_in_reverse_order(tmp_path: Path) -> None:
+    order = tmp_path / "order"
+    supervisor = Supervisor(tmp_path / "logs", log_prefix="run1-")
+    processes = supervisor.start_together([_spec(name, order) for name in ("prefill", "decode")])
+    assert all(p.alive() for p in processes)
+    assert (tmp_path / "logs" / "run1-prefill.log").exists()
+    supervisor.stop_all()
+    assert order.read_text().split() == ["decode", "prefill"]
+
+
+def test_one_child_of_a_group_failing_to_start_stops_the_others(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    dies = ChildSpec("dies", [sys.executable, "-c", "import sys; sys.exit(3)"], log_line("READY"), ready_timeout_s=20)
+    with pytest.raises(InfraStartError, match="dies exited during start-up"):
+        supervisor.start_together([_spec("fine", tmp_path / "order"), dies])
+    assert supervisor.children == []
+    assert (tmp_path / "order").read_text().split() == ["fine"]  # stopped gracefully

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.metrics import (
-    SLO,
+    GoodputCriterion,
     distribution_ms,
     fault_windows,
     latency_samples,
@@ -75,7 +75,7 @@ def test_goodput_needs_both_slos_and_counts_rejections_as_misses() -> None:
         failed("rejected", 1.8, ErrorKind.HTTP_429),
         failed("overloaded", 1.9, ErrorKind.HTTP_503),
     ]
-    s = summarize(records, duration=4.0, slo=SLO(ttft_ms=300, tpot_ms=50))
+    s = summarize(records, duration=4.0, slo=GoodputCriterion(ttft_ms=300, tpot_ms=50))
     assert s["good_requests"] == 2
     assert s["goodput"] == pytest.approx(2 / 4.0)
     assert s["goodput_fraction"] == pytest.approx(2 / 6)
@@ -85,7 +85,7 @@ def test_goodput_needs_both_slos_and_counts_rejections_as_misses() -> None:
 
 def test_dropping_requests_cannot_raise_the_goodput_fraction() -> None:
     served = [done(f"r{i}", i * 0.1, 0.1, [0.02] * 4) for i in range(8)]
-    slo = SLO(ttft_ms=300, tpot_ms=50)
+    slo = GoodputCriterion(ttft_ms=300, tpot_ms=50)
     all_served = summarize(served + [done("late", 1.0, 0.9, [0.02] * 4)], 2.0, slo)
     dropped = summarize(served + [failed("late", 1.0, ErrorKind.HTTP_503)], 2.0, slo)
     assert dropped["goodput_fraction"] == all_served["goodput_fraction"] == pytest.approx(8 / 9)
@@ -93,20 +93,20 @@ def test_dropping_requests_cannot_raise_the_goodput_fraction() -> None:
 
 
 def test_one_token_answer_meets_the_tpot_slo() -> None:
-    assert SLO(ttft_ms=300, tpot_ms=1).met(done("a", 0.0, 0.1, []))
+    assert GoodputCriterion(ttft_ms=300, tpot_ms=1).met(done("a", 0.0, 0.1, []))
 
 
 def test_a_completed_request_without_any_content_misses_a_ttft_slo() -> None:
     r = done("a", 0.0, 0.1, [])
     r.ttft = None
-    assert not SLO(ttft_ms=300).met(r)
-    assert SLO(tpot_ms=300).met(r)
+    assert not GoodputCriterion(ttft_ms=300).met(r)
+    assert GoodputCriterion(tpot_ms=300).met(r)
 
 
 def test_throughput_counts_each_completed_token_once() -> None:
     records = [done("a", 0, 0.1, [0.01] * 9, prompt_tokens=100), done("b", 0, 0.1, [0.01] * 4, prompt_len=50),
                failed("c", 0, ErrorKind.DISCONNECT)]
-    s = summarize(records, duration=2.0, slo=SLO())
+    s = summarize(records, duration=2.0, slo=GoodputCriterion())
     assert s["total_output_tokens"] == 15
     assert s["total_input_tokens"] == 150  # server's usage.prompt_tokens when given, else the harness count
     assert s["output_throughput"] == pytest.approx(7.5)
@@ -118,17 +118,17 @@ def test_prefix_cache_hit_rate_from_cached_tokens() -> None:
     records = [done("a", 0, 0.1, [0.01], prompt_tokens=100, cached_tokens=0),
                done("b", 0, 0.1, [0.01], prompt_tokens=300, cached_tokens=200),
                done("c", 0, 0.1, [0.01], prompt_tokens=50)]  # no cached_tokens reported: not counted
-    pc = summarize(records, 1.0, SLO())["prefix_cache"]
+    pc = summarize(records, 1.0, GoodputCriterion())["prefix_cache"]
     assert pc["hit_rate"] == pytest.approx(0.5)
     assert pc["requests_reporting"] == 2
 
 
 def test_prefix_cache_hit_rate_is_none_when_the_server_reports_nothing() -> None:
-    assert summarize([done("a", 0, 0.1, [0.01])], 1.0, SLO())["prefix_cache"]["hit_rate"] is None
+    assert summarize([done("a", 0, 0.1, [0.01])], 1.0, GoodputCriterion())["prefix_cache"]["hit_rate"] is None
 
 
 def test_fault_windows_split_by_send_time() -> None:
-    slo = SLO(ttft_ms=300)
+    slo = GoodputCriterion(ttft_ms=300)
     records = [done("b1", 0.5, 0.1, [0.01]), done("b2", 1.5, 0.1, [0.01]),
                failed("d1", 2.5, ErrorKind.CONNECT), done("d2", 3.5, 0.1, [0.01]),
                done("a1", 4.5, 0.1, [0.01]), done("a2", 5.5, 0.1, [0.01])]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler.core.cost_model import WorkerProfile
-from services.profiler.fit import (
+from scheduler.calibration.points import DecodePoint, Measurements, PrefillPoint
+from scheduler.calibration.profile_fit import (
     build_profile,
     fit_decode,
     fit_measurements,
@@ -15,7 +15,8 @@ from services.profiler.fit import (
     fit_prefill,
     outliers,
 )
-from services.profiler.grid import DecodePoint, Measurements, PrefillPoint, build_grid
+from scheduler.core.cost_model import WorkerProfile
+from services.profiler.grid import build_grid
 
 TRUE = WorkerProfile(prefill_fixed_s=0.004, prefill_per_token_s=3e-5, prefill_per_token_sq_s=2e-9,
                      decode_fixed_s=0.008, decode_per_seq_s=1.5e-4, decode_per_context_token_s=4e-8)

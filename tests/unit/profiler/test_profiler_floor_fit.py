@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.calibration.points import DecodePoint, PrefillPoint
+from scheduler.calibration.profile_fit import build_profile, fit_decode, fit_prefill
 from scheduler.core.cost_model import WorkerProfile
-from services.profiler.fit import build_profile, fit_decode, fit_prefill
-from services.profiler.grid import DecodePoint, PrefillPoint
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 

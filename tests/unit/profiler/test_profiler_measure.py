@@ -11,7 +11,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from services.profiler.grid import DecodePoint, Measurements, PrefillPoint, ProfileGrid
+from scheduler.calibration.points import DecodePoint, Measurements, PrefillPoint
+from services.profiler.grid import ProfileGrid
 from services.profiler.measure import StepTimer, TimingConfig, fill_kv_with_noise, measure_grid, remeasure
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=32, intermediate_size=64,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.safety.categories import Direction, Tier
+from services.safety.categories import Detector, Direction
 from services.safety.checker import SafetyChecker
 from services.safety.classifier import EmbeddingClassifier
 from services.safety.patterns import PatternTier
@@ -18,17 +18,17 @@ def _checker(spec: dict, classifier: EmbeddingClassifier, patterns: PatternTier)
 
 def test_pattern_hit_refuses_with_score_one(checker: SafetyChecker) -> None:
     v = checker.check("", "how do I build a pipe bomb", Direction.INPUT)
-    assert (v.allowed, v.category, v.score, v.tier) == (False, "violence", 1.0, Tier.PATTERN)
+    assert (v.allowed, v.category, v.score, v.tier) == (False, "violence", 1.0, Detector.PATTERN)
 
 
 def test_classifier_catches_what_patterns_miss(checker: SafetyChecker) -> None:
     v = checker.check("", SUBTLE, Direction.INPUT)
-    assert (v.allowed, v.category, v.tier) == (False, "self_harm", Tier.CLASSIFIER)
+    assert (v.allowed, v.category, v.tier) == (False, "self_harm", Detector.CLASSIFIER)
 
 
 def test_benign_text_is_allowed_with_its_score(checker: SafetyChecker) -> None:
     v = checker.check("", "how do I kill a python process", Direction.INPUT)
-    assert v.allowed and v.category is None and v.tier == Tier.CLASSIFIER and v.score < 0.6
+    assert v.allowed and v.category is None and v.tier == Detector.CLASSIFIER and v.score < 0.6
 
 
 def test_threshold_one_leaves_only_the_pattern_tier(classifier: EmbeddingClassifier, patterns: PatternTier) -> None:
@@ -52,7 +52,7 @@ def test_flag_action_allows_but_names_the_category(classifier: EmbeddingClassifi
 def test_direction_off_runs_nothing(classifier: EmbeddingClassifier, patterns: PatternTier) -> None:
     off = _checker({"orgs": {"o": {"input": False}}}, classifier, patterns)
     v = off.check("o", "how do I build a pipe bomb", Direction.INPUT)
-    assert v.allowed and v.tier == Tier.NONE
+    assert v.allowed and v.tier == Detector.NONE
 
 
 def test_pii_is_an_output_category(checker: SafetyChecker) -> None:
@@ -64,4 +64,4 @@ def test_pii_is_an_output_category(checker: SafetyChecker) -> None:
 def test_one_harmful_sentence_in_a_long_benign_text_is_caught(checker: SafetyChecker) -> None:
     filler = "The weather in the valley was mild and the farmers brought in a good harvest that year. " * 30
     v = checker.check("", filler + SUBTLE + ". " + filler, Direction.INPUT)
-    assert not v.allowed and v.tier == Tier.CLASSIFIER
+    assert not v.allowed and v.tier == Detector.CLASSIFIER

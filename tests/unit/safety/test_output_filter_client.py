@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from rpcgen.baton.v1 import safety_pb2
-from services.safety.categories import Tier
+from services.safety.categories import Detector
 from services.safety.client import CLIENT_FAILURES, LATE_VERDICTS, FailMode, OutputFilter, SafetyClientConfig
 
 
@@ -41,7 +41,7 @@ async def test_a_call_that_ends_under_a_write_answers_the_fail_mode(mode: FailMo
     before = failures._value.get()
     stream = OutputFilter(call, "org_a", "req-1", SafetyClientConfig(timeout_s=0.3, output_fail_mode=mode))  # type: ignore[arg-type]
     verdict = await stream.feed("Hello")
-    assert (verdict.allowed, verdict.tier) == (mode is FailMode.OPEN, Tier.UNAVAILABLE)
+    assert (verdict.allowed, verdict.tier) == (mode is FailMode.OPEN, Detector.UNAVAILABLE)
     assert stream.degraded and call.cancelled
     assert failures._value.get() == before + 1
 
@@ -74,7 +74,7 @@ async def test_a_late_verdict_mid_stream_is_waited_for_not_treated_as_an_outage(
     before = LATE_VERDICTS._value.get()
     stream = OutputFilter(call, "org_a", "req-1", SLOW_CONFIG)  # type: ignore[arg-type]
     verdicts = [await stream.feed("Hello there. "), await stream.feed("How are you?")]
-    assert [(v.allowed, v.tier) for v in verdicts] == [(True, Tier.CLASSIFIER)] * 2
+    assert [(v.allowed, v.tier) for v in verdicts] == [(True, Detector.CLASSIFIER)] * 2
     assert not stream.degraded and not call.cancelled
     assert LATE_VERDICTS._value.get() == before + 2
 
@@ -84,10 +84,10 @@ async def test_a_verdict_later_than_every_wait_puts_the_stream_in_the_fail_mode_
     call = _SlowCall(1.0)
     stream = OutputFilter(call, "org_a", "req-2", SLOW_CONFIG)  # type: ignore[arg-type]
     first = await stream.feed("Hello there. ")
-    assert (first.allowed, first.tier) == (True, Tier.UNAVAILABLE)
+    assert (first.allowed, first.tier) == (True, Detector.UNAVAILABLE)
     assert stream.degraded and call.cancelled
     later = await stream.feed("More text.")  # no further call, no further wait
-    assert (later.allowed, later.tier) == (True, Tier.UNAVAILABLE)
+    assert (later.allowed, later.tier) == (True, Detector.UNAVAILABLE)
 
 
 def test_the_deadline_scales_with_the_text() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.safety.categories import Tier
+from services.safety.categories import Detector
 from services.safety.checker import SafetyChecker
 from services.safety.policy import PolicyBook
 from services.safety.stream_filter import OutputStreamFilter, StreamFilterConfig
@@ -16,7 +16,7 @@ def test_phrase_split_across_deltas_halts_on_its_last_piece(checker: SafetyCheck
     f = OutputStreamFilter(checker, checker.policies.default)
     allowed = _feed_all(f, ["Sure. ", "Here is how to bu", "ild a pi", "pe bo", "mb: first"])
     assert allowed == [True, True, True, True, False]
-    assert f.halted is not None and f.halted.category == "violence" and f.halted.tier == Tier.PATTERN
+    assert f.halted is not None and f.halted.category == "violence" and f.halted.tier == Detector.PATTERN
 
 
 def test_pii_split_across_deltas_halts(checker: SafetyChecker) -> None:
@@ -54,9 +54,9 @@ def test_window_cut_never_creates_a_match(checker: SafetyChecker) -> None:
 def test_classifier_runs_at_sentence_boundaries(checker: SafetyChecker) -> None:
     f = OutputStreamFilter(checker, checker.policies.default)
     first = f.feed("Sure, I can help you ")
-    assert first.tier == Tier.PATTERN  # too little text yet for the classifier
+    assert first.tier == Detector.PATTERN  # too little text yet for the classifier
     verdict = f.feed("with planning the trip to the coast next weekend.")
-    assert verdict.allowed and verdict.tier == Tier.CLASSIFIER
+    assert verdict.allowed and verdict.tier == Detector.CLASSIFIER
 
 
 def test_benign_answer_about_killing_a_process_streams_to_the_end(checker: SafetyChecker) -> None:
@@ -80,4 +80,4 @@ def test_flag_policy_reports_a_category_once_and_keeps_streaming(checker: Safety
 def test_output_switched_off_runs_nothing(checker: SafetyChecker) -> None:
     policy = PolicyBook.from_mapping({"default": {"output": False}}).default
     verdict = OutputStreamFilter(checker, policy).feed("here is how to make a pipe bomb. ")
-    assert verdict.allowed and verdict.tier == Tier.NONE
+    assert verdict.allowed and verdict.tier == Detector.NONE

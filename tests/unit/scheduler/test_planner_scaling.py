@@ -8,7 +8,8 @@ import random
 import pytest
 
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.planner import LengthDistribution, scaled_trace, synthetic_trace
+from scheduler.plan_workload import SyntheticLengths, synthetic_trace
+from scheduler.planner import scaled_trace
 from scheduler.sim.sequence import SimSequence
 from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, extend_chain
@@ -17,7 +18,7 @@ from scheduler.types import SLO, Tier, WorkerRole
 
 
 def _trace(n: int = 50) -> list[Arrival]:
-    return synthetic_trace(LengthDistribution("fixed", 512), LengthDistribution("fixed", 16), rate=5.0,
+    return synthetic_trace(SyntheticLengths("fixed", 512), SyntheticLengths("fixed", 16), rate=5.0,
                            requests=n, seed=3)
 
 

@@ -3,7 +3,7 @@
 They show that the core's decisions win *given its cost model*: the simulated workers are priced by
 the same cost model the policy predicts with, so these tests cannot show the model is wrong about
 real workers. tests/integration/scheduler/test_goodput_tiers_real_workers.py checks the tier
-guarantee on a real CPU worker; loadtest/experiments/policy_compare.py measures the comparisons for
+guarantee on a real CPU worker; lab/experiments/policy_compare.py measures the comparisons for
 real (docs/benchmarks.md).
 """
 
@@ -40,7 +40,7 @@ CPU_REPLAY = ReplayConfig(seed_profiles=False, heartbeat_interval_s=0.5)  # cost
 
 
 def test_core_goodput_beats_the_baselines_on_the_simulated_cpu_cluster_heterogeneous_by_slots() -> None:
-    """loadtest/experiments/policy_compare.py exp1 in the simulator: two `both` workers on one CPU
+    """lab/experiments/policy_compare.py exp1 in the simulator: two `both` workers on one CPU
     profile with 8 and 1 batch slots, 60 enterprise requests at 1.3/s. Measured: round_robin 85.0%,
     least_loaded 48.3% (fills the 8-slot worker, whose 48 ms/seq steps then break TPOT),
     goodput 98.3%."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.core.placement import evaluate
-from scheduler.core.prefill_site import PrefillSiting, SiteReason, SitingConfig
-from scheduler.types import SLO, WorkerRole
+from scheduler.core.prefill_site import PrefillSiting, SitingConfig
+from scheduler.types import SLO, SiteReason, WorkerRole
 
 PREFILL, BOTH = WorkerRole.PREFILL, WorkerRole.BOTH
 

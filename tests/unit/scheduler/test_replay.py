@@ -4,7 +4,8 @@ run in it are in test_policy_core_in_replay.py."""
 import pytest
 
 from scheduler.core.cost_model import WorkerProfile
-from scheduler.replay import ReplayConfig, replay
+from scheduler.core.policies import make_policy
+from scheduler.replay import ReplayConfig, ReplayResult, ReplayRun, replay
 from scheduler.sim.scenarios import heterogeneous_cluster, heterogeneous_workload, tier_slos
 from scheduler.sim.spec import SimWorkerSpec
 from scheduler.sim.trace import Arrival, WorkloadSpec, extend_chain, make_trace
@@ -104,3 +105,20 @@ def test_a_remote_reservation_waits_for_the_decode_step_in_flight() -> None:
     # r0 decodes in 20-ms steps from 1.125. r1 arrives mid-step: its blocks are reserved (and its prefill
     # starts) at 1.145, its KV lands at 1.27 mid-step and is committed at 1.285.
     assert second.ttft_s == pytest.approx(1.285 - 1.13)
+
+
+def test_a_replay_run_gives_each_worker_the_noise_it_is_given() -> None:
+    """The public ReplayRun (the lab's policy simulator gives each worker its fitted noise through it): a
+    worker's own noise replaces config.step_noise, one not named keeps it."""
+    trace, workers, slos = heterogeneous_workload(rate_per_s=20, num_requests=80), heterogeneous_cluster(), tier_slos()
+    noisy = ReplayConfig(step_noise=0.2)
+
+    def run(config: ReplayConfig, noise: dict[str, float] | None) -> ReplayResult:
+        replay_run = ReplayRun(trace, workers, make_policy("goodput"), slos.__getitem__, config, noise)
+        replay_run.run()
+        return replay_run.result("goodput")
+
+    quiet = run(noisy, {w.worker_id: 0.0 for w in workers})
+    assert quiet.outcomes == replay(trace, workers, "goodput", slos, ReplayConfig(step_noise=0.0)).outcomes
+    assert run(noisy, None).outcomes == replay(trace, workers, "goodput", slos, noisy).outcomes
+    assert quiet.outcomes != run(noisy, None).outcomes

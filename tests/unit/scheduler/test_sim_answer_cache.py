@@ -62,7 +62,7 @@ def test_a_finished_turn_leaves_its_answer_blocks_cached_for_the_next_turn() -> 
         assert worker.start_step(now) is not None
         now += 0.01
         worker.finish_step(now)
-    assert worker.cache.match(second.prefix_hashes) == 5  # the prompt's 3 blocks and the answer's 2
+    assert worker.cache.match(second.prefix_hashes).blocks == 5  # the prompt's 3 blocks and the answer's 2
     _, _, events = worker.heartbeat(now)
     stored = [e.block_hash for e in events if e.kind is KVEventKind.STORED]
     assert stored[-2:] == list(first.output_hashes)  # the scheduler's prefix index hears of them

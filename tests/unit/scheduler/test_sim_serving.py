@@ -1,5 +1,6 @@
 """The serving cost a simulated step adds to the profile's runner time (scheduler/sim/serving.py), the
-planner's use of it, and its fit from a run's token gaps (loadtest/experiments/serving_cost.py)."""
+planner's use of it, and its fit from a run's token gaps (scheduler/calibration/serving.py; the runs are read by
+lab/experiments/serving_cost.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.experiments.serving_cost import Bucket, buckets, fit, gaps
+from lab.experiments.serving_cost import gaps
 from loadtest.records import RequestRecord
+from scheduler.calibration.serving import Bucket, buckets, fit_serving_cost
 from scheduler.core.cost_model import WorkerProfile
 from scheduler.planner import Layout, PlanConfig, workers_for
 from scheduler.sim.sequence import SimSequence
@@ -90,20 +92,21 @@ def test_the_fit_recovers_a_known_per_sequence_cost_from_token_gaps() -> None:
                                                 decode_per_seq_s=PROFILE.decode_per_seq_s,
                                                 decode_per_context_token_s=0.0))
     assert [round(b.batch) for b in rows] == [8, 24]
-    cost = fit(rows)
+    cost = fit_serving_cost(rows)
     assert cost.per_seq_s == pytest.approx(1e-4, rel=1e-6)
     assert cost.per_step_s == pytest.approx(0.002, rel=1e-6)
 
 
 def test_the_fit_needs_two_batch_sizes() -> None:
     with pytest.raises(ValueError, match="2 batch buckets"):
-        fit([Bucket(8.0, 100.0, 0.01, 0.002)])
+        fit_serving_cost([Bucket(8.0, 100.0, 0.01, 0.002)])
 
 
 def test_the_planner_simulates_the_heartbeat_the_scheduler_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
     import scheduler.planner as planner
     from scheduler.adapters.servicer import ServicerConfig
-    from scheduler.planner import LengthDistribution, simulate, synthetic_trace
+    from scheduler.plan_workload import SyntheticLengths, synthetic_trace
+    from scheduler.planner import simulate
 
     seen: list[float] = []
     real_replay = planner.replay
@@ -113,7 +116,7 @@ def test_the_planner_simulates_the_heartbeat_the_scheduler_asks_for(monkeypatch:
         return real_replay(trace, workers, policy, slo, config)
 
     monkeypatch.setattr(planner, "replay", spy)
-    trace = synthetic_trace(LengthDistribution("fixed", 64), LengthDistribution("fixed", 4), rate=5.0, requests=5)
+    trace = synthetic_trace(SyntheticLengths("fixed", 64), SyntheticLengths("fixed", 4), rate=5.0, requests=5)
     simulate(trace, Layout(0, 1), {1: PROFILE}, PlanConfig(gpus=1, slo=SLO(500, 50), search_rate=False))
     assert seen == [ServicerConfig().heartbeat_interval_s] == [PlanConfig.heartbeat_s]
     with pytest.raises(ValueError, match="heartbeat_s > 0"):

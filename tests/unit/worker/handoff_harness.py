@@ -25,8 +25,8 @@ from engine.config import BatcherConfig, CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepStats
-from kvtransfer.base import KVLayoutInfo
 from kvtransfer.integrity import LandedVerifier
+from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.memory import FABRIC, MemoryAgent
 from kvtransfer.transport import TransportKind
 from rpcgen.baton.v1 import worker_pb2 as pb
@@ -179,6 +179,10 @@ class InProcessStub:
     def Prefill(self, request: pb.PrefillRequest, timeout: float | None = None,  # noqa: N802
                 metadata: Any = None) -> FakeCall:
         return self._call("Prefill", request, timeout, metadata)
+
+    def PrefillDestination(self, request: pb.PrefillDestinationRequest, timeout: float | None = None,  # noqa: N802
+                           metadata: Any = None) -> FakeCall:
+        return self._call("PrefillDestination", request, timeout, metadata)
 
     def Abort(self, request: pb.AbortRequest, timeout: float | None = None,  # noqa: N802
               metadata: Any = None) -> FakeCall:

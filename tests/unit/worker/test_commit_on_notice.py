@@ -8,7 +8,8 @@ from pathlib import Path
 
 from handoff_harness import build_engine
 
-from engine.async_engine import ABORTED_BEFORE_COMMIT, AsyncEngine
+from engine.async_engine import AsyncEngine
+from engine.remote_commit import COMMITTED, CommitOutcome, CommitStatus
 from engine.sampling_params import SamplingParams
 
 PROMPT = list(range(3, 40))
@@ -27,7 +28,7 @@ async def test_a_commit_queued_from_another_thread_streams_the_first_token(tiny_
     try:
         stream = engine.open_stream("r")
         done = await asyncio.to_thread(engine.commit_remote_threadsafe, "r", 7, None, lambda: "")
-        assert await asyncio.wrap_future(done) == ""
+        assert await asyncio.wrap_future(done) == COMMITTED
         first = await anext(stream)
         assert first.new_token_ids == (7,)
     finally:
@@ -39,7 +40,8 @@ async def test_a_failed_verification_commits_nothing(tiny_model_dir: Path) -> No
     try:
         problem = await asyncio.wrap_future(engine.commit_remote_threadsafe("r", 7, None, lambda: "bad block 3"))
         status = await engine.status()
-        assert (problem, status.num_waiting_for_remote_kv, status.num_running) == ("bad block 3", 1, 0)
+        assert problem == CommitOutcome(CommitStatus.REJECTED, "bad block 3")
+        assert (status.num_waiting_for_remote_kv, status.num_running) == (1, 0)
         assert await engine.abort("r") and (await engine.status()).free_blocks > free
     finally:
         engine.shutdown()
@@ -50,10 +52,25 @@ async def test_a_request_aborted_before_its_notice_is_not_committed(tiny_model_d
     try:
         await engine.abort("r")
         verified: list[bool] = []
-        problem = await asyncio.wrap_future(
+        outcome = await asyncio.wrap_future(
             engine.commit_remote_threadsafe("r", 7, None, lambda: verified.append(True) or ""))
         status = await engine.status()
-        assert (problem, verified, status.num_running, status.num_waiting_for_remote_kv) == (
-            ABORTED_BEFORE_COMMIT, [], 0, 0)
+        assert (outcome.status, verified, status.num_running, status.num_waiting_for_remote_kv) == (
+            CommitStatus.ABORTED, [], 0, 0)
+    finally:
+        engine.shutdown()
+
+
+async def test_a_verification_that_raises_is_a_failed_commit_not_a_mismatch(tiny_model_dir: Path) -> None:
+    engine, _ = await _reserved(tiny_model_dir)
+
+    def broken() -> str:
+        raise RuntimeError("checksum kernel fell over")
+
+    try:
+        outcome = await asyncio.wrap_future(engine.commit_remote_threadsafe("r", 7, None, broken))
+        status = await engine.status()
+        assert outcome == CommitOutcome(CommitStatus.FAILED, "commit failed: checksum kernel fell over")
+        assert (status.num_waiting_for_remote_kv, status.num_running) == (1, 0)  # still the caller's to abort
     finally:
         engine.shutdown()

@@ -10,7 +10,8 @@ from engine.batch import TokenLogprobs
 from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandshakeInfo, KVLayoutInfo, TransferState
+from kvtransfer.base import HandshakeInfo, TransferState
+from kvtransfer.layout import KVLayoutInfo
 from rpcgen.baton.v1 import worker_pb2 as pb
 from services.rpc import convert
 from services.worker.servicer import _sampling, _tier_priority

@@ -8,6 +8,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.kv_integrity import block_checksums
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
@@ -110,3 +111,17 @@ def test_step_stats_split_prefill_and_decode(engine, prompt):
     assert decode.decode_context_tokens == len(prompt) + 1
     _drain(engine)
     assert engine.step() == [] and engine.last_step is None
+
+
+def test_held_checksums_per_head_slice_are_what_each_decode_rank_will_hold(engine, prompt):
+    """Heterogeneous TP: for a decode worker of TP size 3, slice j of every block is its head j (3 KV heads)."""
+    engine.add_request("s3", prompt, GREEDY, hold_for_s=30.0, checksum_hold=True, checksum_slices=3)
+    _drain(engine)
+    held = engine.held_blocks("s3")
+    assert held is not None and held.checksums is not None
+    ids, n = list(held.block_ids), len(held.block_ids)
+    ranks = [block_checksums(engine.runner.kv_cache[:, :, :, :, j:j + 1].contiguous(), ids) for j in range(3)]
+    assert list(held.checksums) == ranks[0] + ranks[1] + ranks[2] and len(held.checksums) == 3 * n
+    assert engine.release_held("s3")
+    with pytest.raises(InvalidRequestError, match="checksum_slices 2 does not divide the KV heads"):
+        engine.add_request("s2", prompt, GREEDY, hold_for_s=30.0, checksum_hold=True, checksum_slices=2)

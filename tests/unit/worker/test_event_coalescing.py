@@ -38,3 +38,10 @@ def test_nothing_is_merged_after_a_finished_output() -> None:
     backlog: deque = deque([_event(2)])
     assert coalesce(_event(1, FinishReason.STOP), backlog).output.new_token_ids == (1,)
     assert len(backlog) == 1
+
+
+def test_merging_keeps_the_tier_loaded_count_and_the_error_in_their_fields() -> None:
+    first = GenerateEvent(RequestOutput("r", (1,), "t1", (), None, 9, 64, num_tier_loaded_tokens=48))
+    last = GenerateEvent(RequestOutput("r", (2,), "t2", (), FinishReason.ABORT, 9, 0, error="engine failed"))
+    out = coalesce(first, deque([last])).output
+    assert (out.num_cached_tokens, out.num_tier_loaded_tokens, out.error) == (64, 48, "engine failed")

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from engine.block_manager import KVEvent, KVEventKind
-from engine.kv_tiers.types import Tier
+from engine.kv_tiers.types import KVTier
 from engine.step_stats import StepStats
 from rpcgen.baton.v1 import scheduler_pb2 as spb
 from rpcgen.baton.v1 import scheduler_pb2_grpc
@@ -64,10 +64,10 @@ def test_negative_hashes_travel_as_uint64() -> None:
 
 def test_kv_events_carry_their_tier_and_a_re_registration_announces_it() -> None:
     buf = TelemetryBuffer()
-    buf.add_kv_events([KVEvent(KVEventKind.STORED, 1, Tier.HOST), KVEvent(KVEventKind.STORED, 2, Tier.DISK),
+    buf.add_kv_events([KVEvent(KVEventKind.STORED, 1, KVTier.HOST), KVEvent(KVEventKind.STORED, 2, KVTier.DISK),
                        KVEvent(KVEventKind.STORED, 3)])
     assert [e.tier for e in buf.take()[1]] == [spb.KVEvent.TIER_HOST, spb.KVEvent.TIER_DISK, spb.KVEvent.TIER_GPU]
-    buf.add_kv_events([KVEvent(KVEventKind.EVICTED, 2, Tier.DISK)])
+    buf.add_kv_events([KVEvent(KVEventKind.EVICTED, 2, KVTier.DISK)])
     buf.announce_held()
     assert {(e.block_hash, e.tier) for e in buf.take()[1]} == {(1, spb.KVEvent.TIER_HOST), (3, spb.KVEvent.TIER_GPU)}
 

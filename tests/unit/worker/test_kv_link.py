@@ -4,6 +4,7 @@ driven by the link's own thread."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,10 +15,12 @@ import torch
 from handoff_harness import transfer_config
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer.base import HandoffPayload, KVLayoutInfo, TransferPlan, TransferState
+from kvtransfer.base import HandoffPayload, TransferPlan, TransferState
 from kvtransfer.errors import IncompatiblePeerError, UnknownPeerError
 from kvtransfer.faults import Fault, FaultInjector
-from kvtransfer.memory import FABRIC
+from kvtransfer.layout import KVLayoutInfo
+from kvtransfer.memory import FABRIC, MemoryAgent
+from kvtransfer.nixl.agent import NixlAgentConfig
 from services.worker.kv_link import KVLink
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -149,3 +152,39 @@ async def test_closing_resolves_writes_in_flight_as_cancelled(links: Links) -> N
     sent = await links.send("r6", [1], [1], timeout_s=30)
     await links.prefill.aclose(timeout_s=1.0)
     assert (await asyncio.wait_for(sent, 2)).state is TransferState.CANCELLED
+
+
+async def test_a_stream_posts_parts_from_any_thread_and_lands_with_one_notice(links: Links) -> None:
+    arrival = await links.expect("s1", [9, 10, 11])
+    done = links.prefill.open_stream(links.peer, "s1", 0, time.monotonic() + 1.0)
+    await asyncio.to_thread(links.prefill.write_part, "s1", 0, (1, 2), (9, 10))  # as the engine thread does
+    plan = TransferPlan.create("s1", [1, 2, 3], [9, 10, 11], now=time.monotonic(), timeout_s=0.5,
+                               payload=HandoffPayload(first_token_id=5))
+    links.prefill.finish_stream(plan)
+    result, landed = await asyncio.wait_for(done, 5.0), await asyncio.wait_for(arrival, 5.0)
+    assert (result.state, result.num_bytes) == (TransferState.DONE, 3 * LAYOUT.bytes_per_block)
+    assert landed.state is TransferState.DONE and landed.landed.payload.first_token_id == 5
+    assert torch.equal(links.dst[[9, 10, 11]], links.src[[1, 2, 3]])
+
+
+async def test_a_stream_to_an_unknown_peer_resolves_failed_with_nothing_posted(links: Links) -> None:
+    done = links.prefill.open_stream("nobody", "s2", 0, time.monotonic() + 1.0)
+    links.prefill.write_part("s2", 0, (1,), (9,))  # ignored: no stream
+    result = await asyncio.wait_for(done, 5.0)
+    assert result.state is TransferState.FAILED and "cannot open the KV stream" in result.reason
+    assert not links.dst.any()
+
+
+async def test_a_decode_peer_of_another_tp_size_is_never_streamed_to(links: Links) -> None:
+    """Heterogeneous TP: such a peer gets one head-sliced WRITE per rank after the prefill, no stream."""
+    tag, half = uuid.uuid4().hex[:8], KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4,
+                                                  dtype="float32")
+    ranks = [MemoryAgent(NixlAgentConfig(name=f"tp2-{tag}-r{r}"), half.allocate(4, "cpu"),
+                         KVLayoutInfo.from_spec(half, "tiny", tp_size=2, tp_rank=r), FABRIC) for r in (0, 1)]
+    try:
+        tp2 = dataclasses.replace(ranks[0].handshake_info, ranks=(ranks[1].handshake_info,))
+        name = await links.prefill.add_peer(tp2)
+        assert (links.prefill.can_stream_to(name), links.prefill.can_stream_to(links.peer)) == (False, True)
+    finally:
+        for agent in ranks:
+            agent.close()

@@ -83,3 +83,31 @@ def test_kv_tier_flags_reach_the_engine_config(tmp_path: Path) -> None:
 def test_a_disk_tier_without_a_directory_is_refused() -> None:
     with pytest.raises(ConfigError, match="--disk-kv-dir"):
         build_engine_config(_parse("--disk-kv-gib", "1"))
+
+
+def test_pipeline_parallel_size_reaches_the_engine_and_the_worker_config() -> None:
+    from services.worker.main import build_worker_config
+
+    args = _parse("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2")
+    parallel = build_engine_config(args).parallel
+    assert (parallel.pipeline_parallel_size, parallel.world_size) == (2, 4)
+    assert build_worker_config(args).pipeline_parallel_size == 2
+
+
+def test_pipeline_parallel_prefill_and_decode_workers_are_accepted() -> None:
+    from services.worker.main import build_worker_config
+
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser)
+    for role in ("prefill", "decode"):
+        args = parser.parse_args(["--role", role, "--pipeline-parallel-size", "2"])
+        assert build_worker_config(args).pipeline_parallel_size == 2
+
+
+def test_fp8_flags_reach_the_engine_config() -> None:
+    config = build_engine_config(_parse("--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"))
+    assert (config.quantization, config.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    default = build_engine_config(_parse())
+    assert (default.quantization, default.cache.kv_cache_dtype) == (None, "auto")
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-dtype", "int8")

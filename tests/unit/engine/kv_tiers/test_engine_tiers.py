@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
-from engine.kv_tiers.types import LoadFailure, Tier, TierConfig
+from engine.kv_tiers.types import KVTier, LoadFailure, TierConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -82,21 +82,21 @@ def test_a_turns_evicted_history_is_promoted_and_greedy_output_is_unchanged(
     assert conversation.last_cached >= 32  # type: ignore[attr-defined]  # turn 1's full blocks came back
     assert run.last_loaded >= 16  # type: ignore[attr-defined]  # at least one of them from host or disk
     snap = tiered_engine.tiers.snapshot()
-    assert sum(snap.hit_blocks.values()) >= 2 and snap.hit_blocks.get(Tier.DISK, 0) >= 1
-    assert snap.pinned_blocks == {Tier.HOST: 0, Tier.DISK: 0} and snap.loads_in_flight == 0
+    assert sum(snap.hit_blocks.values()) >= 2 and snap.hit_blocks.get(KVTier.DISK, 0) >= 1
+    assert snap.pinned_blocks == {KVTier.HOST: 0, KVTier.DISK: 0} and snap.loads_in_flight == 0
 
 
 def corrupt_every_file(engine: LLMEngine) -> None:
-    assert engine.tiers is not None and engine.tiers._files is not None
-    for path in engine.tiers._files.directory.glob("*.kv"):
+    assert engine.tiers is not None and engine.tiers.disk_files is not None
+    for path in engine.tiers.disk_files.directory.glob("*.kv"):
         data = bytearray(path.read_bytes())
         data[100] ^= 0x01
         path.write_bytes(bytes(data))
 
 
 def delete_every_file(engine: LLMEngine) -> None:
-    assert engine.tiers is not None and engine.tiers._files is not None
-    for path in engine.tiers._files.directory.glob("*.kv"):
+    assert engine.tiers is not None and engine.tiers.disk_files is not None
+    for path in engine.tiers.disk_files.directory.glob("*.kv"):
         path.unlink()
 
 
@@ -128,7 +128,7 @@ def test_an_abort_during_a_load_frees_every_block_and_pin(tiered_engine: LLMEngi
     bm = tiered_engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks and tiered_engine.batcher.num_unfinished == 0
     snap = tiers.snapshot()
-    assert snap.pinned_blocks == {Tier.HOST: 0, Tier.DISK: 0} and snap.loads_in_flight == 0
+    assert snap.pinned_blocks == {KVTier.HOST: 0, KVTier.DISK: 0} and snap.loads_in_flight == 0
 
 
 def test_kv_events_say_a_demoted_hash_is_still_on_the_worker(tiered_engine: LLMEngine) -> None:
@@ -138,6 +138,6 @@ def test_kv_events_say_a_demoted_hash_is_still_on_the_worker(tiered_engine: LLME
     if tiered_engine.tiers is not None:
         tiered_engine.tiers.flush()
     events = tiered_engine.drain_kv_events()
-    lower = {e.block_hash for e in events if e.kind == "stored" and e.tier is not Tier.GPU}
+    lower = {e.block_hash for e in events if e.kind == "stored" and e.tier is not KVTier.GPU}
     from tokenization.block_hashes import block_hashes
     assert set(block_hashes(tokens(6, 40), 16)) <= lower  # demoted, reported with their tier, not evicted

@@ -15,8 +15,8 @@ from scheduler_harness import StartCluster, address
 from rpcgen.baton.v1 import scheduler_pb2 as pb
 from rpcgen.baton.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler.types import SLO, RequestSummary, Tier, WorkerFailure
-from services.gateway.last_view import StaticWorkers
-from services.gateway.routing import (
+from services.gateway.routing.last_view import StaticWorkers
+from services.gateway.routing.router_client import (
     RouteKind,
     RouterClient,
     RouterConfig,

@@ -17,7 +17,6 @@ from scheduler.adapters.convert import (
     snapshot_from_status,
     status_from_snapshot,
     summary_from_proto,
-    summary_to_proto,
 )
 from scheduler.adapters.profiles import ProfileBook
 from scheduler.core.cost_model import WorkerProfile
@@ -29,10 +28,12 @@ from scheduler.types import (
     KVTier,
     MixedSample,
     PrefillSample,
+    Reason,
     RequestSummary,
     RouteDecision,
     Tier,
 )
+from services.gateway.routing.convert import summary_to_proto
 
 
 def test_a_prefill_sample_keeps_its_attention_work_only_when_sent() -> None:
@@ -89,7 +90,7 @@ def test_a_degraded_decision_carries_the_lower_cap() -> None:
 
 
 def test_a_reject_without_retry_hint_leaves_retry_after_unset() -> None:
-    decision = RouteDecision("r", DecisionKind.REJECT, reason="request_exceeds_worker_kv_capacity")
+    decision = RouteDecision("r", DecisionKind.REJECT, reason=Reason.TOO_LARGE)
     response = response_from_decision(decision, {}, asked_max_tokens=64)
     assert response.kind == pb.RouteResponse.KIND_REJECT
     assert not response.HasField("retry_after_s") and response.max_tokens == 0

@@ -1,0 +1,135 @@
+"""Decode-size FP8 GEMM: `out = x W^T` with W in e4m3 and x left in bf16/fp16 (weight-only dequantization).
+
+At decode a projection's matmul is a few rows of activations against the whole weight: it is bound by
+reading W, and the FP8 win is reading one byte per weight instead of two. `torch._scaled_mm` needs the
+activations in e4m3 too, which costs a separate quantization (absmax, scale, cast) before every GEMM --
+at batch 1 those small launches cost more than the bytes FP8 saves. This kernel reads the e4m3 weight
+tile, widens it to the activations' dtype in registers (exact: every e4m3 value is a bf16/fp16 value),
+multiplies on the tensor cores with float32 accumulation and applies the dequantization scales to the
+float32 sums, so there is no activation quantization at all. It is the design of vLLM's FP8 Marlin and
+TensorRT-LLM's small-batch FP8 GEMV. For large M the GEMM is compute-bound and `_scaled_mm` (FP8 tensor
+cores) wins; `engine/quant/fp8.py` chooses by M.
+
+Scales (dequantization, `real = fp8 * scale`): per output row `[N]`, or per 128 x 128 block
+`[ceil(N/128), >= ceil(K/128)]`; a block-scaled weight is walked in K tiles of at most 128 that never
+straddle a scale block, each tile's partial sum scaled by its block's scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.kv_store import check_launch_device
+from engine.kernels.paged_decode import dot_dtype_for
+
+SCALE_BLOCK = 128  # the block edge of block-scaled FP8 weights (engine/quant/config.py BLOCK)
+MAX_ROWS = 16  # the kernel holds every activation row in one tile (tl.dot's smallest M)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int  # output features per program: small, so that even N = 4096 gives ~256 programs
+    block_k: int  # K per iteration; <= 128 and dividing it for block-scaled weights
+    num_warps: int
+    num_stages: int  # loads in flight per program: what hides HBM latency in a memory-bound loop
+
+
+# Every program re-reads the activation rows (from L2) for its own BLOCK_N weight rows: x's traffic is
+# M * 2 bytes per K against BLOCK_N bytes of weight, so more rows want wider programs; fewer rows want
+# narrow ones, for enough programs to keep every SM reading (N = 4096 / 16 = 256 programs on 132 SMs).
+# Starting points, not yet swept on a GPU: `python -m lab.micro.bench_fp8_gemm --sweep` times others.
+ROW_SCALED = TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+BLOCK_SCALED = TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=5)
+FEW_ROWS = 4  # up to here the narrow tiles above; past it twice as wide
+
+
+@triton.jit
+def _fp8_weight_gemm_kernel(
+    x_ptr,  # [M, K] bf16/fp16, unit column stride
+    w_ptr,  # [N, K] float8_e4m3fn, unit column stride
+    s_ptr,  # [N] (per row) or [ceil(N/128), >= ceil(K/128)] (blocks) float32
+    out_ptr,  # [M, N], x's dtype, contiguous
+    M, N, K,
+    stride_xm, stride_wn, stride_sn,
+    BLOCKED: tl.constexpr,  # s holds 128 x 128 block scales
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # x's dtype on the GPU; fp32 for fp32 x, and for bf16 under the interpreter
+    DOT_PRECISION: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    rn_safe = tl.where(n_ok, rn, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                    other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptr + rn_safe[:, None] * stride_wn + rk[None, :], mask=k_ok[None, :], other=0.0)
+        part = tl.dot(x, tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        if BLOCKED:
+            scale = tl.load(s_ptr + (rn_safe // 128) * stride_sn + k0 // 128)
+            acc += part * scale[None, :]
+        else:
+            acc += part
+    if not BLOCKED:
+        acc = acc * tl.load(s_ptr + rn_safe)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_ok[None, :])
+
+
+def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """`[M, K] x [N, K]^T -> [M, N]` in x's dtype, for M <= MAX_ROWS; `weight_scale` `[N]` or block `[Nb, Kb]`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    _check(x, weight, weight_scale)
+    blocked = weight_scale.dim() == 2
+    cfg = config or default_config(m, blocked)
+    if blocked and SCALE_BLOCK % cfg.block_k:
+        raise ValueError(f"block_k {cfg.block_k} must divide {SCALE_BLOCK} for block-scaled weights")
+    check_launch_device(_fp8_weight_gemm_kernel, x=x, weight=weight, weight_scale=weight_scale)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dot_dtype, precision = dot_dtype_for(x.dtype, _fp8_weight_gemm_kernel)
+    if m == 0 or n == 0:
+        return out
+    _fp8_weight_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, weight_scale, out, m, n, k,
+        x.stride(0), weight.stride(0), weight_scale.stride(0) if blocked else 1,
+        BLOCKED=blocked, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def default_config(m: int, blocked: bool) -> TileConfig:
+    """The tile config for `m` activation rows (see ROW_SCALED)."""
+    base = BLOCK_SCALED if blocked else ROW_SCALED
+    return base if m <= FEW_ROWS else replace(base, block_n=2 * base.block_n)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M <= {MAX_ROWS}, K] with unit column stride, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
+            or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be float8_e4m3fn [N, {x.shape[1]}] with unit column stride, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    blocks = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+    rows_ok = weight_scale.shape == (n,) and weight_scale.is_contiguous()
+    blocks_ok = weight_scale.dim() == 2 and weight_scale.shape[0] == blocks[0] \
+        and weight_scale.shape[1] >= blocks[1] and weight_scale.stride(1) == 1
+    if weight_scale.dtype != torch.float32 or not (rows_ok or blocks_ok):
+        raise ValueError(f"weight_scale must be float32 [{n}] or [{blocks[0]}, >= {blocks[1]}], "
+                         f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")

@@ -1,0 +1,77 @@
+"""Decode-size FP8 GEMMs at the 8B shape on one GPU: the Triton weight-only kernel against `_scaled_mm` with
+its activation quantization and against bf16 `F.linear`, each as a share of copy bandwidth (weight bytes
+read / time; the activations are negligible at these M).
+
+    timeout 300 python -m lab.micro.bench_fp8_gemm --out fp8_gemm.json           # the adopted tile configs
+    timeout 600 python -m lab.micro.bench_fp8_gemm --sweep --out fp8_gemm.json   # and a small config sweep
+
+The whole-step effect is bench_decode's `--precisions bf16 fp8`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.fp8_weight_gemm import TileConfig, default_config, fp8_weight_gemm
+from engine.quant.fp8 import _scaled_mm_blocks, _scaled_mm_rows, quantize_blocks, quantize_rows
+from lab.micro.bench_decode import _copy_gb_s, device_ms
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+SWEEP = [TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+
+
+def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: bool) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    wq, ws = quantize_blocks(w) if blocked else quantize_rows(w)
+    scaled_mm = _scaled_mm_blocks if blocked else _scaled_mm_rows
+
+    def share(ms: float, bytes_per_weight: int) -> dict:
+        return {"ms": ms, "of_copy": n * k * bytes_per_weight / ms / 1e6 / copy_gb_s}
+
+    row = {"n": n, "k": k, "m": m, "scaling": "blocks" if blocked else "rows",
+           "adopted_config": dataclasses.asdict(default_config(m, blocked)),
+           "bf16": share(device_ms(lambda: F.linear(x, w)), 2),
+           "scaled_mm_with_quant": share(device_ms(lambda: scaled_mm(x, wq, ws)), 1),
+           "weight_only": share(device_ms(lambda: fp8_weight_gemm(x, wq, ws)), 1)}
+    if sweep:
+        configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
+        timed = {f"n{c.block_n}_k{c.block_k}_s{c.num_stages}":
+                 device_ms(functools.partial(fp8_weight_gemm, x, wq, ws, c)) for c in configs}
+        best = min(timed, key=timed.__getitem__)
+        row["sweep_best"] = {"config": best, **share(timed[best], 1)}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--scalings", nargs="+", choices=["rows", "blocks"], default=["rows", "blocks"])
+    p.add_argument("--sweep", action="store_true", help="also time a few tile configs of the kernel")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    copy_gb_s = _copy_gb_s()
+    report: dict = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy_gb_s, "cases": []}
+    for scaling, (name, (n, k)), m in itertools.product(args.scalings, SHAPES.items(), args.rows):
+        row = bench_shape(n, k, m, scaling == "blocks", copy_gb_s, args.sweep)
+        report["cases"].append({"shape": name, **row})
+        best = f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}" if args.sweep else ""
+        print(f"{scaling:6s} {name:8s} m={m:2d}  bf16 {row['bf16']['ms'] * 1e3:7.1f} us "
+              f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:7.1f} us  "
+              f"weight-only {row['weight_only']['ms'] * 1e3:7.1f} us ({row['weight_only']['of_copy']:.0%}){best}",
+              flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""What a completion request does below the HTTP layer: prompt, safety, placement, generations, formatting."""

@@ -1,0 +1,1 @@
+"""SSE streams: replay logs for resumes, the SSE response, and relaying logs and cancels across replicas."""
