@@ -8,9 +8,9 @@ from engine.parallel.expert import ExpertParallel
 from engine.parallel.group import (
     TensorParallel,
     check_tensor_parallel,
-    free_port,
     init_tensor_parallel,
     local_kv_heads,
+    open_rendezvous,
     shutdown_tensor_parallel,
 )
 
@@ -18,8 +18,8 @@ __all__ = [
     "ExpertParallel",
     "TensorParallel",
     "check_tensor_parallel",
-    "free_port",
     "init_tensor_parallel",
     "local_kv_heads",
+    "open_rendezvous",
     "shutdown_tensor_parallel",
 ]

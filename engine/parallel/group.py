@@ -95,8 +95,23 @@ class TensorParallel:
             dist.barrier(group=self.cpu_group)
 
 
-def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_type: str) -> TensorParallel:
-    """Join the group as `rank` (blocks until every rank has joined); rank r takes cuda:r on CUDA."""
+def open_rendezvous(config: ParallelConfig) -> dist.TCPStore:
+    """The group's meeting point, bound before any rank starts: its port (`.port`) goes to the ranks.
+
+    With no `master_port` the store binds port 0 and the OS picks, so nothing can take the port between
+    the pick and the bind (a port picked free and bound later was lost to another process in CI).
+    The process that opens it must keep it until the group is formed; rank 0 passes it as `store`.
+    """
+    return dist.TCPStore(config.master_addr, config.master_port or 0, config.world_size, is_master=True,
+                         timeout=timedelta(seconds=config.timeout_s), wait_for_workers=False)
+
+
+def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_type: str,
+                         store: dist.Store | None = None) -> TensorParallel:
+    """Join the group as `rank` (blocks until every rank has joined); rank r takes cuda:r on CUDA.
+
+    The ranks meet at the store `open_rendezvous` opened on `port`; its opener passes it as `store`.
+    """
     size = config.world_size
     backend = config.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
     device = torch.device("cpu")
@@ -108,8 +123,9 @@ def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_ty
     if not config.allow_nvls:
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # read by NCCL when the communicator is created
     timeout = timedelta(seconds=config.timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
-                            world_size=size, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(config.master_addr, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     # One of tp and ep is 1 (ParallelConfig), so both kinds of collective use the default group, unless
     # stages split it: then each stage's tensor ranks get a group of their own.

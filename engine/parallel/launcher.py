@@ -58,8 +58,8 @@ from engine.parallel.commands import (
 from engine.parallel.group import (
     TensorParallel,
     check_parallel,
-    free_port,
     init_tensor_parallel,
+    open_rendezvous,
     shutdown_tensor_parallel,
 )
 from engine.sampler import Sampler
@@ -109,7 +109,8 @@ class TensorParallelRunner:
         # Fail before starting any process.
         check_parallel(model_config, parallel.tensor_parallel_size, parallel.expert_parallel_size,
                        parallel.pipeline_parallel_size)
-        port = config.parallel.master_port or free_port(config.parallel.master_addr)
+        rendezvous = open_rendezvous(config.parallel)
+        port = rendezvous.port
         ctx = mp.get_context("spawn")
         self._group_lock = threading.Lock()  # one broadcast + its collectives at a time (module docstring)
         self._followers = [ctx.Process(target=_follower_main, args=(config, rank, port, rank_service, os.getpid()),
@@ -117,7 +118,8 @@ class TensorParallelRunner:
         for p in self._followers:
             p.start()
         try:
-            self.tp: TensorParallel = init_tensor_parallel(config.parallel, 0, port, _device_type(config))
+            self.tp: TensorParallel = init_tensor_parallel(config.parallel, 0, port, _device_type(config),
+                                                              rendezvous)
             self.runner = ModelRunner(config, model_config, weights, self.tp)
             self.tp.barrier()  # every follower has its model, KV cache and graphs
         except BaseException:

@@ -60,7 +60,7 @@ import torch.multiprocessing as mp
 
 from engine.config import CacheConfig, ModelConfig, ParallelConfig
 from engine.kv_cache import KVCacheSpec
-from engine.parallel.group import free_port, init_tensor_parallel, local_kv_heads, shutdown_tensor_parallel
+from engine.parallel.group import init_tensor_parallel, local_kv_heads, open_rendezvous, shutdown_tensor_parallel
 from lab.micro.bench_decode import (
     BLOCK,
     LLAMA31_8B,
@@ -87,7 +87,7 @@ def _allreduce_worker(rank: int, size: int, port: int, device_type: str, hidden:
                       iters: int, reps: int, timeout_s: float, results: mp.Queue) -> None:
     """One rank of the all-reduce group; rank 0 puts {batch: median_us} (or an error string) on `results`."""
     try:
-        config = ParallelConfig(tensor_parallel_size=size, master_port=port, timeout_s=timeout_s)
+        config = ParallelConfig(tensor_parallel_size=size, timeout_s=timeout_s)
         tp = init_tensor_parallel(config, rank, port, device_type)
         try:
             cuda = device_type == "cuda"
@@ -132,7 +132,8 @@ def bench_allreduce(tp: int, device_type: str, hidden: int, batches: list[int], 
     """Median microseconds of one [batch, hidden] all-reduce over `tp` spawned ranks."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    rendezvous = open_rendezvous(ParallelConfig(tensor_parallel_size=tp, timeout_s=timeout_s))
+    port = rendezvous.port  # the store stays open here until the ranks have met
     procs = [ctx.Process(target=_allreduce_worker, name=f"baton-ar{rank}", daemon=True,
                          args=(rank, tp, port, device_type, hidden, batches, iters, reps, timeout_s, results))
              for rank in range(tp)]

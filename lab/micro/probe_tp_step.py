@@ -19,13 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.parallel.group import free_port
+from engine.config import ParallelConfig
+from engine.parallel.group import open_rendezvous
 from lab.micro.bench_decode import LLAMA31_8B, bench_engine_config, decode_plan, write_model_dir
 
 
 def _capture_rank(rank: int, port: int, out: mp.Queue) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=2)
     x = torch.ones(1024, device="cuda")
     for _ in range(3):
         dist.all_reduce(x)
@@ -44,8 +46,8 @@ def _capture_rank(rank: int, port: int, out: mp.Queue) -> None:
 def minimal_capture(timeout_s: float) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_capture_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    rendezvous = open_rendezvous(ParallelConfig(tensor_parallel_size=2))  # open until the ranks are done
+    procs = [ctx.Process(target=_capture_rank, args=(r, rendezvous.port, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     got = {}

@@ -35,7 +35,7 @@ from engine.batch import BatchPlan, ScheduledChunk  # noqa: E402
 from engine.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from engine.loader.dummy import dummy_weights  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.parallel.group import free_port, init_tensor_parallel, shutdown_tensor_parallel  # noqa: E402
+from engine.parallel.group import init_tensor_parallel, open_rendezvous, shutdown_tensor_parallel  # noqa: E402
 from engine.parallel.launcher import TensorParallelRunner  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -257,7 +257,8 @@ def _tp_logits_worker(rank: int, port: int, out_dir: str) -> None:
 
 @needs_2_gpus
 def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
-    mp.start_processes(_tp_logits_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    rendezvous = open_rendezvous(ParallelConfig(tensor_parallel_size=2))
+    mp.start_processes(_tp_logits_worker, args=(rendezvous.port, str(tmp_path)), nprocs=2, start_method="spawn")
     got = torch.load(tmp_path / "tp_logits.pt")
     single = ModelRunner(engine_config("float32", eager=True), SMALL_CONFIG,
                          dummy_weights(SMALL_CONFIG, torch.float32, "cuda", seed=9))

@@ -36,7 +36,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.moe_config import MIXTRAL_EXPERT_NAMES, MoeConfig
 from engine.parallel.expert import ExpertParallel, dispatch_compute_combine
-from engine.parallel.group import TensorParallel, free_port, init_tensor_parallel, shutdown_tensor_parallel
+from engine.parallel.group import TensorParallel, init_tensor_parallel, open_rendezvous, shutdown_tensor_parallel
 from engine.parallel.launcher import TensorParallelRunner, create_model_runner
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import FP8_DTYPE, quantize_rows
@@ -187,7 +187,8 @@ def _ep_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     out = tmp_path_factory.mktemp("ep")
-    mp.start_processes(_ep_worker, args=(free_port(), str(out)), nprocs=EP, start_method="spawn")
+    rendezvous = open_rendezvous(ParallelConfig(expert_parallel_size=EP))
+    mp.start_processes(_ep_worker, args=(rendezvous.port, str(out)), nprocs=EP, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt") for r in range(EP)]
 
 

@@ -36,9 +36,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.moe_config import MoeConfig
 from engine.parallel.group import (
     TensorParallel,
-    free_port,
     init_tensor_parallel,
     local_kv_heads,
+    open_rendezvous,
     shutdown_tensor_parallel,
 )
 from engine.parallel.launcher import TensorParallelRunner, create_model_runner
@@ -155,7 +155,8 @@ def _logits_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def tp_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("tp")
-    mp.start_processes(_logits_worker, args=(free_port(), str(out)), nprocs=TP, start_method="spawn")
+    rendezvous = open_rendezvous(ParallelConfig(tensor_parallel_size=TP))
+    mp.start_processes(_logits_worker, args=(rendezvous.port, str(out)), nprocs=TP, start_method="spawn")
     return torch.load(out / "logits.pt")
 
 
