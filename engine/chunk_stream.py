@@ -8,9 +8,11 @@ table became full: (position in the table, block ids). The step that
 samples the first token reports nothing: the held output (engine.outputs.HeldBlocks) carries the
 whole table (and its checksums, over every block) and the hand-off's last part goes from there.
 
-Readiness on CUDA: a step that samples nothing returns without reading anything back, so before the
-owner hears of the blocks this waits for the engine's stream; the KV link thread that then posts the
-WRITE never touches the device.
+Readiness on CUDA: a step that samples nothing returns without reading anything back, so its blocks
+are not written yet when the owner hears of them: the report carries an event recorded on the engine's
+stream after the step (`ready`), and whoever posts the WRITE waits for it. The engine thread does not
+wait: it goes on to launch the next chunk while this one computes (waiting here stalled the launch of
+the next chunk by the whole chunk's compute: +17 ms at a 1k prompt on an H200, 2026-12-02).
 
 A preempted request (recompute) loses its blocks: its owner hears `preempted=True` once and nothing
 after; what it wrote is void (it must cancel its stream; the decode side then never uses the blocks).
@@ -34,6 +36,7 @@ class PrefilledBlocks:
     first_index: int  # position of block_ids[0] in the request's block table
     block_ids: tuple[int, ...]
     preempted: bool = False  # the request lost its blocks: what was reported before is void
+    ready: torch.cuda.Event | None = None  # CUDA: completes once the blocks' KV is written (None: it is)
 
 
 # Called on the engine thread right after the step: keep it cheap (e.g. queue a WRITE on another thread).
@@ -75,8 +78,10 @@ class ChunkStreams:
                 ready.append((chunk.request_id, streamed, tuple(chunk.block_ids[streamed.reported:full])))
         if not ready:
             return
-        if self._kv_cache.is_cuda:  # the step's KV writes are done before anyone posts a WRITE of them
-            torch.cuda.current_stream(self._kv_cache.device).synchronize()
+        written = None
+        if self._kv_cache.is_cuda:  # the WRITE of these blocks waits for the step's KV writes
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self._kv_cache.device))
         for rid, streamed, block_ids in ready:
             first, streamed.reported = streamed.reported, streamed.reported + len(block_ids)
-            streamed.on_prefilled(PrefilledBlocks(rid, first, block_ids))
+            streamed.on_prefilled(PrefilledBlocks(rid, first, block_ids, ready=written))

@@ -143,13 +143,21 @@ def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                             out_dtype=torch.bfloat16)
 
 
+# cuBLASLt refuses block-scaled GEMMs whose row count leaves the activation scales' column stride
+# unaligned (CUBLAS_STATUS_NOT_SUPPORTED at 17 rows on an H200, 2026-12-02; 16, 64 and 4096 ran): the
+# rows are padded with zeros (scale _MIN_SCALE, products 0) and the extra output rows dropped.
+_BLOCK_GEMM_ROW_ALIGN = 16
+
+
 def _scaled_mm_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """(1 x 128 activations) x (128 x 128 weights) scaled GEMM (SM90, cuBLAS >= 12.9). Both scale tensors
     must be outer-dimension-major: activation scales `[T, K/128]` with T contiguous, weight scales
     `[K/128 padded to 4, N/128]` transposed from `[N/128, K/128 padded]` (PyTorch's own test recipe)."""
     import torch.nn.functional as F
 
-    xq, xs = quantize_row_groups(x)
+    rows = x.shape[0]
+    aligned = _BLOCK_GEMM_ROW_ALIGN * _cdiv(rows, _BLOCK_GEMM_ROW_ALIGN)
+    xq, xs = quantize_row_groups(_pad_to(x, aligned, x.shape[1]))
     kb = weight_scale.shape[1]
     padded_kb = 4 * _cdiv(kb, 4)
     ws = weight_scale if padded_kb == kb else torch.nn.functional.pad(weight_scale, (0, padded_kb - kb), value=1.0)
@@ -157,11 +165,12 @@ def _scaled_mm_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     # (a size-1 dimension makes it count as contiguous), which cuBLAS then refuses.
     xs_major = torch.empty_strided(xs.shape, (1, max(xs.shape[0], 1)), dtype=xs.dtype, device=xs.device)
     xs_major.copy_(xs)
-    return F.scaled_mm(
+    out = F.scaled_mm(
         xq, weight.t(),
         [xs_major], [F.ScalingType.BlockWise1x128], [ws.contiguous().t()],
         [F.ScalingType.BlockWise128x128], output_dtype=torch.bfloat16,
     )
+    return out[:rows]
 
 
 def _has_fp8_tensor_cores(x: torch.Tensor) -> bool:

@@ -10,9 +10,11 @@ asyncio callers cross in through a command queue and get asyncio futures back. T
 opened by name (`TransferConfig.transport`: `nixl`, or the in-process `memory` fake of the unit
 tests; kvtransfer/transport.py), and only its KVSender / KVReceiver contract is used here.
 
-What this thread never does (the hand-off under load was lost exactly there): device work of any
-kind (no torch, no CUDA call, no synchronisation: checksums are computed and verified by the engines,
-kvtransfer/integrity.py), or waiting on a lock the engine holds during a step. With NIXL's progress
+What this thread never does (the hand-off under load was lost exactly there): device work or
+synchronisation (checksums are computed and verified by the engines, kvtransfer/integrity.py), or
+waiting on a lock the engine holds during a step. Its one CUDA call is a non-blocking query of the event
+a streamed part waits for (the engine records it after the step that fills the part's blocks, and goes
+on launching the next chunk instead of waiting for it). With NIXL's progress
 thread on (the default on GPUs) UCX completes WRITEs and delivers notices without this thread, which
 then only observes them.
 
@@ -92,6 +94,12 @@ class _Send:
     transfer: KVTransfer | None = None  # None until the sender accepted the plan
 
 
+@dataclass(frozen=True)
+class _Command:
+    run: Callable[[], None]
+    ready: torch.cuda.Event | None  # run once this has completed (None: at once)
+
+
 class KVLink:
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
                  faults: FaultInjector, on_reclaimable: Callable[[str], None], shards: KVShards | None = None) -> None:
@@ -106,7 +114,8 @@ class KVLink:
         self._receiver = self._transport.receiver
         self._info = self._transport.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._waiting: _Command | None = None  # the next command, taken off the queue, its event pending
         self._sends: dict[tuple[str, int], _Send] = {}  # posted, future not yet resolved
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
         self._on_landed: dict[str, OnLanded] = {}
@@ -214,10 +223,12 @@ class KVLink:
         self._submit(open_)
         return fut
 
-    def write_part(self, request_id: str, attempt: int, local: tuple[int, ...], remote: tuple[int, ...]) -> None:
+    def write_part(self, request_id: str, attempt: int, local: tuple[int, ...], remote: tuple[int, ...],
+                   ready: torch.cuda.Event | None = None) -> None:
         """Sender, from any thread (the engine's, right after the step that filled the blocks): post
-        one part of an open stream. A part the stream refuses stops the stream (it then fails)."""
-        self._submit(lambda: self._on_stream(request_id, attempt, lambda s: s.write(local, remote)))
+        one part of an open stream once `ready` (the step's KV writes) has completed. A part the stream
+        refuses stops the stream (it then fails)."""
+        self._submit(lambda: self._on_stream(request_id, attempt, lambda s: s.write(local, remote)), ready)
 
     def finish_stream(self, plan: TransferPlan) -> None:
         """Sender, any thread: post the rest of the stream's plan and its DONE notice after every part."""
@@ -266,10 +277,13 @@ class KVLink:
         self._submit(run)
         return await fut
 
-    def _submit(self, cmd: Callable[[], None]) -> None:
+    def _submit(self, cmd: Callable[[], None], ready: torch.cuda.Event | None = None) -> None:
+        """Queue `cmd` for the link thread, which runs the commands in order, each once its `ready` event
+        (if any) has completed: a command behind a waiting one waits too, so a stream's DONE notice
+        never passes its parts."""
         if self._stop.is_set():
             raise RuntimeError("the KV link is closed")
-        self._commands.put(cmd)
+        self._commands.put(_Command(cmd, ready))
         self._wake.set()
 
     def _run(self) -> None:
@@ -283,7 +297,7 @@ class KVLink:
             self._wake.clear()
 
     def _interval(self) -> float:
-        if self._sends:
+        if self._sends or self._waiting is not None:
             return self._config.poll_busy_s
         if self._expects:
             return self._config.poll_expect_s
@@ -291,11 +305,16 @@ class KVLink:
 
     def _apply_commands(self) -> None:
         while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            cmd()
+            if self._waiting is None:
+                try:
+                    self._waiting = self._commands.get_nowait()
+                except queue.Empty:
+                    return
+            command = self._waiting
+            if command.ready is not None and not command.ready.query():
+                return  # its blocks are still being computed: it and everything behind it wait
+            self._waiting = None
+            command.run()
 
     def _poll_once(self) -> None:
         for transfer in self._sender.poll():

@@ -57,7 +57,7 @@ class ChunkForwarder:
     def _forward(self, order: PrefillOrder, blocks: PrefilledBlocks) -> None:
         local, remote = self._pairs(order, blocks)
         if local:
-            self._link.write_part(order.request_id, order.attempt, local, remote)
+            self._link.write_part(order.request_id, order.attempt, local, remote, blocks.ready)
             self.parts += 1
 
     def _pairs(self, order: PrefillOrder, blocks: PrefilledBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:

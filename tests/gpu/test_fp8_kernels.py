@@ -31,7 +31,7 @@ from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.kernels.kv_store import store_kv  # noqa: E402
 from engine.kernels.rope_kv_store import rope_and_store_kv  # noqa: E402
-from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from engine.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from engine.quant.fp8 import (  # noqa: E402
     WEIGHT_ONLY_MAX_ROWS,
     dequantize_blocks,
@@ -53,7 +53,7 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @needs_sm89
-@pytest.mark.parametrize("tokens", [1, 16, 17, 64, 4096])
+@pytest.mark.parametrize("tokens", [1, 16, 17, 64, 99, 4096])
 @pytest.mark.parametrize("scaling", ["rows", "blocks"])
 def test_fp8_gemm_matches_the_reference(tokens: int, scaling: str) -> None:
     """Up to WEIGHT_ONLY_MAX_ROWS tokens the Triton weight-only kernel (activations unrounded), past it
@@ -114,7 +114,10 @@ def test_kv_store_writes_the_reference_bytes() -> None:
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
 
 
-def test_rope_kv_store_writes_the_reference_bytes() -> None:
+def test_rope_kv_store_lands_within_one_e4m3_step_of_the_float32_rotation() -> None:
+    """The kernel's rotation and the torch backend's (rounded to bf16 first) can round to neighbouring e4m3
+    values, and to opposite signs near zero, so the bytes are checked against the float32 rotation: within
+    one e4m3 step (2^-3 of the value; 2^-9 among subnormals), and few of them unlike the backend's."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     q = torch.randn(200, H_Q, HEAD_DIM, device=DEVICE, generator=gen).to(torch.bfloat16)
     k, v = torch.randn(2, 200, H_KV, HEAD_DIM, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -124,10 +127,14 @@ def test_rope_kv_store_writes_the_reference_bytes() -> None:
     cache, ref = _fp8_cache(64), _fp8_cache(64)
     rope_and_store_kv(cache, 0, q, k, v, *rope, slots, SCALE.k, SCALE.v)
     TorchAttentionBackend().rotate_and_write_kv(ref, 0, q, k, v, rope, slots, SCALE)
-    differ = cache.view(torch.uint8) != ref.view(torch.uint8)
-    assert differ.float().mean().item() <= 1e-2
-    steps = (cache.view(torch.uint8)[differ].int() - ref.view(torch.uint8)[differ].int()).abs()
-    assert steps.numel() == 0 or steps.max().item() <= 1
+    assert (cache.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item() <= 1e-2
+    cos, sin = (t.float() for t in rope)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    for kind, exact, scale in ((0, apply_rotary(k.float(), cos, sin), SCALE.k), (1, v.float(), SCALE.v)):
+        want = (exact / scale).clamp(-448.0, 448.0)
+        got = cache[:, 0, kind][blocks, offsets].float()
+        step = torch.maximum(want.abs() * 2.0**-3, torch.full_like(want, 2.0**-9))  # normal / subnormal
+        assert ((got - want).abs() <= step * 1.001).all()
 
 
 def _meta(seq_lens: list[int], query_lens: list[int], num_blocks: int) -> AttentionMetadata:

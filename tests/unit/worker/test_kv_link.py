@@ -167,6 +167,38 @@ async def test_a_stream_posts_parts_from_any_thread_and_lands_with_one_notice(li
     assert torch.equal(links.dst[[9, 10, 11]], links.src[[1, 2, 3]])
 
 
+class _StepEvent:
+    """What the engine hands with a streamed part on CUDA (a `torch.cuda.Event` after the step that fills
+    its blocks), driven by hand: CPU tensors have no device events."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+async def test_a_stream_part_and_everything_behind_it_wait_for_its_step(links: Links) -> None:
+    arrival = await links.expect("s3", [9, 10, 11])
+    done = links.prefill.open_stream(links.peer, "s3", 0, time.monotonic() + 5.0)
+    step = _StepEvent()
+    links.prefill.write_part("s3", 0, (1, 2), (9, 10), step)  # type: ignore[arg-type]
+    plan = TransferPlan.create("s3", [1, 2, 3], [9, 10, 11], now=time.monotonic(), timeout_s=5.0,
+                               payload=HandoffPayload(first_token_id=5))
+    links.prefill.finish_stream(plan)
+    for _ in range(500):  # the link thread keeps asking while the step is not done
+        if step.queries >= 3:
+            break
+        await asyncio.sleep(0.002)
+    assert step.queries >= 3 and not done.done() and not arrival.done() and not links.dst.any()
+    step.done = True
+    result, landed = await asyncio.wait_for(done, 5.0), await asyncio.wait_for(arrival, 5.0)
+    assert result.state is TransferState.DONE and landed.state is TransferState.DONE
+    assert torch.equal(links.dst[[9, 10, 11]], links.src[[1, 2, 3]])
+
+
 async def test_a_stream_to_an_unknown_peer_resolves_failed_with_nothing_posted(links: Links) -> None:
     done = links.prefill.open_stream("nobody", "s2", 0, time.monotonic() + 1.0)
     links.prefill.write_part("s2", 0, (1,), (9,))  # ignored: no stream

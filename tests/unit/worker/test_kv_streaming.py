@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import torch
 from handoff_harness import (
     GREEDY,
     PREFILL_ADDRESS,
@@ -47,9 +48,10 @@ class Pair:
         self.parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         write_part = prefill.link.write_part
 
-        def record(rid: str, attempt: int, local: tuple[int, ...], remote: tuple[int, ...]) -> None:
+        def record(rid: str, attempt: int, local: tuple[int, ...], remote: tuple[int, ...],
+                   ready: torch.cuda.Event | None = None) -> None:
             self.parts.append((local, remote))
-            write_part(rid, attempt, local, remote)
+            write_part(rid, attempt, local, remote, ready)
 
         prefill.link.write_part = record  # type: ignore[method-assign]
 
