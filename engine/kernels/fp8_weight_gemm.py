@@ -41,10 +41,14 @@ class TileConfig:
 # Every program re-reads the activation rows (from L2) for its own BLOCK_N weight rows: x's traffic is
 # M * 2 bytes per K against BLOCK_N bytes of weight, so more rows want wider programs; fewer rows want
 # narrow ones, for enough programs to keep every SM reading (N = 4096 / 16 = 256 programs on 132 SMs).
-# Starting points, not yet swept on a GPU: `python -m lab.micro.bench_fp8_gemm --sweep` times others.
-ROW_SCALED = TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+# Row-scaled: `python -m lab.micro.bench_fp8_gemm --sweep --rows 1 16 --scalings rows` on an H200
+# (2026-12-02) put 32 output rows per program first at 1 and 16 rows for every 8B projection but o
+# (qkv 23 -> 31% of copy bandwidth at 1 row, gate_up 33 -> 57%, down 22 -> 34%); K per iteration and
+# stages varied by shape, 256 / 3 is the best at qkv and within a few % elsewhere. Block-scaled: not
+# swept yet (starting point).
+ROW_SCALED = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
 BLOCK_SCALED = TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=5)
-FEW_ROWS = 4  # up to here the narrow tiles above; past it twice as wide
+FEW_ROWS = 4  # block-scaled: up to here the narrow tiles above; past it twice as wide
 
 
 @triton.jit
@@ -112,8 +116,9 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def default_config(m: int, blocked: bool) -> TileConfig:
     """The tile config for `m` activation rows (see ROW_SCALED)."""
-    base = BLOCK_SCALED if blocked else ROW_SCALED
-    return base if m <= FEW_ROWS else replace(base, block_n=2 * base.block_n)
+    if not blocked:
+        return ROW_SCALED
+    return BLOCK_SCALED if m <= FEW_ROWS else replace(BLOCK_SCALED, block_n=2 * BLOCK_SCALED.block_n)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
