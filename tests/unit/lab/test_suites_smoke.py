@@ -3,7 +3,9 @@ suites that produce docs/benchmarks.md's figures keep calling their benchmarks a
 GPU box will. Each run's outputs are checked for what the suite exists to report (its steps' exit codes,
 its rows, its identity and verification verdicts), never for times, which mean nothing on a shared CPU.
 
-The suites run two at a time (tests/support/suite_lanes.py), started once for the module. A suite with no
+The suites run two at a time (tests/support/suite_lanes.py), started once for the module. The offline
+experiments that read a layout run (tpot_forecast, layout_check, layout_replay, gateway_cost) read the
+scheduler A/B's "new" side. A suite with no
 meaningful CPU run is listed in NO_CPU_SMOKE with the reason; one reached only through another suite's
 smoke run is listed in REACHED_THROUGH. These runs stand in for the micro-benchmarks' own smoke tests where
 a suite already runs them (bench_decode, bench_prefill, bench_pp70b, bench_tp70b, bench_disagg_gpu,
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.experiments import gateway_cost, layout_check, layout_replay, tpot_forecast
 from lab.micro.bench_moe import SMOKE as MOE_SMOKE
 from scheduler.core.cost_model import WorkerProfile
 from tests.support.suite_lanes import ROOT, SUITES, SuiteCall, SuiteLanes, SuiteRun
@@ -292,3 +295,51 @@ def test_a_step_that_failed_or_never_ran_fails_the_check(tmp_path: Path) -> None
     assert_steps_passed(run, "kv_transfer rc=0")
     with pytest.raises(AssertionError, match="no 'kv_transfer rc=0'"):
         assert_steps_passed(SuiteRun("disagg_suite.sh", tmp_path, 0, "kv_transfer rc=0x\n"), "kv_transfer rc=0")
+
+
+# ------------------------------------------------------------------- offline analyses of a layout run
+
+
+@pytest.fixture
+def layout_run(suite_runs: SuiteLanes) -> Path:
+    """scheduler_ab.sh's "new" side: a layouts_suite.sh output (distserve, c1, tapped scheduler, PROFILE)."""
+    run = suite_runs.result("scheduler_ab.sh")
+    assert run.returncode == 0, run.tail()
+    return unpack_ab(run) / "new"
+
+
+@pytest.mark.parametrize("script", ["scheduler_ab.sh"])
+def test_tpot_forecast_pairs_the_tapped_decisions_with_the_measured_requests(
+        script: str, layout_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with tarfile.open(layout_run / "results.tar.gz") as results:
+        results.extractall(tmp_path, filter="data")
+    assert tpot_forecast.main([str(tmp_path), "--heartbeat-s", "0.2"]) == 0  # distserve's heartbeat
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    requests = read_json(layout_run / "summary.json")["workloads"]["random"]["configs"][LAYOUT][0]["requests"]
+    assert [(run.strip(), worker.strip(), int(n)) for run, worker, n, *_ in rows] == [
+        (f"{LAYOUT}__random__r1", "both-gpu0", requests)]
+
+
+@pytest.mark.parametrize("script", ["scheduler_ab.sh"])
+def test_layout_check_and_replay_set_the_planner_against_the_run(script: str, layout_run: Path,
+                                                                 tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"  # the one the run was seeded with, as it recorded it
+    profile.write_text(json.dumps(read_json(layout_run / "summary.json")["scheduler_profile"]))
+    # Its exit code is the verdict, which turns on the attainment measured: wall clock on a shared CPU.
+    assert layout_check.main([str(layout_run), "--out", str(tmp_path / "check"), "--profile", str(profile)]) in (0, 1)
+    verdict = read_json(tmp_path / "check" / "check.json")["random"]
+    assert verdict["recommended"] == LAYOUT  # one GPU's layouts: c1 alone
+    assert [m["config"] for m in verdict["measured"]] == [LAYOUT]
+    assert layout_replay.main([str(layout_run), "--out", str(tmp_path / "replay"), "--profile", str(profile)]) == 0
+    replayed = read_json(tmp_path / "replay" / "replay.json")
+    assert [r["run"] for r in replayed] == [f"{LAYOUT}__random__r1"]
+    assert all(0 <= r[side]["attainment"] <= 1 for r in replayed for side in ("measured", "simulated"))
+
+
+@pytest.mark.parametrize("script", ["scheduler_ab.sh"])
+def test_gateway_cost_fits_the_event_loop_per_token(script: str, layout_run: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert gateway_cost.main([str(layout_run)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^{LAYOUT}__random__r1\s+[\d.]+\s+\d+\s+\d+", out, re.MULTILINE), out
+    assert "--gateway-request-ms" in out and "--gateway-token-us" in out
