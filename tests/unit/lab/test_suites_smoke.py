@@ -4,8 +4,8 @@ GPU box will. Each run's outputs are checked for what the suite exists to report
 its rows, its identity and verification verdicts), never for times, which mean nothing on a shared CPU.
 
 The suites run two at a time (tests/support/suite_lanes.py), started once for the module. The offline
-experiments that read a layout run (tpot_forecast, layout_check, layout_replay, gateway_cost) read the
-scheduler A/B's "new" side. A suite with no
+experiments that read a layout run (distserve --replot, tpot_forecast, layout_check, layout_replay,
+gateway_cost) read the scheduler A/B's "new" side. A suite with no
 meaningful CPU run is listed in NO_CPU_SMOKE with the reason; one reached only through another suite's
 smoke run is listed in REACHED_THROUGH. These runs stand in for the micro-benchmarks' own smoke tests where
 a suite already runs them (bench_decode, bench_prefill, bench_pp70b, bench_tp70b, bench_disagg_gpu,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.experiments import gateway_cost, layout_check, layout_replay, tpot_forecast
+from lab.experiments import distserve, gateway_cost, layout_check, layout_replay, tpot_forecast
 from lab.micro.bench_moe import SMOKE as MOE_SMOKE
 from scheduler.core.cost_model import WorkerProfile
 from tests.support.suite_lanes import ROOT, SUITES, SuiteCall, SuiteLanes, SuiteRun
@@ -343,3 +343,17 @@ def test_gateway_cost_fits_the_event_loop_per_token(script: str, layout_run: Pat
     out = capsys.readouterr().out
     assert re.search(rf"^{LAYOUT}__random__r1\s+[\d.]+\s+\d+\s+\d+", out, re.MULTILINE), out
     assert "--gateway-request-ms" in out and "--gateway-token-us" in out
+
+
+@pytest.mark.parametrize("script", ["scheduler_ab.sh"])
+def test_replot_judges_the_same_requests_by_another_slo(script: str, layout_run: Path) -> None:
+    # An SLO of ten minutes: every request the run completed meets it, whatever this CPU's load was.
+    assert distserve.main(["--replot", str(layout_run), "--replot-slo", "600000", "600000"]) == 0
+    judged = layout_run / "slo-ttft600000-tpot600000"
+    rows = read_json(judged / "summary.json")["workloads"]["random"]["configs"][LAYOUT]
+    measured = read_json(layout_run / "summary.json")["workloads"]["random"]["configs"][LAYOUT]
+    assert [(r["rate"], r["requests"], r["completed"]) for r in rows] == [
+        (r["rate"], r["requests"], r["completed"]) for r in measured]
+    assert all(r["attainment"] == 1.0 for r in rows)
+    assert {"goodput_random.png", "attainment_random.png"} <= {f.name for f in judged.iterdir()}
+
