@@ -3,6 +3,8 @@ Llama-3.1-8B / -70B, a ShareGPT subset, and the model directory built from them.
 
     .venv/bin/python -m lab.experiments.distserve_assets      # writes .data/distserve/ (gitignored)
 
+DISTSERVE_ASSET_DIR, when set, names another folder for them (a CI run keeps its own in a temp dir).
+
 Why a tokenizer of our own: the dummy model samples ids over Llama-3.1's 128,256-token vocabulary, and
 the gateway, the workers and `baton bench` must agree on how text maps to those ids. Llama-3's own
 tokenizer is not available offline, so the default model's (SmolLM2, 49,152 ids, real BPE: prompts
@@ -22,12 +24,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ASSET_DIR = ROOT / ".data" / "distserve"
+ASSET_DIR = Path(os.environ.get("DISTSERVE_ASSET_DIR") or ROOT / ".data" / "distserve")
 TOKENIZER_GZ = "tokenizer.json.gz"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SHAREGPT_GZ = "sharegpt-subset.json.gz"

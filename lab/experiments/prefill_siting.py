@@ -1,6 +1,7 @@
 """Cost-based prefill siting vs the fixed token threshold, in the replay simulator (same core).
 
     .venv/bin/python -m lab.experiments.prefill_siting [--requests 400] [--seeds 0 1 2]
+    .venv/bin/python -m lab.experiments.prefill_siting --smoke    # CI: 2 rates, 80 requests, 1 seed
 
 A 1P3D cluster of one H100-class profile (8B shape; the hand-off at the measured 13 ms p50 overhead), a
 mixed workload: 70% chat (64-768 prompt tokens, 32-256 out), 30% documents (2-6k tokens, 32-128 out), at
@@ -16,6 +17,7 @@ import argparse
 import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler.core.cluster_view import ClusterView, WorkerLoad
 from scheduler.core.cost_model import WorkerProfile
@@ -78,25 +80,53 @@ def workload(rate: float, requests: int, seed: int) -> list[Arrival]:
     return trace
 
 
+SITINGS: dict[str, type[PrefillSiting]] = {"cost": PrefillSiting, "threshold": ThresholdSiting}
+SMOKE_RATES, SMOKE_REQUESTS = [16.0, 32.0], 80  # the rates where the two part ways, briefly
+
+
+@dataclass(frozen=True)
+class SitingRow:
+    """One siting at one rate, averaged over the seeds."""
+
+    rate: float
+    siting: str
+    attainment: float  # the share of requests that met the SLO
+    remote_share: float  # of the requests served, the share prefilled on the prefill worker
+    ttft_p90_ms: float
+    tpot_p90_ms: float
+
+
+def compare(rates: Sequence[float], requests: int, seeds: Sequence[int], slo: SLO) -> list[SitingRow]:
+    rows = []
+    for rate in rates:
+        for name, siting in SITINGS.items():
+            runs = [replay(workload(rate, requests, seed), cluster(), GoodputPolicy(siting=siting()),
+                           slo, ReplayConfig(seed=seed)) for seed in seeds]
+            served = [o for r in runs for o in r.outcomes if o.decode_worker_id is not None]
+            rows.append(SitingRow(
+                rate, name, statistics.fmean(r.goodput for r in runs),
+                sum(o.prefill_worker_id is not None for o in served) / max(len(served), 1),
+                statistics.fmean(r.percentile_ms("ttft_s", 90) or 0 for r in runs),
+                statistics.fmean(r.percentile_ms("tpot_s", 90) or 0 for r in runs)))
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0, 16.0])
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="default 4 8 12 16; smoke 16 32")
+    parser.add_argument("--requests", type=int, default=None, help="per rate and seed (default 400; smoke 80)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2; smoke 0")
     parser.add_argument("--ttft-ms", type=float, default=SLO_TARGET.ttft_ms)
     parser.add_argument("--tpot-ms", type=float, default=SLO_TARGET.tpot_ms)
+    parser.add_argument("--smoke", action="store_true", help="CI: the defaults shrink to seconds")
     args = parser.parse_args(argv)
-    slo = SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
+    rates = args.rates or (SMOKE_RATES if args.smoke else [4.0, 8.0, 12.0, 16.0])
+    requests = args.requests or (SMOKE_REQUESTS if args.smoke else 400)
+    seeds = args.seeds or ([0] if args.smoke else [0, 1, 2])
     print(f"{'rate':>5} {'siting':>10} {'attainment':>11} {'remote':>7} {'TTFT p90':>9} {'TPOT p90':>9}")
-    for rate in args.rates:
-        for name, siting in (("cost", PrefillSiting), ("threshold", ThresholdSiting)):
-            runs = [replay(workload(rate, args.requests, seed), cluster(), GoodputPolicy(siting=siting()),
-                           slo, ReplayConfig(seed=seed)) for seed in args.seeds]
-            served = [o for r in runs for o in r.outcomes if o.decode_worker_id is not None]
-            remote = sum(o.prefill_worker_id is not None for o in served) / max(len(served), 1)
-            print(f"{rate:>5g} {name:>10} {statistics.fmean(r.goodput for r in runs):>11.1%} {remote:>7.0%} "
-                  f"{statistics.fmean(r.percentile_ms('ttft_s', 90) or 0 for r in runs):>7.0f}ms "
-                  f"{statistics.fmean(r.percentile_ms('tpot_s', 90) or 0 for r in runs):>7.1f}ms")
+    for row in compare(rates, requests, seeds, SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)):
+        print(f"{row.rate:>5g} {row.siting:>10} {row.attainment:>11.1%} {row.remote_share:>7.0%} "
+              f"{row.ttft_p90_ms:>7.0f}ms {row.tpot_p90_ms:>7.1f}ms")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 # benchmark (8B shape, tiers on and off in one run), and the MoE benchmark (Qwen3-30B-A3B shape).
 #
 #   CARRY=/dir/with/wheels OUT=/some/dir bash lab/suites/engine_features_suite.sh
+#   SMOKE=1 PYTHON=.venv/bin/python OUT=/some/dir bash lab/suites/engine_features_suite.sh   # CPU
+#
+# SMOKE=1 (CI) leaves out the GPU tests and runs both benchmarks in their --smoke mode (the default model's
+# multi-turn run with tiers on and off; the MoE shape cut to a tiny CPU model).
 #
 # Every step runs under `timeout`; the whole suite stays under ~580 s. $OUT gets summary.txt and a
 # .log (and .json where the step writes one) per step.
@@ -33,6 +37,13 @@ step() {  # step NAME LIMIT_S CMD...
   tail -n 30 "$OUT/$name.log"
 }
 
+if [ "${SMOKE:-0}" = 1 ]; then
+  step multiturn_tiers ${TIERS_S:-330} $PY -m lab.micro.bench_multiturn_tiers --smoke \
+    --time-limit-s $(( ${TIERS_S:-330} - 70 )) --out "$OUT/multiturn_tiers.json"
+  step bench_moe ${MOE_S:-150} $PY -m lab.micro.bench_moe --smoke --out "$OUT/bench_moe.json"
+  cat "$SUMMARY"
+  exit 0
+fi
 MODEL8B=$($PY -c 'from lab.micro.bench_decode import LLAMA31_8B, write_model_dir; print(write_model_dir(LLAMA31_8B))')
 step gpu_tests ${TESTS_S:-90} $PY -m pytest -m gpu -o addopts="" -q -rs -p no:cacheprovider \
   ${GPU_TESTS:-tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_moe_gpu.py}

@@ -3,14 +3,18 @@
 # transformers-peer benchmarks, each under its own time limit (480 s in all at worst).
 #
 #   OUT=/some/dir bash lab/suites/gpu_suite.sh      # from anywhere; OUT defaults to ./gpu-out
+#   SMOKE=1 PYTHON=.venv/bin/python bash lab/suites/gpu_suite.sh   # CPU: the benchmarks in --smoke mode
 #
 # $OUT gets exactly 8 files: summary.txt (machine, versions, one line per step with its exit code and
 # time), tests.log, and a .log and a .json per benchmark. On one GPU the TP=2 parts skip themselves.
+# SMOKE=1 (CI) leaves out the GPU tests (7 files) and runs each benchmark on its tiny CPU model.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+SMOKE_FLAG=()
+if [ "${SMOKE:-0}" = 1 ]; then SMOKE_FLAG=(--smoke); fi
 # NVLink multicast stays off: on shared hosts it has taken every GPU of the node out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
@@ -38,9 +42,15 @@ step() {  # step NAME LIMIT_S CMD...: run under a time limit into $OUT/NAME.log;
   tail -n 25 "$OUT/$name.log"
 }
 
-step tests 300 $PY -m pytest -m gpu tests/gpu -x -q -rs -p no:cacheprovider
-step bench_decode 240 $PY -m lab.micro.bench_decode --tp 2 --out "$OUT/bench_decode.json"
-step bench_prefill 60 $PY -m lab.micro.bench_prefill --out "$OUT/bench_prefill.json"
-step bench_hf_peer 90 $PY -m lab.micro.bench_hf_peer --out "$OUT/bench_hf_peer.json"
+HF_PEER_ARGS=()
+if [ "${SMOKE:-0}" = 1 ]; then
+  HF_PEER_ARGS=(--batches 1 2 --new-tokens 8)  # the CPU peer at batch 32 x 128 tokens takes minutes
+else
+  step tests 300 $PY -m pytest -m gpu tests/gpu -x -q -rs -p no:cacheprovider
+fi
+step bench_decode 240 $PY -m lab.micro.bench_decode "${SMOKE_FLAG[@]}" --tp 2 --out "$OUT/bench_decode.json"
+step bench_prefill 60 $PY -m lab.micro.bench_prefill "${SMOKE_FLAG[@]}" --out "$OUT/bench_prefill.json"
+step bench_hf_peer 90 $PY -m lab.micro.bench_hf_peer "${SMOKE_FLAG[@]}" "${HF_PEER_ARGS[@]}" \
+  --out "$OUT/bench_hf_peer.json"
 echo "--- summary"
 cat "$SUMMARY"

