@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 SITE=/tmp/baton-site
-if ls "$CARRY"/*.whl >/dev/null 2>&1; then
+if [ "${SMOKE:-0}" != 1 ] && ls "$CARRY"/*.whl >/dev/null 2>&1; then  # the GPU box's wheels (CPU: the venv's)
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$CARRY"/*.whl || exit 3
   export PYTHONPATH="$PWD:$SITE"
 fi
