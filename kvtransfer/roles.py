@@ -77,6 +77,14 @@ class KVStream(KVTransfer):
     def finish(self, plan: TransferPlan) -> TransferState:
         """Post the rest of `plan` and have its DONE notice follow every part."""
 
+    @property
+    @abstractmethod
+    def moving(self) -> bool:
+        """Whether polling soon advances it: a part posted and not yet terminal, a notice still to send,
+        or a stop winding down. False while an open stream waits for its next part (its owner then
+        need not poll it at a WRITE's rate: that polling took the GIL from the engine thread at 20 kHz
+        for the whole prefill)."""
+
 
 class KVSender(ABC):
     """Prefill side: writes local blocks into a peer's blocks (WRITE + notification).

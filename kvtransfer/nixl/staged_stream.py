@@ -79,6 +79,13 @@ class StagedStream(KVStream):
     def reason(self) -> str:
         return self._reason
 
+    @property
+    def moving(self) -> bool:
+        """Rank 0's parts, or (once finished) the followers' WRITEs and the notice."""
+        if self._state.is_terminal:
+            return False
+        return self._own.moving or self._notice is not None or self._stop is not None
+
     def write(self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]) -> bool:
         if self._stop is not None or self._state.is_terminal:
             return False

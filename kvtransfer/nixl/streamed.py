@@ -98,6 +98,14 @@ class StreamedTransfer(KVStream):
     def is_finished(self) -> bool:
         return self._final is not None
 
+    @property
+    def moving(self) -> bool:
+        if self._state.is_terminal:
+            return False
+        if self._stop is not None or self._notice is not None:
+            return True
+        return any(not p.state.is_terminal for p in self._parts)
+
     # ---- the owner's calls ------------------------------------------------------------------------
     def write(self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]) -> bool:
         """Post one part (no notice). False, posting nothing, once the stream is stopping, terminal or

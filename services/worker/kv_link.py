@@ -4,7 +4,8 @@ Why a thread of its own: someone must call into NIXL every few milliseconds for 
 life, even when idle (peers connect, notices arrive, abort notices go out). The engine thread is busy
 with steps and the event loop must not poll in 50 us slices, so a dedicated thread does: it wakes at
 once for a command (post a WRITE, expect an arrival), and otherwise polls every `poll_busy_s` while a
-WRITE is in flight, every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
+WRITE is in flight (an open KV stream only while one of its parts is: between parts it waits for the
+next command), every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
 NIXL agents are not thread-safe (NIXL_THREAD_SYNC_NONE): every NIXL call happens on this thread.
 asyncio callers cross in through a command queue and get asyncio futures back. The transport is
 opened by name (`TransferConfig.transport`: `nixl`, or the in-process `memory` fake of the unit
@@ -92,6 +93,12 @@ class _Send:
     future: asyncio.Future[TransferResult]
     started_at: float  # time.monotonic() when the link thread posted it
     transfer: KVTransfer | None = None  # None until the sender accepted the plan
+
+
+def _moving(send: _Send) -> bool:
+    """A WRITE in flight (or being posted); an open KV stream only while a part of it is."""
+    transfer = send.transfer
+    return not isinstance(transfer, KVStream) or transfer.moving
 
 
 @dataclass(frozen=True)
@@ -297,7 +304,7 @@ class KVLink:
             self._wake.clear()
 
     def _interval(self) -> float:
-        if self._sends or self._waiting is not None:
+        if self._waiting is not None or any(_moving(send) for send in self._sends.values()):
             return self._config.poll_busy_s
         if self._expects:
             return self._config.poll_expect_s

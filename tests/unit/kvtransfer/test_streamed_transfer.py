@@ -93,6 +93,25 @@ def test_the_notice_waits_for_an_earlier_part_still_in_flight(pair: Pair) -> Non
     assert pair.sender_idle()
 
 
+def test_a_stream_is_moving_only_while_a_part_or_its_notice_is_on_its_way(pair: Pair) -> None:
+    """The KV link polls a stream at a WRITE's rate only while it is moving; between parts it sleeps."""
+    stream = pair.open_stream()
+    agent = pair.agent(pair.prefill)
+    assert not stream.moving  # open, nothing posted
+    agent.hold_writes(True)
+    stream.write(LOCAL[:2], REMOTE[:2])
+    pair.prefill.sender.poll()
+    assert stream.moving  # a part in flight
+    agent.hold_writes(False)
+    pair.prefill.sender.poll()
+    assert not stream.moving  # the part landed; the next chunk computes
+    agent.hold_writes(True)
+    stream.finish(pair.plan())
+    assert stream.moving  # the rest and the notice
+    agent.hold_writes(False)
+    assert pair.prefill.sender.poll() == [stream] and stream.state is TransferState.DONE and not stream.moving
+
+
 def test_a_stream_finished_with_nothing_left_sends_the_notice_alone(pair: Pair) -> None:
     stream = pair.open_stream()
     stream.write(LOCAL, REMOTE)
