@@ -87,7 +87,7 @@ class Batcher:
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
         self._loading = TierLoadQueue(loader)  # LOADING_KV: hold blocks a lower tier copies into
-        self._in_flight = InFlightPlans()  # scheduled plans until postprocess (engine/in_flight.py)
+        self._in_flight = InFlightPlans(pipeline_depth)  # scheduled plans until postprocess (engine/in_flight.py)
         self._copies: list[tuple[int, int]] = []  # this plan's copy-on-write block copies
         self._next_arrival = 0  # arrival_order of the next added sequence
         self._num_preemptions = 0  # since start, for metrics
@@ -312,9 +312,14 @@ class Batcher:
         return got_token
 
     def drop_in_flight(self) -> None:
-        """Forget every plan in flight (its step failed): their sequences are schedulable again, their
+        """Forget every plan in flight (a step failed): their sequences are schedulable again, their
         tokens still to compute."""
         self._in_flight.clear()
+
+    def discard_dropped(self, plan: BatchPlan) -> bool:
+        """Whether `plan`, leaving the pipeline, was dropped by `drop_in_flight`: then it is not to be
+        postprocessed (its sequences were planned again)."""
+        return self._in_flight.discard_dropped(plan)
 
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
         """Schedule every running decode that fits, with its draft if any; returns the budget left."""

@@ -4,6 +4,10 @@ Under an overlapped pipeline (engine/parallel/pipeline_rounds.py) up to one plan
 flight; otherwise at most one, between `schedule()` and `postprocess()`. A sequence is in at most one
 of them (the batcher skips in-flight sequences when it plans), so membership is by identity: a new
 sequence that reuses an aborted one's request id is not held back by the old plan.
+
+After a failed step the engine drops every plan (`clear`): their sequences are planned again. Plans
+still in the pipeline's later stages then leave it in later rounds; `discard_dropped` knows them (the
+last `depth` dropped), so the engine records nothing of them and no token twice.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ class _Entry:
 
 
 class InFlightPlans:
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 1) -> None:
         self._plans: deque[_Entry] = deque()
+        self._dropped: deque[BatchPlan] = deque(maxlen=depth)  # at most depth - 1 can still leave
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -39,6 +44,14 @@ class InFlightPlans:
             raise EngineError("postprocess of a plan that is not the oldest in flight")
         return self._plans.popleft().seqs
 
+    def discard_dropped(self, plan: BatchPlan) -> bool:
+        """Whether `plan` was dropped (`clear`); it is forgotten now that it left the pipeline."""
+        for i, dropped in enumerate(self._dropped):
+            if dropped is plan:
+                del self._dropped[i]
+                return True
+        return False
+
     def holds(self, seq: Sequence) -> bool:
         return any(entry.seqs.get(seq.request_id) is seq for entry in self._plans)
 
@@ -47,4 +60,6 @@ class InFlightPlans:
         return [tuple(entry.seqs) for entry in self._plans]
 
     def clear(self) -> None:
+        """Drop every plan (module docstring)."""
+        self._dropped.extend(entry.plan for entry in self._plans)
         self._plans.clear()

@@ -293,7 +293,7 @@ class LLMEngine:
         except BaseException:
             self.batcher.drop_in_flight()
             raise
-        if done is None:
+        if done is None or self.batcher.discard_dropped(done.plan):  # dropped: a failed step's, planned again
             return []
         return self._record(done.plan, done.result, time.perf_counter() - start)
 

@@ -18,7 +18,10 @@ for the same plan, so the captured all-reduces meet.
 
 Pipeline parallelism: every rank runs `execute` on the same plan too; each stage runs its layers over
 the step's micro-batches and passes activations on (engine/parallel/pipeline.py), the last stage's
-logits come back to rank 0, which samples. Steps run eagerly (no decode graphs yet), and each stage's
+logits come back to rank 0, which samples. With overlap on (the default) the engine calls
+`pipeline_round` instead: one batch in flight per stage, each stage running a different plan in each
+round (engine/parallel/pipeline_rounds.py); `pipeline_depth` tells the engine how many. Steps run
+eagerly (no decode graphs yet), and each stage's
 KV cache holds its layers only, sized so that every stage has the same number of blocks.
 """
 
@@ -119,8 +122,8 @@ class ModelRunner:
             self.backend.warm_up(self.kv_cache, model_config.num_heads // self.tp.size,
                                  config.batcher.max_num_seqs, self.dtype)
         self.graphs = self._build_graphs()
-        links = (StageLinks(stage, model_config.hidden_size, model_config.vocab_size, self.dtype, self.device)
-                 if stage.size > 1 else None)
+        links = (StageLinks(stage, model_config.hidden_size, model_config.vocab_size, self.dtype, self.device,
+                            logits_group=self.tp.logits_group) if stage.size > 1 else None)
         self.schedule = PipelineSchedule(links) if links is not None else None
         # Batches in flight across steps (engine/parallel/pipeline_rounds.py), unless turned off.
         self.rounds = (PipelineRounds(links, self._run_stage)

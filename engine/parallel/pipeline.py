@@ -15,9 +15,9 @@ and the same input metadata, and knows the shape of every tensor it will receive
 micro-batches in order: receive (blocking), compute, send (non-blocking, so it starts the next
 micro-batch while the next stage works on this one). The last stage computes the sampled rows'
 logits and its tensor rank 0 sends them to rank 0, which samples. With M micro-batches and P stages
-every stage is busy M of the M + P - 1 slots of a step (fill and drain are idle); the overlap of one
-step's drain with the next step's fill needs the batcher to schedule a step before the previous
-one's tokens are back (docs/architecture.md, "Pipeline parallelism": the plan).
+every stage is busy M of the M + P - 1 slots of a step (fill and drain are idle). That is the
+step-at-a-time schedule (`ParallelConfig.pipeline_overlap` off); by default the engine keeps one
+batch in flight per stage instead (pipeline_rounds.py), over the same links (`StageLinks`).
 """
 
 from __future__ import annotations
@@ -132,16 +132,18 @@ LogitsFn = Callable[[int, Activations], torch.Tensor | None]
 
 class StageLinks:
     """This rank's point-to-point links to its neighbour stages. Device, dtype and sizes fix the shape of
-    every received tensor; `group` is the point-to-point group (None: the default one)."""
+    every received tensor; `group` is the activations' point-to-point group (None: the default one),
+    `logits_group` the group of rank 0 and the last stage's tensor rank 0 (TensorParallel.logits_group)."""
 
     def __init__(self, pp: PipelineParallel, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device, group: Any = None) -> None:
+                 device: torch.device, group: Any = None, logits_group: Any = None) -> None:
         self.pp = pp
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.dtype = dtype
         self.device = device
         self.group = group
+        self.logits_group = logits_group
 
     def recv_activations(self, num_tokens: int) -> Activations:
         hidden = torch.empty((num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
@@ -164,11 +166,11 @@ class StageLinks:
         if self.pp.is_last:
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.pp.sends_logits:
-                dist.send(out.contiguous(), 0, group=self.group)
+                dist.send(out.contiguous(), 0, group=self.logits_group)
             return out
         if self.pp.is_first and self.pp.tp_rank == 0:  # rank 0: the driver samples
             out = torch.empty((num_sampled, self.vocab_size), dtype=torch.float32, device=self.device)
-            dist.recv(out, (self.pp.size - 1) * self.pp.tp_size, group=self.group)
+            dist.recv(out, (self.pp.size - 1) * self.pp.tp_size, group=self.logits_group)
             return out
         return None
 

@@ -93,3 +93,27 @@ def test_drop_in_flight_makes_a_failed_steps_sequences_schedulable_again() -> No
     b.postprocess(again, run(again))
     b.finish("a", FinishReason.STOP)
     assert free_blocks(b) == 32
+
+
+def test_a_dropped_plan_that_leaves_the_pipeline_later_is_known_once_and_never_postprocessed() -> None:
+    b = make(pipeline_depth=2)
+    b.add(seq("a", 5))
+    dropped = b.schedule()
+    b.drop_in_flight()
+    again = b.schedule()  # a is planned again while the dropped plan may still be in the pipeline
+    assert b.discard_dropped(dropped) and not b.discard_dropped(dropped)
+    assert not b.discard_dropped(again)
+    with pytest.raises(EngineError, match="not the oldest in flight"):
+        b.postprocess(dropped, run(dropped))
+    b.postprocess(again, run(again))
+    assert held(b, "a").output_token_ids == [TOKEN]
+
+
+def test_with_a_depth_of_two_a_plan_takes_half_the_sequences_that_could_run() -> None:
+    b = make(pipeline_depth=2)
+    for i in range(5):
+        b.add(seq(f"s{i}", 2, start=100 * (i + 1)))
+    first, second, third = b.schedule(), b.schedule(), b.schedule()
+    assert [len(p.chunks) for p in (first, second, third)] == [3, 2, 0]  # ceil(5 / 2), the rest, all in flight
+    b.postprocess(first, run(first))
+    assert ids(b.schedule()) == ids(first)

@@ -160,3 +160,45 @@ def test_pp2_overlap_gives_pp1_tokens_on_the_default_model(default_model_dir: Pa
     later = [Req("q4", prompts[4], 9), Req("q5", prompts[5], 5)]
     config = EngineConfig(model=str(default_model_dir), cache=CacheConfig(num_blocks=64))
     check_scenario(config, first, later)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("parallel", [None, PP2], ids=["pp1", "pp2-overlap"])
+def test_a_failed_step_drops_its_batches_and_the_other_requests_go_on(tmp_path: Path,
+                                                                      parallel: ParallelConfig | None) -> None:
+    """A grammar-constrained request fails its step: at PP=1 the sampler raises (the model has no
+    tokenizer); at PP=2 its plan cannot be pickled for the followers (a grammar's state holds a lock),
+    so the round fails before it starts, while the previous round's batch is still in the pipeline.
+    The engine drops every batch in flight (the one still in the pipeline leaves it a round later and
+    records nothing); once the bad request is aborted, the others get exactly the tokens of a run that
+    never had it."""
+    from engine.structured.constraint import GrammarKind, GuidedDecoding
+
+    config = EngineConfig(model=str(write_dummy_model(tmp_path, CONFIG)), load_format="dummy", seed=3,
+                          dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64))
+    first, later = tiny_requests()
+    clean = LLMEngine(config)
+    try:
+        expected = drive(clean, first, later).tokens
+    finally:
+        clean.shutdown()
+    engine = LLMEngine(config if parallel is None else dataclasses.replace(config, parallel=parallel))
+    try:
+        for r in first + later:
+            engine.add_request(r.rid, r.prompt, r.params())
+        engine.add_request("bad", first[0].prompt, SamplingParams(guided=GuidedDecoding(GrammarKind.JSON_OBJECT)))
+        got: dict[str, list[int]] = {r.rid: [] for r in first + later}
+        error = (ValueError, "needs the model's tokenizer") if parallel is None else (TypeError, "cannot pickle")
+        with pytest.raises(error[0], match=error[1]):
+            while True:
+                for out in engine.step():
+                    got[out.request_id].extend(out.new_token_ids)
+        assert engine.batcher.num_in_flight == 0
+        assert engine.abort("bad")
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+        assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    finally:
+        engine.shutdown()
+    assert got == expected
