@@ -82,8 +82,8 @@ def until_stop(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
     return tokens
 
 
-def check_scenario(config: EngineConfig, first: list[Req], later: list[Req]) -> Run:
-    """PP=1 (no stop token, no abort) then PP=2 with overlap; returns the PP=2 run after checking its tokens."""
+def check_scenario(config: EngineConfig, first: list[Req], later: list[Req], parallel: ParallelConfig = PP2) -> Run:
+    """PP=1 (no stop token, no abort) then `parallel` with overlap; returns that run after checking its tokens."""
     engine = LLMEngine(config)
     try:
         reference = drive(engine, first, later)
@@ -94,7 +94,7 @@ def check_scenario(config: EngineConfig, first: list[Req], later: list[Req]) -> 
     stop = (reference.tokens[stop_req.rid][2],)  # a token it samples mid-way
     first = [dataclasses.replace(stop_req, stop=stop) if r is stop_req else r for r in first]
     aborted = later[0].rid
-    engine = LLMEngine(dataclasses.replace(config, parallel=PP2))
+    engine = LLMEngine(dataclasses.replace(config, parallel=parallel))
     try:
         got = drive(engine, first, later, abort=aborted)
         assert engine.batcher.num_in_flight == 0 and engine.block_manager.num_free_blocks == engine.runner.num_blocks
@@ -130,6 +130,16 @@ def test_pp2_overlap_gives_pp1_tokens_on_a_tiny_model_with_two_batches_in_flight
     assert len(overlapped) > len(got.outputs) // 3
     assert all(len(plans) <= 1 for plans in got.in_flight)  # P - 1 after each step: the depth is P
     assert all(not done & set(flying) for done, flying in overlapped)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_by_pp2_overlap_gives_pp1_tokens_on_a_tiny_model(tmp_path: Path) -> None:
+    """4 ranks: each stage's 2 tensor ranks run the same plan of the window; the last stage's tensor
+    rank 0 sends the logits."""
+    config = EngineConfig(model=str(write_dummy_model(tmp_path, CONFIG)), load_format="dummy", seed=3,
+                          dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64))
+    got = check_scenario(config, *tiny_requests(), parallel=dataclasses.replace(PP2, tensor_parallel_size=2))
+    assert any(done and plans for done, plans in zip(got.outputs, got.in_flight, strict=True))
 
 
 @pytest.mark.timeout(240)
