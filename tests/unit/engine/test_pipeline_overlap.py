@@ -31,10 +31,11 @@ class Req:
     prompt: list[int]
     max_tokens: int
     stop: tuple[int, ...] = ()
+    drafts: int = 0  # n-gram speculation: a decode may carry a draft to verify
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, stop_token_ids=list(self.stop),
-                              ignore_eos=True)
+                              ignore_eos=True, num_draft_tokens=self.drafts)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Run:
     in_flight: list[list[tuple[str, ...]]] = field(default_factory=list)
     aborted_in_flight: bool = False
     preemptions: int = 0
+    draft_tokens: int = 0
 
 
 def drive(engine: LLMEngine, first: list[Req], later: list[Req], abort: str | None = None) -> Run:
@@ -71,6 +73,7 @@ def drive(engine: LLMEngine, first: list[Req], later: list[Req], abort: str | No
         if abort is not None and abort in flying and len(run.tokens[abort]) >= 2 and not run.aborted_in_flight:
             run.aborted_in_flight = engine.abort(abort)
     run.preemptions = engine.batcher.num_preemptions
+    run.draft_tokens = engine.spec_stats.draft_tokens
     return run
 
 
@@ -111,7 +114,8 @@ def check_scenario(config: EngineConfig, first: list[Req], later: list[Req], par
 
 def tiny_requests() -> tuple[list[Req], list[Req]]:
     prompt = [(7 * i + 3) % CONFIG.vocab_size for i in range(40)]
-    first = [Req("a", prompt[:3], 9), Req("b", prompt[5:17], 12), Req("c", prompt[2:9], 5), Req("d", prompt[20:25], 14)]
+    first = [Req("a", prompt[:3], 9), Req("b", prompt[5:17], 12), Req("c", prompt[2:9], 5),
+             Req("d", prompt[20:25], 14, drafts=3)]
     later = [Req("e", prompt[10:30], 10), Req("f", prompt[30:34], 7)]
     return first, later
 
@@ -124,6 +128,7 @@ def test_pp2_overlap_gives_pp1_tokens_on_a_tiny_model_with_two_batches_in_flight
                           dtype="float32", cache=CacheConfig(block_size=4, num_blocks=num_blocks))
     got = check_scenario(config, *tiny_requests())
     assert (got.preemptions > 0) == (num_blocks == 9)
+    assert got.draft_tokens > 0  # "d" verified drafts in batches in flight
     # The overlap itself: a step returns the outputs of one batch while a batch of other sequences,
     # submitted in that same step, is still in flight: two batches were in flight at once.
     overlapped = [(done, plans[0]) for done, plans in zip(got.outputs, got.in_flight, strict=True) if done and plans]
