@@ -21,8 +21,8 @@ the step's micro-batches and passes activations on (engine/parallel/pipeline.py)
 logits come back to rank 0, which samples. With overlap on (the default) the engine calls
 `pipeline_round` instead: one batch in flight per stage, each stage running a different plan in each
 round (engine/parallel/pipeline_rounds.py); `pipeline_depth` tells the engine how many. Steps run
-eagerly (no decode graphs yet), and each stage's
-KV cache holds its layers only, sized so that every stage has the same number of blocks.
+eagerly (no decode graphs yet), and each stage's KV cache holds its layers only, sized so that every
+stage has the same number of blocks.
 """
 
 from __future__ import annotations
