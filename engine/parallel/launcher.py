@@ -230,10 +230,13 @@ class TensorParallelRunner:
 
 
 def _slim(plan: BatchPlan) -> BatchPlan:
-    """The plan as followers get it: they never sample, so the live token views (penalties, seeds)
-    stay on rank 0."""
-    return BatchPlan(chunks=tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=())
-                                  for c in plan.chunks), preempted=plan.preempted, block_copies=plan.block_copies)
+    """The plan as followers get it: they never sample, so the live token views (penalties, seeds) and
+    a grammar constraint's parser state (which holds a lock: it does not pickle) stay on rank 0."""
+    chunks = tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=(),
+                                       sampling=dataclasses.replace(c.sampling, guided=None)
+                                       if c.sampling.guided is not None else c.sampling)
+                   for c in plan.chunks)
+    return BatchPlan(chunks=chunks, preempted=plan.preempted, block_copies=plan.block_copies)
 
 
 def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: RankServiceFactory | None,
