@@ -287,7 +287,8 @@ class AsyncEngine:
         if stats is not None:
             self._report(stats)
         if not outputs:
-            if stats is None or not self.engine.batcher.has_work():
+            idle = stats is None or not self.engine.batcher.has_work()
+            if idle and not self.engine.batcher.num_in_flight:  # batches in flight: the next round moves them
                 # Nothing runnable (e.g. every sequence waits for remote KV, or for a load from a
                 # lower KV tier): doze, but a command (a commit of landed KV) wakes the thread at once.
                 self._doze(self._idle_sleep_s)

@@ -1,8 +1,15 @@
 """Iteration-level scheduling: which tokens of which sequences run in the next engine step.
 
 One step is `plan = batcher.schedule()`, `result = runner.execute(plan)`, `batcher.postprocess(plan,
-result)`, strictly alternating (a second `schedule()` before `postprocess` would schedule the same
-tokens twice). Between steps the engine may `add`, `abort`, `finish`, `reserve_remote`, `commit_remote`.
+result)`. Between steps the engine may `add`, `abort`, `finish`, `reserve_remote`, `commit_remote`.
+Batches in flight: under an overlapped pipeline the engine schedules up to one plan per stage before
+the oldest is postprocessed (in schedule order). A sequence is in at most one plan in flight: until
+its plan is postprocessed it is never scheduled again nor chosen as a preemption victim, so its next
+token is known before its next chunk is planned, and its blocks stay its own while a stage may still
+write them. With a `pipeline_depth` of P, a plan takes at most 1/P of the sequences that could run
+(running and waiting), so that the next plans find sequences of their own and the P batches in
+flight are of about equal size; greedy plans would take every sequence and leave the rest empty.
+`drop_in_flight` forgets the plans of a step that failed.
 
 A step's plan, under a token budget of `max_num_batched_tokens` and at most `max_num_seqs` chunks:
 1. decodes (running sequences with one pending token), oldest first; a decode that needs a new block
@@ -38,6 +45,7 @@ from engine.batch import BatchPlan, ScheduledChunk, StepResult
 from engine.block_manager import BlockManager
 from engine.config import BatcherConfig
 from engine.errors import EngineError, InvalidRequestError, OutOfBlocksError
+from engine.in_flight import InFlightPlans
 from engine.kv_tiers.types import KVLoader
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
@@ -60,9 +68,11 @@ class Batcher:
     """Owns the waiting / running / remote queues and every block table. Not thread-safe."""
 
     def __init__(self, config: BatcherConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: DraftProposer | None = None, loader: KVLoader | None = None) -> None:
+                 proposer: DraftProposer | None = None, loader: KVLoader | None = None,
+                 pipeline_depth: int = 1) -> None:
         """`proposer`: drafts for sequences that ask for speculative decoding; None never drafts.
-        `loader`: promotes prefix blocks from lower KV tiers; None: the GPU pool is the only tier."""
+        `loader`: promotes prefix blocks from lower KV tiers; None: the GPU pool is the only tier.
+        `pipeline_depth`: plans the engine keeps in flight (module docstring); 1: one step at a time."""
         pool_tokens = block_manager.num_total_blocks * block_manager.block_size
         if pool_tokens < max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: sequences stop there",
@@ -77,11 +87,13 @@ class Batcher:
         self._running: list[Sequence] = []  # RUNNING, sorted by arrival_order (oldest first)
         self._remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV: hold blocks, not scheduled
         self._loading = TierLoadQueue(loader)  # LOADING_KV: hold blocks a lower tier copies into
-        self._scheduled: dict[str, Sequence] = {}  # the last plan's sequences, until postprocess
+        self._in_flight = InFlightPlans(pipeline_depth)  # scheduled plans until postprocess (engine/in_flight.py)
         self._copies: list[tuple[int, int]] = []  # this plan's copy-on-write block copies
         self._next_arrival = 0  # arrival_order of the next added sequence
         self._num_preemptions = 0  # since start, for metrics
         self._proposer = proposer
+        self._pipeline_depth = pipeline_depth
+        self._plan_seqs = config.max_num_seqs  # this plan's chunk limit (`_plan_limit`)
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, request_id: str) -> Sequence | None:
@@ -138,6 +150,15 @@ class Batcher:
         through their chunks."""
         yield from self._waiting
         yield from (seq for seq in self._running if seq.num_pending_tokens > 1)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans scheduled and not yet postprocessed (more than one only under an overlapped pipeline)."""
+        return len(self._in_flight)
+
+    def in_flight_request_ids(self) -> list[tuple[str, ...]]:
+        """The request ids of each plan in flight, oldest plan first."""
+        return self._in_flight.request_ids()
 
     @property
     def num_preemptions(self) -> int:
@@ -251,23 +272,29 @@ class Batcher:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         self._finish_loads()
+        self._plan_seqs = self._plan_limit()
         budget = self._schedule_decodes(chunks, preempted, self.config.max_num_batched_tokens)
         budget = self._schedule_prefills(chunks, budget)
         if not preempted:
             self._admit(chunks, budget)
-        self._scheduled = {c.request_id: self._seqs[c.request_id] for c in chunks}
         copies, self._copies = tuple(self._copies), []
-        return BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted), block_copies=copies)
+        plan = BatchPlan(chunks=tuple(chunks), preempted=tuple(preempted), block_copies=copies)
+        if chunks:
+            self._in_flight.add(plan, {c.request_id: self._seqs[c.request_id] for c in chunks})
+        return plan
 
     def postprocess(self, plan: BatchPlan, result: StepResult) -> list[Sequence]:
         """Record a step: advance computed tokens, append sampled (and accepted draft) tokens, register
         full blocks.
 
         Returns the sequences that got tokens, in plan order; the engine then decides which finished.
-        Sequences aborted or finished since `schedule()` are skipped.
+        Sequences aborted or finished since `schedule()` are skipped. Plans are postprocessed in the
+        order they were scheduled; raises EngineError for any other plan (an empty one is a no-op).
         """
+        if plan.is_empty:
+            return []
+        scheduled = self._in_flight.pop_oldest(plan)
         got_token: list[Sequence] = []
-        scheduled, self._scheduled = self._scheduled, {}
         for chunk in plan.chunks:
             seq = scheduled.get(chunk.request_id)
             if seq is None or self._seqs.get(chunk.request_id) is not seq:
@@ -284,14 +311,24 @@ class Batcher:
             self.block_manager.mark_computed(seq.block_ids, seq.all_token_ids, seq.num_computed_tokens)
         return got_token
 
+    def drop_in_flight(self) -> None:
+        """Forget every plan in flight (a step failed): their sequences are schedulable again, their
+        tokens still to compute."""
+        self._in_flight.clear()
+
+    def discard_dropped(self, plan: BatchPlan) -> bool:
+        """Whether `plan`, leaving the pipeline, was dropped by `drop_in_flight`: then it is not to be
+        postprocessed (its sequences were planned again)."""
+        return self._in_flight.discard_dropped(plan)
+
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
         """Schedule every running decode that fits, with its draft if any; returns the budget left."""
         i = 0
-        while i < len(self._running) and budget > 0 and len(chunks) < self.config.max_num_seqs:
+        while i < len(self._running) and budget > 0 and len(chunks) < self._plan_seqs:
             seq = self._running[i]
             i += 1
-            if seq.num_pending_tokens != 1:
-                continue  # still prefilling: the next pass
+            if seq.num_pending_tokens != 1 or self._in_flight.holds(seq):
+                continue  # still prefilling (the next pass), or its last token is not back yet
             # Budget and free blocks beyond one token for every later running sequence may go to drafts.
             later = len(self._running) - i
             room = DraftRoom(budget=budget - later - 1, blocks=self.block_manager.num_free_blocks - later)
@@ -310,7 +347,7 @@ class Batcher:
                 self.block_manager.append_slots(seq.block_ids, seq.num_tokens)
                 return True
             except OutOfBlocksError:
-                victim = self._running[-1]  # newest; never one scheduled earlier in this pass
+                victim = self._newest_preemptible()  # never one scheduled earlier in this pass
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -319,9 +356,9 @@ class Batcher:
     def _schedule_prefills(self, chunks: list[ScheduledChunk], budget: int) -> int:
         """Continue chunked prefills of admitted sequences; returns the budget left."""
         for seq in self._running:
-            if budget <= 0 or len(chunks) >= self.config.max_num_seqs:
+            if budget <= 0 or len(chunks) >= self._plan_seqs:
                 break
-            if seq.num_pending_tokens > 1:
+            if seq.num_pending_tokens > 1 and not self._in_flight.holds(seq):
                 n = min(seq.num_pending_tokens, self.config.max_prefill_chunk, budget)
                 chunks.append(next_chunk(seq, n))
                 budget -= n
@@ -329,7 +366,7 @@ class Batcher:
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Admit waiting sequences in queue order while budget, sequence slots and blocks last."""
-        while self._waiting and budget > 0 and len(chunks) < self.config.max_num_seqs:
+        while self._waiting and budget > 0 and len(chunks) < self._plan_seqs:
             if len(self._running) + len(self._remote) + len(self._loading) >= self.config.max_num_seqs:
                 return
             seq = self._waiting.head()
@@ -371,6 +408,20 @@ class Batcher:
             copy = self.block_manager.copy_on_write(seq.block_ids, index)
             if copy is not None:
                 self._copies.append(copy)
+
+    def _plan_limit(self) -> int:
+        """Chunks this plan may hold: `max_num_seqs`, or with P plans in flight a 1/P share (rounded up)
+        of the sequences that could run, so the plans in flight split them evenly."""
+        if self._pipeline_depth == 1:
+            return self.config.max_num_seqs
+        share = -(-(len(self._running) + len(self._waiting)) // self._pipeline_depth)
+        return max(1, min(self.config.max_num_seqs, share))
+
+    def _newest_preemptible(self) -> Sequence:
+        """The newest running sequence not in flight: a stage may still write an in-flight one's blocks,
+        and its plan's postprocess would advance it. The sequence being grown is never in flight, so
+        there always is one, and it or a newer one is chosen."""
+        return next(seq for seq in reversed(self._running) if not self._in_flight.holds(seq))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the blocks, keep the tokens, requeue at the front."""

@@ -262,7 +262,9 @@ class ParallelConfig:
 
     Pipeline parallelism (`pipeline_parallel_size`) splits the layers over stages; it composes with
     tensor parallelism: world rank = stage * tensor_parallel_size + tensor rank (engine/parallel/pipeline.py).
-    A step's batch goes through the stages in `pipeline_microbatches` pieces (None: one per stage).
+    With `pipeline_overlap` (the default) the engine keeps up to one batch per stage in flight, each
+    on its own stage, so no stage idles between steps (engine/parallel/pipeline_rounds.py); off, each
+    step goes through the stages alone, in `pipeline_microbatches` pieces (None: one per stage).
 
     Ranks meet over TCP at `master_addr:master_port` (None: rank 0 picks a free port). The model's
     collectives use `distributed_backend` (None: NCCL on CUDA, gloo on CPU); control messages (the
@@ -272,7 +274,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    pipeline_microbatches: int | None = None
+    pipeline_microbatches: int | None = None  # step-at-a-time schedule only (pipeline_overlap off)
+    pipeline_overlap: bool = True  # batches in flight across steps under pipeline parallelism
     distributed_backend: str | None = None
     master_addr: str = "127.0.0.1"
     master_port: int | None = None

@@ -91,7 +91,8 @@ class LLMEngine:
         spec = config.speculative
         self.view = EngineView(self.runner, self.block_manager)  # what a worker reads (engine_view.py)
         self.batcher = Batcher(config.batcher, self.block_manager, self.max_model_len,
-                               NgramProposer(spec.ngram_min, spec.ngram_max), loader=self.tiers)
+                               NgramProposer(spec.ngram_min, spec.ngram_max), loader=self.tiers,
+                               pipeline_depth=self.runner.pipeline_depth)
         self.spec_stats = SpeculationStats()
         self._requests: dict[str, _Tracked] = {}
         self._held: dict[str, HeldBlocks] = {}
@@ -216,7 +217,9 @@ class LLMEngine:
         return sum(len(h.block_ids) for h in self._held.values())
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests not finished, or batches still in flight (an aborted request's plan must still
+        leave the pipeline, so the stepping goes on until it has)."""
+        return bool(self._requests) or self.batcher.num_in_flight > 0
 
     @property
     def num_unfinished(self) -> int:
@@ -258,20 +261,51 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: plan, run, record. Under an overlapped pipeline (`runner.pipeline_depth` > 1) one
+        round instead: the new plan enters the pipeline and the outputs are those of the plan that left."""
         self.last_step = None
         if self.tiers is not None:
             self.tiers.between_steps()  # the last step's demotion copies as one batch; disk writes reaped
         plan = self.batcher.schedule()
+        if self.runner.pipeline_depth > 1:
+            return self._pipeline_round(plan)
         if plan.is_empty:
             return []
+        self._mark_started(plan)
+        start = time.perf_counter()
+        try:
+            result = self.runner.execute(plan)
+        except BaseException:
+            self.batcher.drop_in_flight()  # its tokens are simply scheduled again
+            raise
+        return self._record(plan, result, time.perf_counter() - start)
+
+    def _pipeline_round(self, plan: BatchPlan) -> list[RequestOutput]:
+        """Submit `plan` (a bubble when empty but batches are in flight, so that they move on) and
+        record the plan that left the pipeline, if one did. The batcher planned `plan` without the
+        sequences of the plans still in flight (engine/batcher.py)."""
+        if plan.is_empty and not self.batcher.num_in_flight:
+            return []
+        self._mark_started(plan)
+        start = time.perf_counter()
+        try:
+            done = self.runner.pipeline_round(plan)
+        except BaseException:
+            self.batcher.drop_in_flight()
+            raise
+        if done is None or self.batcher.discard_dropped(done.plan):  # dropped: a failed step's, planned again
+            return []
+        return self._record(done.plan, done.result, time.perf_counter() - start)
+
+    def _mark_started(self, plan: BatchPlan) -> None:
         now = self._clock()
         for chunk in plan.chunks:
             tracked = self._requests.get(chunk.request_id)
             if tracked is not None and tracked.started_at is None:
                 tracked.started_at = now
-        start = time.perf_counter()
-        result = self.runner.execute(plan)
-        seconds = time.perf_counter() - start
+
+    def _record(self, plan: BatchPlan, result: StepResult, seconds: float) -> list[RequestOutput]:
+        """The run plan's tokens into the batcher, and its outputs; `seconds` the step's (or round's) time."""
         drafts = self._count_drafts(plan, result)
         self.last_step = StepStats.of(plan, seconds, drafts)
         if self.tiers is not None:  # the recompute side of the load-or-recompute decision

@@ -18,8 +18,11 @@ for the same plan, so the captured all-reduces meet.
 
 Pipeline parallelism: every rank runs `execute` on the same plan too; each stage runs its layers over
 the step's micro-batches and passes activations on (engine/parallel/pipeline.py), the last stage's
-logits come back to rank 0, which samples. Steps run eagerly (no decode graphs yet), and each stage's
-KV cache holds its layers only, sized so that every stage has the same number of blocks.
+logits come back to rank 0, which samples. With overlap on (the default) the engine calls
+`pipeline_round` instead: one batch in flight per stage, each stage running a different plan in each
+round (engine/parallel/pipeline_rounds.py); `pipeline_depth` tells the engine how many. Steps run
+eagerly (no decode graphs yet), and each stage's KV cache holds its layers only, sized so that every
+stage has the same number of blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata, get_attention_backend
 from engine.batch import BatchPlan, ScheduledChunk, StepResult
-from engine.choices import choice_rows
+from engine.choices import ChoiceRows, choice_rows
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.input_buffers import DecodeInputBuffers
@@ -43,12 +46,39 @@ from engine.kv_cache import kv_cache_spec_for, kv_dtype_name
 from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TensorParallel, local_kv_heads, mark_collectives_captured
-from engine.parallel.pipeline import Activations, MicroBatch, PipelineSchedule, max_stage_layers, split_microbatches
+from engine.parallel.pipeline import (
+    Activations,
+    MicroBatch,
+    PipelineSchedule,
+    StageLinks,
+    max_stage_layers,
+    split_microbatches,
+)
+from engine.parallel.pipeline_rounds import PipelineRounds, StageOutput
 from engine.quant.config import resolve_fp8_config
 from engine.sampler import Sampler
 from engine.speculative.verify import accept_drafts, verification_rows
+from engine.structured.masks import MaskJob
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PendingSample:
+    """Rank 0's sampling of one plan, begun before its logits exist."""
+
+    chunks: list[ScheduledChunk]  # the chunks that sample, in plan order
+    rows: list[ScheduledChunk]  # one per sampled position
+    extra: ChoiceRows  # sibling choices' first tokens (n > 1)
+    masks: MaskJob | None
+
+
+@dataclass(frozen=True)
+class CompletedStep:
+    """A plan that left the overlapped pipeline, with its sampled tokens."""
+
+    plan: BatchPlan
+    result: StepResult
 
 
 @dataclass(frozen=True)
@@ -92,8 +122,12 @@ class ModelRunner:
             self.backend.warm_up(self.kv_cache, model_config.num_heads // self.tp.size,
                                  config.batcher.max_num_seqs, self.dtype)
         self.graphs = self._build_graphs()
-        self.schedule = (PipelineSchedule(stage, model_config.hidden_size, model_config.vocab_size, self.dtype,
-                                          self.device) if stage.size > 1 else None)
+        links = (StageLinks(stage, model_config.hidden_size, model_config.vocab_size, self.dtype, self.device,
+                            logits_group=self.tp.logits_group) if stage.size > 1 else None)
+        self.schedule = PipelineSchedule(links) if links is not None else None
+        # Batches in flight across steps (engine/parallel/pipeline_rounds.py), unless turned off.
+        self.rounds = (PipelineRounds(links, self._run_stage)
+                       if links is not None and config.parallel.pipeline_overlap else None)
 
     def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -153,33 +187,74 @@ class ModelRunner:
         """The captured function: forward pass plus LM head for every row."""
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches the engine may keep in flight: one per stage with overlapped pipeline rounds, else 1
+        (`execute`, one step at a time)."""
+        return self.rounds.depth if self.rounds is not None else 1
+
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         if plan.is_empty:
             return StepResult(sampled={})
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
-        sampling_chunks = [c for c in plan.chunks if c.needs_sample]
-        rows = verification_rows(sampling_chunks)  # one per sampled position (several for a draft)
-        extra = choice_rows(sampling_chunks)  # n > 1: sibling choices' first tokens
-        masks = self.sampler.begin([*rows, *extra.rows]) if self.tp.is_driver else None  # overlaps the forward
+        pending = self._begin_sampling(plan) if self.tp.is_driver else None  # overlaps the forward
         if self.graphs is not None and self.graphs.can_run(plan.chunks):
             logits = self._sampled_rows(self.graphs.run(plan.chunks), plan.chunks)
         elif self.schedule is not None:
             logits = self._run_pipelined(self.schedule, plan.chunks)
         else:
             logits = self._run_eager(plan.chunks)
-        if logits is None or not self.tp.is_driver:
+        if logits is None or pending is None:
             return StepResult(sampled={})
+        return self._sample(pending, logits)
+
+    @torch.inference_mode()
+    def pipeline_round(self, plan: BatchPlan) -> CompletedStep | None:
+        """One round of the overlapped pipeline (engine/parallel/pipeline_rounds.py): `plan` (possibly
+        empty, a bubble) enters stage 0, this rank runs its stage's plan, and the plan leaving the last
+        stage is sampled. Returns that plan and its tokens on rank 0; None on the other ranks, while
+        the pipeline fills, and when the leaving plan is a bubble."""
+        assert self.rounds is not None, "pipeline_round needs pipeline stages with overlap on"
+        self.rounds.submit(plan)
+        left = self.rounds.collect()
+        if left is None or left.plan.is_empty or not self.tp.is_driver:
+            return None
+        if left.logits is None:  # nothing in it samples (e.g. only middle prefill chunks)
+            return CompletedStep(left.plan, StepResult(sampled={}))
+        return CompletedStep(left.plan, self._sample(self._begin_sampling(left.plan), left.logits))
+
+    def _run_stage(self, plan: BatchPlan, incoming: Activations | None) -> StageOutput:
+        """This stage's layers over a whole plan (one micro-batch: the other stages have batches of
+        their own); the last stage also computes the sampled rows' logits."""
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)  # each stage copies its own layers' blocks
+        x = self.prepare_inputs(plan.chunks)
+        out = self.model.forward_stage(x.input_ids, x.positions, self.kv_cache, x.meta, incoming)
+        if not self.tp.pipeline.is_last:
+            return StageOutput(out)
+        rows = x.sample_rows
+        return StageOutput(None, self.model.compute_logits(out.hidden.index_select(0, rows)) if rows.numel() else None)
+
+    def _begin_sampling(self, plan: BatchPlan) -> PendingSample:
+        """Rank 0: the rows to sample and any grammar masks, started before the logits exist."""
+        chunks = [c for c in plan.chunks if c.needs_sample]
+        rows = verification_rows(chunks)  # one per sampled position (several for a draft)
+        extra = choice_rows(chunks)  # n > 1: sibling choices' first tokens
+        return PendingSample(chunks, rows, extra, self.sampler.begin([*rows, *extra.rows]))
+
+    def _sample(self, pending: PendingSample, logits: torch.Tensor) -> StepResult:
+        rows, extra, chunks = pending.rows, pending.extra, pending.chunks
         if extra.rows:
             logits = torch.cat([logits, logits.index_select(0, self._tensor(list(extra.source_rows), torch.int64))])
-        tokens = self.sampler.sample(logits, [*rows, *extra.rows], masks)
+        tokens = self.sampler.sample(logits, [*rows, *extra.rows], pending.masks)
         tokens, siblings = tokens[:len(rows)], tokens[len(rows):]
-        if len(rows) > len(sampling_chunks):
-            result = accept_drafts(sampling_chunks, tokens)
+        if len(rows) > len(chunks):
+            result = accept_drafts(chunks, tokens)
         else:
-            result = StepResult(sampled={c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)})
-        return replace(result, choices=extra.split(sampling_chunks, siblings)) if extra.rows else result
+            result = StepResult(sampled={c.request_id: t for c, t in zip(chunks, tokens, strict=True)})
+        return replace(result, choices=extra.split(chunks, siblings)) if extra.rows else result
 
     def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write of forked choices' shared blocks (block-major: one row per block), before any

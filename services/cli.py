@@ -66,6 +66,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="split the layers over this many stages, one process (or --tensor-parallel-size "
                         "processes) each; GPUs = tensor x pipeline")
+    p.add_argument("--no-pipeline-overlap", action="store_true",
+                   help="with --pipeline-parallel-size > 1: one step at a time through the stages (the fallback)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -98,7 +100,8 @@ def _build_engine(args: argparse.Namespace):  # noqa: ANN202 - engine import is 
                           cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
                           parallel=ParallelConfig(expert_parallel_size=args.expert_parallel_size,
                                                   tensor_parallel_size=args.tensor_parallel_size,
-                                                  pipeline_parallel_size=args.pipeline_parallel_size))
+                                                  pipeline_parallel_size=args.pipeline_parallel_size,
+                                                  pipeline_overlap=not args.no_pipeline_overlap))
     return LLMEngine(config)
 
 

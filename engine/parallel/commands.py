@@ -3,7 +3,7 @@
 A message names what to run by its class, never by a method name in a string, so a misspelt call is
 an error where it is written (and a type error under mypy), not an AttributeError on a follower.
 
-- `ExecuteStep`, `RandomizeKVCache`: collective `ModelRunner` calls every rank runs with the same
+- `ExecuteStep`, `PipelineRound`, `RandomizeKVCache`: collective `ModelRunner` calls every rank runs with the same
   arguments (they make the same collective calls on every rank, or the group deadlocks).
 - `ServiceRequest`: a request for the follower's rank service (e.g. the NIXL agent of its KV shard,
   kvtransfer/nixl/shards.py), whose reply is gathered to rank 0. The request's own type is the rank
@@ -25,6 +25,13 @@ class ExecuteStep:
 
 
 @dataclass(frozen=True)
+class PipelineRound:
+    """One round of the overlapped pipeline (engine/parallel/pipeline_rounds.py); an empty plan is a bubble."""
+
+    plan: BatchPlan  # slimmed like ExecuteStep's
+
+
+@dataclass(frozen=True)
 class RandomizeKVCache:
     seed: int
 
@@ -34,7 +41,7 @@ class ServiceRequest:
     request: object  # one of the rank service's own request types
 
 
-CollectiveCommand = ExecuteStep | RandomizeKVCache
+CollectiveCommand = ExecuteStep | PipelineRound | RandomizeKVCache
 FollowerCommand = CollectiveCommand | ServiceRequest
 
 
@@ -42,6 +49,8 @@ def run_collective(runner: ModelRunner, command: CollectiveCommand) -> None:
     """A follower's side of a collective call (rank 0 runs its own side with its full arguments)."""
     if isinstance(command, ExecuteStep):
         runner.execute(command.plan)
+    elif isinstance(command, PipelineRound):
+        runner.pipeline_round(command.plan)
     else:
         runner.randomize_kv_cache(command.seed)
 

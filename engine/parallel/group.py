@@ -43,6 +43,8 @@ class TensorParallel:
     expert: ExpertParallel = field(default_factory=ExpertParallel)  # MoE experts' sharding
     pipeline: PipelineParallel = field(default_factory=PipelineParallel)  # this process's stage
     group: Any = None  # the tensor collectives' group (this stage's ranks); None: the default group
+    # Under pipeline parallelism: rank 0 and the last stage's tensor rank 0, for the sampled logits.
+    logits_group: Any = None
 
     @property
     def world_rank(self) -> int:
@@ -135,8 +137,9 @@ def init_tensor_parallel(config: ParallelConfig, rank: int, port: int, device_ty
     stage = rank // tp_size if pp_size > 1 else 0
     pipeline = PipelineParallel(rank=stage, size=pp_size, tp_rank=rank % tp_size, tp_size=tp_size)
     group = _stage_group(pipeline, timeout) if pp_size > 1 and tp_size > 1 else None
+    logits_group = _logits_group(pipeline, timeout) if pp_size > 1 else None
     return TensorParallel(rank=rank % tp_size, size=tp_size, device=device, cpu_group=cpu_group, expert=expert,
-                          pipeline=pipeline, group=group)
+                          pipeline=pipeline, group=group, logits_group=logits_group)
 
 
 def _stage_group(pipeline: PipelineParallel, timeout: timedelta) -> Any:
@@ -144,6 +147,16 @@ def _stage_group(pipeline: PipelineParallel, timeout: timedelta) -> Any:
     groups = [dist.new_group(list(range(s * pipeline.tp_size, (s + 1) * pipeline.tp_size)), timeout=timeout)
               for s in range(pipeline.size)]
     return groups[pipeline.rank]
+
+
+def _logits_group(pipeline: PipelineParallel, timeout: timedelta) -> Any:
+    """Rank 0 and the last stage's tensor rank 0; every rank must create it. The logits travel apart
+    from the activations because with batches in flight (pipeline_rounds.py) the last stage sends a
+    batch's logits before it receives the next batch's activations, which rank 0 sent before it
+    receives those logits: over one in-order NCCL stream per pair of ranks (2 stages) that is a cycle."""
+    group = dist.new_group([0, (pipeline.size - 1) * pipeline.tp_size], timeout=timeout)
+    is_member = pipeline.rank == 0 and pipeline.tp_rank == 0 or pipeline.sends_logits
+    return group if is_member else None
 
 
 # Set once this process captured NCCL collectives into CUDA graphs (ModelRunner does under TP).

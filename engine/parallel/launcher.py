@@ -6,6 +6,7 @@ process and drives the others; under pipeline parallelism it is stage 0's tensor
 
     runner = create_model_runner(config, model_config, weights)   # ModelRunner when tp == 1
     result = runner.execute(plan)
+    done = runner.pipeline_round(plan)   # pipeline_depth > 1: batches in flight across steps
 
 Each `execute` broadcasts the plan (pickled plain dataclasses, over the gloo control group) to the
 followers, then every rank runs the same step; the collectives inside the model keep them in step.
@@ -47,9 +48,10 @@ import torch.multiprocessing as mp
 from engine.batch import BatchPlan, StepResult
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheSpec
-from engine.model_runner import ModelRunner
+from engine.model_runner import CompletedStep, ModelRunner
 from engine.parallel.commands import (
     ExecuteStep,
+    PipelineRound,
     RandomizeKVCache,
     RankService,
     ServiceRequest,
@@ -162,14 +164,23 @@ class TensorParallelRunner:
         """Rank 0's per-expert counts: every rank routes every token, so they are the whole group's."""
         return self.runner.expert_load()
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches the engine may keep in flight (ModelRunner.pipeline_depth)."""
+        return self.runner.pipeline_depth
+
     def execute(self, plan: BatchPlan) -> StepResult:
-        # Followers never sample, so the live token views (penalties, seeds) stay here.
-        slim = BatchPlan(chunks=tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=())
-                                      for c in plan.chunks), preempted=plan.preempted,
-                         block_copies=plan.block_copies)
         with self._group_lock:
-            self.tp.broadcast_object(ExecuteStep(slim))
+            self.tp.broadcast_object(ExecuteStep(_slim(plan)))
             return self.runner.execute(plan)
+
+    def pipeline_round(self, plan: BatchPlan) -> CompletedStep | None:
+        """`ModelRunner.pipeline_round` on every rank. The whole round holds the group lock: a rank
+        service's broadcast between the submit and the collect would meet a last stage blocked in
+        sending the round's logits to rank 0."""
+        with self._group_lock:
+            self.tp.broadcast_object(PipelineRound(_slim(plan)))
+            return self.runner.pipeline_round(plan)
 
     def randomize_kv_cache(self, seed: int) -> None:
         """`ModelRunner.randomize_kv_cache` on every rank (each fills its own shard)."""
@@ -218,6 +229,16 @@ class TensorParallelRunner:
                 p.join(5.0)
 
 
+def _slim(plan: BatchPlan) -> BatchPlan:
+    """The plan as followers get it: they never sample, so the live token views (penalties, seeds) and
+    a grammar constraint's parser state (which holds a lock: it does not pickle) stay on rank 0."""
+    chunks = tuple(dataclasses.replace(c, prompt_token_ids=(), output_token_ids=(),
+                                       sampling=dataclasses.replace(c.sampling, guided=None)
+                                       if c.sampling.guided is not None else c.sampling)
+                   for c in plan.chunks)
+    return BatchPlan(chunks=chunks, preempted=plan.preempted, block_copies=plan.block_copies)
+
+
 def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: RankServiceFactory | None,
                    parent: int) -> None:
     """Rank > 0: load this rank's slice, then run every call rank 0 broadcasts until None."""
@@ -242,7 +263,7 @@ def _follower_main(config: EngineConfig, rank: int, port: int, rank_service: Ran
                 result = _call_service(service, call, rank)
                 dist.gather_object(result, None, dst=0, group=tp.cpu_group)
             else:
-                assert isinstance(call, ExecuteStep | RandomizeKVCache), call
+                assert isinstance(call, ExecuteStep | PipelineRound | RandomizeKVCache), call
                 run_collective(runner, call)
     finally:
         if service is not None:

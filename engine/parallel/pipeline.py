@@ -15,9 +15,9 @@ and the same input metadata, and knows the shape of every tensor it will receive
 micro-batches in order: receive (blocking), compute, send (non-blocking, so it starts the next
 micro-batch while the next stage works on this one). The last stage computes the sampled rows'
 logits and its tensor rank 0 sends them to rank 0, which samples. With M micro-batches and P stages
-every stage is busy M of the M + P - 1 slots of a step (fill and drain are idle); the overlap of one
-step's drain with the next step's fill needs the batcher to schedule a step before the previous
-one's tokens are back (docs/architecture.md, "Pipeline parallelism": the plan).
+every stage is busy M of the M + P - 1 slots of a step (fill and drain are idle). That is the
+step-at-a-time schedule (`ParallelConfig.pipeline_overlap` off); by default the engine keeps one
+batch in flight per stage instead (pipeline_rounds.py), over the same links (`StageLinks`).
 """
 
 from __future__ import annotations
@@ -130,59 +130,88 @@ StageFn = Callable[[int, Activations | None], Activations]
 LogitsFn = Callable[[int, Activations], torch.Tensor | None]
 
 
-class PipelineSchedule:
-    """One step through this rank's stage (module docstring). Device, dtype and sizes fix the shape of
-    every received tensor; `group` is the point-to-point group (None: the default one)."""
+class StageLinks:
+    """This rank's point-to-point links to its neighbour stages. Device, dtype and sizes fix the shape of
+    every received tensor; `group` is the activations' point-to-point group (None: the default one),
+    `logits_group` the group of rank 0 and the last stage's tensor rank 0 (TensorParallel.logits_group)."""
 
     def __init__(self, pp: PipelineParallel, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device, group: Any = None) -> None:
+                 device: torch.device, group: Any = None, logits_group: Any = None) -> None:
         self.pp = pp
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.dtype = dtype
         self.device = device
         self.group = group
+        self.logits_group = logits_group
 
-    def run(self, micro: Sequence[MicroBatch], stage: StageFn, logits: LogitsFn) -> torch.Tensor | None:
-        """The step's sampled logits on rank 0 (None when nothing samples) and on the last stage; None
-        on the other ranks."""
-        sends: list[Any] = []
-        kept: list[torch.Tensor] = []  # isend buffers must live until their work is done
-        parts: list[torch.Tensor] = []
-        for i, mb in enumerate(micro):
-            incoming = None if self.pp.is_first else self._recv_activations(mb.num_tokens)
-            out = stage(i, incoming)
-            if not self.pp.is_last:
-                kept += [out.hidden.contiguous(), _residual(out).contiguous()]
-                sends += [dist.isend(t, self.pp.next_rank, group=self.group) for t in kept[-2:]]
-                continue
-            part = logits(i, out)
-            if part is not None:
-                parts.append(part)
-        for work in sends:
-            work.wait()
-        return self._exchange_logits(parts, sum(mb.num_sampled for mb in micro))
-
-    def _recv_activations(self, num_tokens: int) -> Activations:
+    def recv_activations(self, num_tokens: int) -> Activations:
         hidden = torch.empty((num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
         residual = torch.empty_like(hidden)
         dist.recv(hidden, self.pp.prev_rank, group=self.group)
         dist.recv(residual, self.pp.prev_rank, group=self.group)
         return Activations(hidden, residual)
 
-    def _exchange_logits(self, parts: list[torch.Tensor], num_sampled: int) -> torch.Tensor | None:
+    def send_activations(self, out: Activations) -> PendingSends:
+        """Start sending `out` to the next stage; the caller waits on the result once the receiver must
+        have posted its receive (an isend's buffers must live until then)."""
+        kept = [out.hidden.contiguous(), _residual(out).contiguous()]
+        return PendingSends([dist.isend(t, self.pp.next_rank, group=self.group) for t in kept], kept)
+
+    def exchange_logits(self, parts: list[torch.Tensor], num_sampled: int) -> torch.Tensor | None:
+        """The last stage's sampled logits (`parts` concatenated) on the last stage and on rank 0, which
+        receives them; None elsewhere and when nothing samples."""
         if num_sampled == 0:
             return None
         if self.pp.is_last:
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.pp.sends_logits:
-                dist.send(out.contiguous(), 0, group=self.group)
+                dist.send(out.contiguous(), 0, group=self.logits_group)
             return out
         if self.pp.is_first and self.pp.tp_rank == 0:  # rank 0: the driver samples
             out = torch.empty((num_sampled, self.vocab_size), dtype=torch.float32, device=self.device)
-            dist.recv(out, (self.pp.size - 1) * self.pp.tp_size, group=self.group)
+            dist.recv(out, (self.pp.size - 1) * self.pp.tp_size, group=self.logits_group)
             return out
         return None
+
+
+@dataclass
+class PendingSends:
+    """Activations on their way to the next stage, with the buffers the sends read from."""
+
+    works: list[Any]
+    buffers: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
+class PipelineSchedule:
+    """One step through this rank's stage, in micro-batches (module docstring)."""
+
+    def __init__(self, links: StageLinks) -> None:
+        self.links = links
+        self.pp = links.pp
+
+    def run(self, micro: Sequence[MicroBatch], stage: StageFn, logits: LogitsFn) -> torch.Tensor | None:
+        """The step's sampled logits on rank 0 (None when nothing samples) and on the last stage; None
+        on the other ranks."""
+        sends: list[PendingSends] = []
+        parts: list[torch.Tensor] = []
+        for i, mb in enumerate(micro):
+            incoming = None if self.pp.is_first else self.links.recv_activations(mb.num_tokens)
+            out = stage(i, incoming)
+            if not self.pp.is_last:
+                sends.append(self.links.send_activations(out))
+                continue
+            part = logits(i, out)
+            if part is not None:
+                parts.append(part)
+        for pending in sends:
+            pending.wait()
+        return self.links.exchange_logits(parts, sum(mb.num_sampled for mb in micro))
 
 
 def _residual(out: Activations) -> torch.Tensor:

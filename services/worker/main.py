@@ -87,6 +87,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers over this many stages of --tensor-parallel-size ranks each "
                         "(GPUs = tensor x pipeline); a prefill worker's stages each hand their layers' KV to "
                         "the decode worker (same stage count, or fewer decode stages whose layers contain them)")
+    p.add_argument("--no-pipeline-overlap", action="store_true",
+                   help="with --pipeline-parallel-size > 1: run one step at a time through the stages, in "
+                        "micro-batches, instead of one batch in flight per stage (the fallback)")
     _kv_tier_args(p)
 
 
@@ -171,7 +174,8 @@ def build_engine_config(args: argparse.Namespace):  # noqa: ANN201 - engine impo
                               max_prefill_chunk=args.max_prefill_chunk),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 expert_parallel_size=args.expert_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size),
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                pipeline_overlap=not args.no_pipeline_overlap),
         speculative=SpeculativeConfig(num_draft_tokens=args.speculative_ngram),
         tiers=TierConfig.from_gib(args.host_kv_gib, args.disk_kv_dir, args.disk_kv_gib, args.kv_load_min_speedup),
     )

@@ -14,9 +14,9 @@ TOKEN = 7  # what the fake runner samples
 
 
 def make(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 64, chunk: int = 16,
-         max_model_len: int = 64, caching: bool = True) -> Batcher:
+         max_model_len: int = 64, caching: bool = True, pipeline_depth: int = 1) -> Batcher:
     bm = BlockManager(num_blocks, BS, caching)
-    return Batcher(BatcherConfig(max_num_seqs, budget, chunk), bm, max_model_len)
+    return Batcher(BatcherConfig(max_num_seqs, budget, chunk), bm, max_model_len, pipeline_depth=pipeline_depth)
 
 
 def seq(rid: str, n: int, start: int = 100) -> Sequence:

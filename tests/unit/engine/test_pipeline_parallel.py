@@ -138,4 +138,5 @@ def _generate(capsys: pytest.CaptureFixture[str], *flags: str) -> list[int]:
 def test_baton_generate_pp2_gives_the_pp1_tokens_on_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     expected = _generate(capsys)
     assert len(expected) == 12
-    assert _generate(capsys, "--pipeline-parallel-size", "2") == expected
+    assert _generate(capsys, "--pipeline-parallel-size", "2") == expected  # batches in flight (the default)
+    assert _generate(capsys, "--pipeline-parallel-size", "2", "--no-pipeline-overlap") == expected
