@@ -104,7 +104,11 @@ def _rows(stack: GatewayStack, conv_id: uuid.UUID) -> tuple[int, int]:
     return convs[0], msgs[0]
 
 
-@pytest.mark.parametrize("path", ["/v1/conversations/not-a-uuid", f"/v1/conversations/{uuid.uuid4()}"])
+# A fixed unknown id: xdist workers must collect the same test ids (uuid4() here differed per worker).
+UNKNOWN_ID = "6d3f1c2e-8f4b-4a57-9d6e-0b8a3c5e7f21"
+
+
+@pytest.mark.parametrize("path", ["/v1/conversations/not-a-uuid", f"/v1/conversations/{UNKNOWN_ID}"])
 def test_unknown_ids_are_client_errors(stack: GatewayStack, tenant: Tenant, path: str) -> None:
     with stack.http(tenant.key) as http:
         assert http.get(path).status_code in (400, 404)
