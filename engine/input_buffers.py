@@ -11,10 +11,12 @@ tensors, sized for the largest captured batch:
     query_start_loc [max_batch + 1] int32   arange: one query token per row, fixed at creation
 
 A step of B sequences padded to a captured size P >= B fills rows [0, B) from the chunks and rows
-[B, P) as padding, in host staging (pinned on CUDA), then queues non-blocking copies. Only the
-block-table columns the step needs are copied (a `[P, width]` block through a contiguous scratch
-buffer): columns past `width` keep stale ids, which no kernel reads, since a row reads at most
-`ceil(seq_len / block_size) <= width` table entries.
+[B, P) as padding, in host staging (pinned on CUDA), then queues two non-blocking copies, one per
+dtype: ids, positions and slots live in one int64 area, context lengths and the table block in one
+int32 area (the tensors above are views into them). Only the block-table columns the step needs are
+copied (a `[P, width]` block through a contiguous scratch buffer, then a device-side copy): columns
+past `width` keep stale ids, which no kernel reads, since a row reads at most `ceil(seq_len /
+block_size) <= width` table entries.
 
 Staging reuse: the host rows are rewritten at the next step while the previous step's copies may in
 principle still be queued. `load` therefore waits on the event recorded after the last copies
@@ -44,13 +46,18 @@ class DecodeInputBuffers:
             host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
             return host, torch.zeros(shape, dtype=dtype, device=device)
 
-        self._host_ids, self.input_ids = both((max_batch,), torch.int64)
-        self._host_pos, self.positions = both((max_batch,), torch.int64)
-        self._host_slots, self.slot_mapping = both((max_batch,), torch.int64)
-        self._host_lens, self.seq_lens = both((max_batch,), torch.int32)
-        self._host_tables, self._table_scratch = both((max_batch * max_blocks,), torch.int32)
+        # Two staging areas of one dtype each, so a step is two host->device copies, not five: each
+        # copy is a driver call costing tens of us of host time on a GPU host, whatever its size.
+        self._host_wide, self._wide = both((3, max_batch), torch.int64)  # ids, positions, slots
+        self._host_ids, self._host_pos, self._host_slots = self._host_wide.unbind()
+        self.input_ids, self.positions, self.slot_mapping = self._wide.unbind()
+        narrow = [max_batch, max_batch * max_blocks]  # context lengths, then the step's table block
+        self._host_narrow, self._narrow = both((sum(narrow),), torch.int32)
+        self._host_lens, self._host_tables = self._host_narrow.split(narrow)
+        self.seq_lens, self._table_scratch = self._narrow.split(narrow)
         self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._host_slots.fill_(-1)
         self.slot_mapping.fill_(-1)
         self._copied = torch.cuda.Event() if on_cuda else None
 
@@ -114,12 +121,12 @@ class DecodeInputBuffers:
         ids[n:padded], pos[n:padded], lens[n:padded], slots[n:padded] = 0, 0, 0, -1
 
     def _upload(self, padded: int, width: int) -> None:
-        for host, dev in ((self._host_ids, self.input_ids), (self._host_pos, self.positions),
-                          (self._host_slots, self.slot_mapping), (self._host_lens, self.seq_lens)):
-            dev[:padded].copy_(host[:padded], non_blocking=True)
-        count = padded * width
-        scratch = self._table_scratch[:count]
-        scratch.copy_(self._host_tables[:count], non_blocking=True)
+        # Every row of the 64-bit area (at most a few KB): rows past `padded` carry stale values that
+        # no graph of this size reads, and one contiguous copy beats a strided one.
+        self._wide.copy_(self._host_wide, non_blocking=True)
+        count = self.max_batch + padded * width  # all context lengths, then the table block
+        self._narrow[:count].copy_(self._host_narrow[:count], non_blocking=True)
+        scratch = self._table_scratch[: padded * width]
         self.block_tables[:padded, :width].copy_(scratch.view(padded, width))  # device-side, strided
         if self._copied is not None:
             self._copied.record()
