@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from tests.support.xdist_order import (
-    FILE_SECONDS,
     FILE_SECONDS_ENV,
     UNKNOWN_TEST_S,
     estimated_seconds,
@@ -47,8 +46,8 @@ def test_the_record_is_read_from_the_environment_and_none_is_no_estimate(tmp_pat
     assert recorded_file_seconds() == {}
 
 
-def test_the_checked_in_record_names_only_test_files_that_exist() -> None:
-    root = Path(__file__).resolve().parents[2]
-    recorded = json.loads(FILE_SECONDS.read_text())
-    gone = [file for file in recorded if not (file.startswith("tests/") and (root / file).is_file())]
-    assert recorded and not gone, f"refresh {FILE_SECONDS} (--file-durations-record): {gone} are no test files"
+def test_the_checked_in_record_holds_seconds_of_test_files() -> None:
+    """A file renamed or removed since only loses its estimate (0.5 s a test until the record is refreshed)."""
+    recorded = recorded_file_seconds()
+    assert recorded and all(file.startswith("tests/") and file.endswith(".py") and seconds > 0
+                            for file, seconds in recorded.items())
