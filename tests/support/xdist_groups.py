@@ -8,6 +8,7 @@ module fixture starts in every worker that runs a test of its module. Both are w
 - any other test joins its module's group: a module's own fixtures (a `baton serve`, a model) start once,
   and its tests keep their file order, as they would in a serial run.
 Cheap session fixtures (the embedded Postgres, Redis and broker: a few seconds) may start in both workers.
+The groups are handed out longest first, by a record of earlier per-file times (tests/support/xdist_order.py).
 
 xdist's own loadgroup reads `xdist_group` marks into node ids, which pytest 9.2's structured node ids no
 longer allow (the marks are silently ignored: every test is scheduled alone). So the workers, which see each
@@ -23,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.support.xdist_order import order_longest_first, recorded_file_seconds
 
 # The session fixtures worth one worker to themselves: model subprocesses (tests/conftest.py,
 # tests/integration/worker/conftest.py). The first one a test uses names its group. They also end right
@@ -71,14 +74,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     from xdist.scheduler import LoadScopeScheduling
 
     class FixtureGroupScheduling(LoadScopeScheduling):
-        """xdist's scope scheduling, a scope being a group the workers wrote (see the module docstring)."""
+        """xdist's scope scheduling, a scope being a group the workers wrote (see the module docstring),
+        the longest group handed out first (tests/support/xdist_order.py)."""
 
         groups: dict[str, str] | None = None
+        ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
                 self.groups = json.loads(Path(os.environ[GROUPS_FILE_ENV]).read_text())
             return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: object) -> None:
+            if not self.ordered:  # the first hand-out: the queue holds every group
+                order_longest_first(self.workqueue, recorded_file_seconds())
+                self.ordered = True
+            super()._assign_work_unit(node)  # type: ignore[arg-type]
 
     return FixtureGroupScheduling(config, log)
 

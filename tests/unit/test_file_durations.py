@@ -3,6 +3,7 @@ and directories are listed slowest first, a module fixture's set-up counted in i
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -21,8 +22,10 @@ def test_files_and_directories_are_listed_slowest_first(tmp_path: Path) -> None:
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "test_slow.py").write_text(SLOW_FIXTURE)
     (tmp_path / "test_quick.py").write_text("def test_quick():\n    pass\n")
+    record = tmp_path / "record.json"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                          "tests.support.file_durations", "--file-durations=5", str(tmp_path)],
+                          "tests.support.file_durations", "--file-durations=5", f"--file-durations-record={record}",
+                          str(tmp_path)],
                          cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -31,6 +34,8 @@ def test_files_and_directories_are_listed_slowest_first(tmp_path: Path) -> None:
     assert [path for _, path in listed] == ["deep/test_slow.py", "test_quick.py"]
     assert float(listed[0][0]) >= 0.5  # the module fixture's sleep is charged to its file
     assert re.search(r"^\s*[\d.]+s\s+[\d.]+%\s+deep$", run.stdout.split("slowest 5 test directories")[1], re.M)
+    recorded = json.loads(record.read_text())  # every file, as xdist's hand-out order reads it
+    assert set(recorded) == {"deep/test_slow.py", "test_quick.py"} and recorded["deep/test_slow.py"] >= 0.5
 
 
 def test_a_directory_total_includes_its_subdirectories() -> None:
