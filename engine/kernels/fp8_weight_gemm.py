@@ -27,7 +27,11 @@ from engine.kernels.kv_store import check_launch_device
 from engine.kernels.paged_decode import dot_dtype_for
 
 SCALE_BLOCK = 128  # the block edge of block-scaled FP8 weights (engine/quant/config.py BLOCK)
-MAX_ROWS = 16  # the kernel holds every activation row in one tile (tl.dot's smallest M)
+MAX_ROWS = 64  # the kernel holds every activation row in one tile: 16 (tl.dot's smallest M), 32 or 64 rows
+# Up to 64 rows a decode projection is still bound by reading W (64 rows x 2 FLOP per weight byte is far below
+# Hopper's ~200 FLOP/B), so the weight-only kernel may beat quantizing the activations for `_scaled_mm`. Which
+# one runs is engine/quant/fp8.py's WEIGHT_ONLY_MAX_ROWS (16 until a GPU run compares them at 32 and 64 rows:
+# `python -m lab.micro.bench_fp8_gemm --rows 16 32 64`).
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,15 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     _fp8_weight_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale, out, m, n, k,
         x.stride(0), weight.stride(0), weight_scale.stride(0) if blocked else 1,
-        BLOCKED=blocked, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCKED=blocked, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=cfg.num_warps,
     )
     return out
+
+
+def row_tile(m: int) -> int:
+    """The rows one tile holds for `m` activation rows: 16, 32 or 64 (16 for every decode-size step, as swept)."""
+    return max(16, triton.next_power_of_2(m))
 
 
 def default_config(m: int, blocked: bool) -> TileConfig:

@@ -34,8 +34,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # A row of zeros still needs a finite scale; any tiny positive value gives zeros back.
 _MIN_SCALE = 1e-12
-# Up to this many tokens a projection runs weight-only (see the module docstring): memory-bound there, and
-# the largest M the Triton kernel holds in one tile.
+# Up to this many tokens a projection runs weight-only (see the module docstring): memory-bound there. The
+# Triton kernel holds up to 64 rows; 16 is the largest M measured to win on an H200 (2026-12-02). At batch 64
+# the activation quantization + `_scaled_mm` path costs 94-378 us per 8B projection against bf16's 19-72 us,
+# so raising this is the next thing to measure (bench_fp8_gemm --rows 32 64, then bench_decode).
 WEIGHT_ONLY_MAX_ROWS = 16
 
 

@@ -53,7 +53,8 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64],
+                   help="activation rows (the kernel holds up to 64; fp8.py runs it up to WEIGHT_ONLY_MAX_ROWS)")
     p.add_argument("--scalings", nargs="+", choices=["rows", "blocks"], default=["rows", "blocks"])
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs of the kernel")
     p.add_argument("--out", required=True)

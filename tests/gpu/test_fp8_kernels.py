@@ -81,13 +81,13 @@ def test_weight_only_kernel_matches_the_reference_and_replays_in_a_graph(n: int,
     """The kernel at 8B projection shapes and a ragged one: <= 1e-2 relative to x times the dequantized
     weight in float32 (bf16 output rounding, accumulation order), and identical when replayed from a CUDA
     graph, as the decode step runs it."""
-    from engine.kernels.fp8_weight_gemm import fp8_weight_gemm
+    from engine.kernels.fp8_weight_gemm import MAX_ROWS, fp8_weight_gemm
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
     wq, ws = quantize_rows(w) if scaling == "rows" else quantize_blocks(w)
     w_real = dequantize_rows(wq, ws) if scaling == "rows" else dequantize_blocks(wq, ws)
-    for m in (1, 3, WEIGHT_ONLY_MAX_ROWS):
+    for m in (1, 3, WEIGHT_ONLY_MAX_ROWS, 29, MAX_ROWS):  # row tiles of 16, 32 and 64
         x = torch.randn(m, k, device=DEVICE, generator=gen, dtype=torch.bfloat16)
         eager = fp8_weight_gemm(x, wq, ws)
         assert rel(eager, x.float() @ w_real.t()) <= 1e-2

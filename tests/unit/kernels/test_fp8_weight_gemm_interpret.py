@@ -1,6 +1,7 @@
 """The decode-size FP8 GEMM (engine/kernels/fp8_weight_gemm.py) under triton's CPU interpreter, against the
 torch reference: activations times the dequantized e4m3 weight, per-row and 128 x 128 block scales, ragged
-N and K, 1 to 16 rows. The compiled kernel is checked on the GPU in tests/gpu/test_fp8_kernels.py.
+N and K, 1 to 64 rows (row tiles of 16, 32 and 64). The compiled kernel is checked on the GPU in
+tests/gpu/test_fp8_kernels.py.
 
 Tolerance: the kernel accumulates in float32 and rounds its output to x's dtype once, so against the
 float32 reference of the same operands the error is the output rounding: half a bf16 step compiled, one
@@ -44,6 +45,8 @@ def _operands(m: int, n: int, k: int, blocked: bool, seed: int) -> tuple[torch.T
     (3, 40, 300, False),  # N and K not multiples of the tile
     (16, 130, 384, True),  # N straddles two scale blocks
     (5, 200, 260, True),  # K ends in a partial scale block
+    (29, 40, 256, False),  # a 32-row tile
+    (64, 33, 256, True),  # a full 64-row tile
 ])
 def test_matches_activations_times_the_dequantized_weight(m: int, n: int, k: int, blocked: bool) -> None:
     x, wq, ws = _operands(m, n, k, blocked, seed=m * n)
@@ -72,7 +75,7 @@ def test_fp16_and_fp32_activations_keep_their_dtype() -> None:
 
 
 @pytest.mark.parametrize(("x", "w", "s", "message"), [
-    (torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(8, 64), torch.ones(8), "M <= 16"),
+    (torch.zeros(65, 64, dtype=torch.bfloat16), torch.zeros(8, 64), torch.ones(8), "M <= 64"),
     (torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 32), torch.ones(8), "weight must be"),
     (torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64), torch.ones(4), "weight_scale must be"),
     (torch.zeros(1, 64, dtype=torch.int32), torch.zeros(8, 64), torch.ones(8), "bf16, fp16 or fp32"),
