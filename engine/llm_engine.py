@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
 from engine.batcher import Batcher
@@ -51,6 +52,7 @@ from tokenization.detokenizer import IncrementalDetokenizer
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")  # what a step run returns (a StepResult, or a pipeline round's finished plan)
 
 
 @dataclass
@@ -273,11 +275,7 @@ class LLMEngine:
             return []
         self._mark_started(plan)
         start = time.perf_counter()
-        try:
-            result = self.runner.execute(plan)
-        except BaseException:
-            self.batcher.drop_in_flight()  # its tokens are simply scheduled again
-            raise
+        result = self._dropping_on_failure(self.runner.execute, plan)
         return self._record(plan, result, time.perf_counter() - start)
 
     def _pipeline_round(self, plan: BatchPlan) -> list[RequestOutput]:
@@ -288,14 +286,18 @@ class LLMEngine:
             return []
         self._mark_started(plan)
         start = time.perf_counter()
-        try:
-            done = self.runner.pipeline_round(plan)
-        except BaseException:
-            self.batcher.drop_in_flight()
-            raise
+        done = self._dropping_on_failure(self.runner.pipeline_round, plan)
         if done is None or self.batcher.discard_dropped(done.plan):  # dropped: a failed step's, planned again
             return []
         return self._record(done.plan, done.result, time.perf_counter() - start)
+
+    def _dropping_on_failure(self, run: Callable[[BatchPlan], _R], plan: BatchPlan) -> _R:
+        """`run(plan)`; if it raises, every plan in flight is dropped (its tokens are scheduled again)."""
+        try:
+            return run(plan)
+        except BaseException:
+            self.batcher.drop_in_flight()
+            raise
 
     def _mark_started(self, plan: BatchPlan) -> None:
         now = self._clock()

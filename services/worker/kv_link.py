@@ -33,7 +33,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from kvtransfer.roles import KVStream, KVTransfer
 from kvtransfer.shards import KVShards
 from kvtransfer.transport import open_transport
 from services.worker.config import TransferConfig
+from services.worker.link_commands import LinkCommands
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,6 @@ def _moving(send: _Send) -> bool:
     return not isinstance(transfer, KVStream) or transfer.moving
 
 
-@dataclass(frozen=True)
-class _Command:
-    run: Callable[[], None]
-    ready: torch.cuda.Event | None  # run once this has completed (None: at once)
-
-
 class KVLink:
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayoutInfo, config: TransferConfig,
                  faults: FaultInjector, on_reclaimable: Callable[[str], None], shards: KVShards | None = None) -> None:
@@ -121,8 +115,7 @@ class KVLink:
         self._receiver = self._transport.receiver
         self._info = self._transport.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._waiting: _Command | None = None  # the next command, taken off the queue, its event pending
+        self._commands = LinkCommands()
         self._sends: dict[tuple[str, int], _Send] = {}  # posted, future not yet resolved
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
         self._on_landed: dict[str, OnLanded] = {}
@@ -290,13 +283,13 @@ class KVLink:
         never passes its parts."""
         if self._stop.is_set():
             raise RuntimeError("the KV link is closed")
-        self._commands.put(_Command(cmd, ready))
+        self._commands.put(cmd, ready)
         self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._apply_commands()
+                self._commands.run_ready()
                 self._poll_once()
             except Exception:  # one bad poll must not stop NIXL progress for every other request
                 log.exception("KV link poll failed")
@@ -304,24 +297,11 @@ class KVLink:
             self._wake.clear()
 
     def _interval(self) -> float:
-        if self._waiting is not None or any(_moving(send) for send in self._sends.values()):
+        if self._commands.waiting or any(_moving(send) for send in self._sends.values()):
             return self._config.poll_busy_s
         if self._expects:
             return self._config.poll_expect_s
         return self._config.poll_idle_s
-
-    def _apply_commands(self) -> None:
-        while True:
-            if self._waiting is None:
-                try:
-                    self._waiting = self._commands.get_nowait()
-                except queue.Empty:
-                    return
-            command = self._waiting
-            if command.ready is not None and not command.ready.query():
-                return  # its blocks are still being computed: it and everything behind it wait
-            self._waiting = None
-            command.run()
 
     def _poll_once(self) -> None:
         for transfer in self._sender.poll():
