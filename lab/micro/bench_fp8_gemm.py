@@ -33,6 +33,7 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     wq, ws = quantize_blocks(w) if blocked else quantize_rows(w)
     scaled_mm = _scaled_mm_blocks if blocked else _scaled_mm_rows
+    xq, xs = quantize_rows(x)
 
     def share(ms: float, bytes_per_weight: int) -> dict:
         return {"ms": ms, "of_copy": n * k * bytes_per_weight / ms / 1e6 / copy_gb_s}
@@ -41,6 +42,10 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
            "adopted_config": dataclasses.asdict(default_config(m, blocked)),
            "bf16": share(device_ms(lambda: F.linear(x, w)), 2),
            "scaled_mm_with_quant": share(device_ms(lambda: scaled_mm(x, wq, ws)), 1),
+           # The split of that path: the activation quantization alone, and the GEMM on pre-quantized rows.
+           "activation_quant_ms": device_ms(lambda: quantize_rows(x)),
+           "scaled_mm_alone_ms": (None if blocked else device_ms(lambda: torch._scaled_mm(
+               xq, wq.t(), scale_a=xs.unsqueeze(1), scale_b=ws.unsqueeze(0), out_dtype=torch.bfloat16))),
            "weight_only": share(device_ms(lambda: fp8_weight_gemm(x, wq, ws)), 1)}
     if sweep:
         configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         best = f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}" if args.sweep else ""
         print(f"{scaling:6s} {name:8s} m={m:2d}  bf16 {row['bf16']['ms'] * 1e3:7.1f} us "
               f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:7.1f} us  "
+              f"(quant {row['activation_quant_ms'] * 1e3:.1f} us)  "
               f"weight-only {row['weight_only']['ms'] * 1e3:7.1f} us ({row['weight_only']['of_copy']:.0%}){best}",
               flush=True)
         with open(args.out, "w") as f:
