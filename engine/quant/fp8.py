@@ -140,7 +140,7 @@ def dequantize_blocks_rows(q: torch.Tensor, scale: torch.Tensor, group: int = BL
 
 def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """Row-wise scaled FP8 GEMM (SM89+): scale_a `[T, 1]`, scale_b `[1, N]`; W^T is column-major as needed."""
-    xq, xs = quantize_rows(x)
+    xq, xs = _quantize_activation_rows(x)
     return torch._scaled_mm(xq, weight.t(), scale_a=xs.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                             out_dtype=torch.bfloat16)
 
@@ -159,20 +159,41 @@ def _scaled_mm_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
     rows = x.shape[0]
     aligned = _BLOCK_GEMM_ROW_ALIGN * _cdiv(rows, _BLOCK_GEMM_ROW_ALIGN)
-    xq, xs = quantize_row_groups(_pad_to(x, aligned, x.shape[1]))
+    xq, xs_major = _quantize_activation_groups(x, aligned)
     kb = weight_scale.shape[1]
     padded_kb = 4 * _cdiv(kb, 4)
     ws = weight_scale if padded_kb == kb else torch.nn.functional.pad(weight_scale, (0, padded_kb - kb), value=1.0)
-    # Outer-dimension-major by explicit strides: `.t().contiguous().t()` keeps a single-row [1, K/128] as it is
-    # (a size-1 dimension makes it count as contiguous), which cuBLAS then refuses.
-    xs_major = torch.empty_strided(xs.shape, (1, max(xs.shape[0], 1)), dtype=xs.dtype, device=xs.device)
-    xs_major.copy_(xs)
     out = F.scaled_mm(
         xq, weight.t(),
         [xs_major], [F.ScalingType.BlockWise1x128], [ws.contiguous().t()],
         [F.ScalingType.BlockWise128x128], output_dtype=torch.bfloat16,
     )
     return out[:rows]
+
+
+def _quantize_activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization before `_scaled_mm`: one Triton launch on CUDA (engine/kernels/fp8_quant.py),
+    the same rounding as `quantize_rows`."""
+    if use_fused_kernels(x):
+        from engine.kernels.fp8_quant import quantize_activations  # imports triton: CUDA only
+
+        return quantize_activations(x.contiguous())
+    return quantize_rows(x)
+
+
+def _quantize_activation_groups(x: torch.Tensor, rows_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-column quantization padded with zero rows to `rows_out`, its scales
+    outer-dimension-major (`[rows_out, K/128]` with the rows contiguous), as block-scaled `scaled_mm` wants."""
+    if use_fused_kernels(x):
+        from engine.kernels.fp8_quant import quantize_activations
+
+        return quantize_activations(x.contiguous(), BLOCK, rows_out, scales_row_major=False)
+    xq, xs = quantize_row_groups(_pad_to(x, rows_out, x.shape[1]))
+    # Outer-dimension-major by explicit strides: `.t().contiguous().t()` keeps a single-row [1, K/128] as it is
+    # (a size-1 dimension makes it count as contiguous), which cuBLAS then refuses.
+    xs_major = torch.empty_strided(xs.shape, (1, max(xs.shape[0], 1)), dtype=xs.dtype, device=xs.device)
+    xs_major.copy_(xs)
+    return xq, xs_major
 
 
 def _has_fp8_tensor_cores(x: torch.Tensor) -> bool:

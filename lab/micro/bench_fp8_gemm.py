@@ -19,7 +19,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fp8_weight_gemm import TileConfig, default_config, fp8_weight_gemm
+from engine.kernels.fp8_quant import quantize_activations
+from engine.kernels.fp8_weight_gemm import MAX_ROWS, TileConfig, default_config, fp8_weight_gemm
 from engine.quant.fp8 import _scaled_mm_blocks, _scaled_mm_rows, quantize_blocks, quantize_rows
 from lab.micro.bench_decode import _copy_gb_s, device_ms
 
@@ -44,9 +45,16 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
            "scaled_mm_with_quant": share(device_ms(lambda: scaled_mm(x, wq, ws)), 1),
            # The split of that path: the activation quantization alone, and the GEMM on pre-quantized rows.
            "activation_quant_ms": device_ms(lambda: quantize_rows(x)),
+           "activation_quant_fused_ms": device_ms(lambda: quantize_activations(x)),
            "scaled_mm_alone_ms": (None if blocked else device_ms(lambda: torch._scaled_mm(
                xq, wq.t(), scale_a=xs.unsqueeze(1), scale_b=ws.unsqueeze(0), out_dtype=torch.bfloat16))),
            "weight_only": share(device_ms(lambda: fp8_weight_gemm(x, wq, ws)), 1)}
+    if m <= MAX_ROWS:  # K split over 1-8 programs around the adopted tile (0: the kernel's own choice)
+        adopted = default_config(m, blocked)
+        row["weight_only_by_split_k"] = {
+            split: share(device_ms(functools.partial(fp8_weight_gemm, x, wq, ws,
+                                                     dataclasses.replace(adopted, split_k=split))), 1)["of_copy"]
+            for split in (0, 1, 2, 4, 8)}
     if sweep:
         configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
         timed = {f"n{c.block_n}_k{c.block_k}_s{c.num_stages}":
@@ -69,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     for scaling, (name, (n, k)), m in itertools.product(args.scalings, SHAPES.items(), args.rows):
         row = bench_shape(n, k, m, scaling == "blocks", copy_gb_s, args.sweep)
         report["cases"].append({"shape": name, **row})
-        best = f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}" if args.sweep else ""
+        splits = " ".join(f"{k}:{v:.0%}" for k, v in row.get("weight_only_by_split_k", {}).items())
+        best = f"  split_k {splits}" + (f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}" if args.sweep else "")
         print(f"{scaling:6s} {name:8s} m={m:2d}  bf16 {row['bf16']['ms'] * 1e3:7.1f} us "
               f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:7.1f} us  "
-              f"(quant {row['activation_quant_ms'] * 1e3:.1f} us)  "
+              f"(quant {row['activation_quant_ms'] * 1e3:.1f} us, fused {row['activation_quant_fused_ms'] * 1e3:.1f})  "
               f"weight-only {row['weight_only']['ms'] * 1e3:7.1f} us ({row['weight_only']['of_copy']:.0%}){best}",
               flush=True)
         with open(args.out, "w") as f:

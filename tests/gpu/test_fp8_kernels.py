@@ -1,5 +1,6 @@
 """FP8 on a CUDA GPU at Llama-3.1-8B shape: the e4m3 GEMMs (the Triton weight-only kernel for decode sizes,
-`torch._scaled_mm` row-wise and 1x128 x 128x128 block-scaled past them) and the FP8 KV cache kernels (KV
+`torch._scaled_mm` row-wise and 1x128 x 128x128 block-scaled past them, after a one-launch activation
+quantization that must give torch's bytes exactly) and the FP8 KV cache kernels (KV
 store, RoPE + KV store, paged decode and prefill) against the torch reference run on the same GPU.
 
 Tolerances, and why:
@@ -97,6 +98,23 @@ def test_weight_only_kernel_matches_the_reference_and_replays_in_a_graph(n: int,
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
+
+
+@needs_sm89
+@pytest.mark.parametrize(("rows", "cols"), [(1, 4096), (64, 14336), (17, 1000)])
+def test_activation_quantization_kernel_writes_the_reference_bytes(rows: int, cols: int) -> None:
+    """One launch per token (and per 128-column group) gives torch's e4m3 bytes and scales exactly."""
+    from engine.kernels.fp8_quant import quantize_activations
+    from engine.quant.fp8 import quantize_row_groups
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, device=DEVICE, generator=gen) * 3).to(torch.bfloat16)
+    q, scale = quantize_activations(x)
+    ref_q, ref_scale = quantize_rows(x)
+    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    q, scale = quantize_activations(x, 128, rows_out=rows + 15, scales_row_major=False)
+    ref_q, ref_scale = quantize_row_groups(torch.cat([x, x.new_zeros(15, cols)]))
+    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
 def _fp8_cache(num_blocks: int) -> torch.Tensor:

@@ -56,6 +56,24 @@ def test_matches_activations_times_the_dequantized_weight(m: int, n: int, k: int
     assert torch.allclose(out.float(), ref, rtol=BF16_STEP, atol=ref.abs().max().item() * 1e-3)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "blocked", "split_k"), [
+    (1, 40, 1024, False, 3),  # K tiles 4 over 3 splits: the last split shorter, none empty
+    (5, 130, 640, True, 4),  # block scales inside each split's K range
+    (2, 16, 300, False, 8),  # more splits asked than K tiles: capped
+])
+def test_split_k_sums_the_same_product(m: int, n: int, k: int, blocked: bool, split_k: int) -> None:
+    x, wq, ws = _operands(m, n, k, blocked, seed=k + split_k)
+    config = gemm.TileConfig(block_n=32, block_k=128 if blocked else 256, num_warps=4, num_stages=2, split_k=split_k)
+    out = gemm.fp8_weight_gemm(x, wq, ws, config)
+    ref = x.float() @ dequantize_weight(wq, ws).t()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, rtol=BF16_STEP, atol=ref.abs().max().item() * 1e-3)
+
+
+def test_split_k_is_one_off_cuda_and_grows_with_few_programs() -> None:
+    assert gemm.auto_split_k(programs=8, k_tiles=64, device=torch.device("cpu")) == 1
+
+
 def test_each_block_scale_reaches_only_its_own_tile() -> None:
     x = torch.ones(2, 256, dtype=torch.bfloat16)
     wq = torch.ones(256, 256).to(torch.float8_e4m3fn)
