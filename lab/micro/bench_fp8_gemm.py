@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_shape(n, k, m, scaling == "blocks", copy_gb_s, args.sweep)
         report["cases"].append({"shape": name, **row})
         splits = " ".join(f"{k}:{v:.0%}" for k, v in row.get("weight_only_by_split_k", {}).items())
-        best = f"  split_k {splits}" + (f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}" if args.sweep else "")
+        best = f"  split_k {splits}"
+        if args.sweep:
+            best += f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}"
         print(f"{scaling:6s} {name:8s} m={m:2d}  bf16 {row['bf16']['ms'] * 1e3:7.1f} us "
               f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:7.1f} us  "
               f"(quant {row['activation_quant_ms'] * 1e3:.1f} us, fused {row['activation_quant_fused_ms'] * 1e3:.1f})  "
