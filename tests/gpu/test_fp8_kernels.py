@@ -46,7 +46,8 @@ from engine.quant.fp8 import (  # noqa: E402
 HIDDEN, MLP, H_Q, H_KV, HEAD_DIM, BLOCK, LAYERS = 4096, 14336, 32, 8, 128, 16, 2
 DEVICE = torch.device("cuda")
 SCALE = KVScale(k=0.04, v=0.02)
-needs_sm89 = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="FP8 GEMMs need SM89+")
+needs_sm89 = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs a CUDA GPU of capability 8.9+ (FP8 GEMMs)")
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -60,7 +61,7 @@ def test_fp8_gemm_matches_the_reference(tokens: int, scaling: str) -> None:
     """Up to WEIGHT_ONLY_MAX_ROWS tokens the Triton weight-only kernel (activations unrounded), past it
     `_scaled_mm` (activations rounded per token): each against the reference of its own rounding."""
     if scaling == "blocks" and tokens > WEIGHT_ONLY_MAX_ROWS and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("block-scaled _scaled_mm needs SM90")
+        pytest.skip("needs a CUDA GPU of capability 9.0+ (block-scaled _scaled_mm)")
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     w = torch.randn(MLP, HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
