@@ -24,6 +24,6 @@ for STREAM in off on; do
     --target-added-ms 3 --timeout-s "$(( ${STEP_TIMEOUT_S:-285} - 10 ))" --log-dir "$OUT/logs-$STREAM" \
     --out "$OUT/overhead-stream-$STREAM.json" > "$OUT/overhead-stream-$STREAM.log" 2>&1
   echo "== KV streaming $STREAM: exit $?"
-  grep -E "^(Disaggregated|both \(|disagg \(|p50 added|KV hand-off|hand-off phase|ERROR|RESULT)" \
+  grep -E "^(Disaggregated|both \(|disagg \(|p50 added|p50 of each pair|KV hand-off|hand-off phase|ERROR|RESULT)" \
     "$OUT/overhead-stream-$STREAM.log"
 done
