@@ -2,6 +2,11 @@
 its activation quantization and against bf16 `F.linear`, each as a share of copy bandwidth (weight bytes
 read / time; the activations are negligible at these M).
 
+Timed as the decode step runs them, replayed from a CUDA graph: eagerly, a kernel of 5-50 us is timed as its
+host launch path (Triton's launcher alone is tens of microseconds; the H200 run of 2026-12-02 timed the same
+one-launch quantization at 4 and at 52 us). The graph calls the GEMM on enough copies of the weight to
+exceed L2 several times over, so every call reads its weight from HBM, and the time is per call.
+
     timeout 300 python -m lab.micro.bench_fp8_gemm --out fp8_gemm.json           # the adopted tile configs
     timeout 600 python -m lab.micro.bench_fp8_gemm --sweep --out fp8_gemm.json   # and a small config sweep
 
@@ -12,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import json
+import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,46 +28,84 @@ import torch.nn.functional as F
 from engine.kernels.fp8_quant import quantize_activations
 from engine.kernels.fp8_weight_gemm import MAX_ROWS, TileConfig, default_config, fp8_weight_gemm
 from engine.quant.fp8 import _scaled_mm_blocks, _scaled_mm_rows, quantize_blocks, quantize_rows
-from lab.micro.bench_decode import _copy_gb_s, device_ms
+from lab.micro.bench_decode import _copy_gb_s
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 SWEEP = [TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+SPLITS = (0, 1, 2, 4, 8)  # K split over programs around the adopted tile (0: the kernel's own choice)
+L2_SPAN_BYTES = 400 * 2**20  # weight copies per graph: several times any GPU's L2
+
+
+def graph_ms(call: Callable[[int], object], copies: int, replays: int = 15) -> float:
+    """Median time of one `call(copy)`, from a CUDA graph that runs it once on each weight copy."""
+    for i in range(copies):  # compile and warm outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
 
 
 def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: bool) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    copies = max(2, -(-L2_SPAN_BYTES // (n * k)))
+    w = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-    wq, ws = quantize_blocks(w) if blocked else quantize_rows(w)
+    quantized = [quantize_blocks(wi) if blocked else quantize_rows(wi) for wi in w]
     scaled_mm = _scaled_mm_blocks if blocked else _scaled_mm_rows
     xq, xs = quantize_rows(x)
 
     def share(ms: float, bytes_per_weight: int) -> dict:
         return {"ms": ms, "of_copy": n * k * bytes_per_weight / ms / 1e6 / copy_gb_s}
 
-    row = {"n": n, "k": k, "m": m, "scaling": "blocks" if blocked else "rows",
+    def weight_only(config: TileConfig | None) -> Callable[[int], object]:
+        return lambda i: fp8_weight_gemm(x, *quantized[i], config)
+
+    row = {"n": n, "k": k, "m": m, "scaling": "blocks" if blocked else "rows", "weight_copies": copies,
            "adopted_config": dataclasses.asdict(default_config(m, blocked)),
-           "bf16": share(device_ms(lambda: F.linear(x, w)), 2),
-           "scaled_mm_with_quant": share(device_ms(lambda: scaled_mm(x, wq, ws)), 1),
+           "bf16": share(graph_ms(lambda i: F.linear(x, w[i]), copies), 2),
+           "scaled_mm_with_quant": share(graph_ms(lambda i: scaled_mm(x, *quantized[i]), copies), 1),
            # The split of that path: the activation quantization alone, and the GEMM on pre-quantized rows.
-           "activation_quant_ms": device_ms(lambda: quantize_rows(x)),
-           "activation_quant_fused_ms": device_ms(lambda: quantize_activations(x)),
-           "scaled_mm_alone_ms": (None if blocked else device_ms(lambda: torch._scaled_mm(
-               xq, wq.t(), scale_a=xs.unsqueeze(1), scale_b=ws.unsqueeze(0), out_dtype=torch.bfloat16))),
-           "weight_only": share(device_ms(lambda: fp8_weight_gemm(x, wq, ws)), 1)}
-    if m <= MAX_ROWS:  # K split over 1-8 programs around the adopted tile (0: the kernel's own choice)
+           "activation_quant_torch_ms": graph_ms(lambda i: quantize_rows(x), 1),
+           "activation_quant_ms": graph_ms(lambda i: quantize_activations(x), 1),
+           "scaled_mm_alone_ms": (None if blocked else graph_ms(lambda i: torch._scaled_mm(
+               xq, quantized[i][0].t(), scale_a=xs.unsqueeze(1), scale_b=quantized[i][1].unsqueeze(0),
+               out_dtype=torch.bfloat16), copies)),
+           "weight_only": share(graph_ms(weight_only(None), copies), 1)}
+    if m <= MAX_ROWS:
         adopted = default_config(m, blocked)
         row["weight_only_by_split_k"] = {
-            split: share(device_ms(functools.partial(fp8_weight_gemm, x, wq, ws,
-                                                     dataclasses.replace(adopted, split_k=split))), 1)["of_copy"]
-            for split in (0, 1, 2, 4, 8)}
+            split: share(graph_ms(weight_only(dataclasses.replace(adopted, split_k=split)), copies), 1)["of_copy"]
+            for split in SPLITS}
     if sweep:
         configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
-        timed = {f"n{c.block_n}_k{c.block_k}_s{c.num_stages}":
-                 device_ms(functools.partial(fp8_weight_gemm, x, wq, ws, c)) for c in configs}
+        timed = {f"n{c.block_n}_k{c.block_k}_s{c.num_stages}": graph_ms(weight_only(c), copies) for c in configs}
         best = min(timed, key=timed.__getitem__)
         row["sweep_best"] = {"config": best, **share(timed[best], 1)}
     return row
+
+
+def summary_line(name: str, row: dict) -> str:
+    splits = " ".join(f"{k}:{v:.0%}" for k, v in row.get("weight_only_by_split_k", {}).items())
+    line = (f"{row['scaling']:6s} {name:8s} m={row['m']:2d}  bf16 {row['bf16']['ms'] * 1e3:6.1f} us "
+            f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:6.1f} us "
+            f"(quant {row['activation_quant_ms'] * 1e3:.1f}, torch {row['activation_quant_torch_ms'] * 1e3:.1f})  "
+            f"weight-only {row['weight_only']['ms'] * 1e3:6.1f} us ({row['weight_only']['of_copy']:.0%})  "
+            f"split_k {splits}")
+    if "sweep_best" in row:
+        line += f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     for scaling, (name, (n, k)), m in itertools.product(args.scalings, SHAPES.items(), args.rows):
         row = bench_shape(n, k, m, scaling == "blocks", copy_gb_s, args.sweep)
         report["cases"].append({"shape": name, **row})
-        splits = " ".join(f"{k}:{v:.0%}" for k, v in row.get("weight_only_by_split_k", {}).items())
-        best = f"  split_k {splits}"
-        if args.sweep:
-            best += f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}"
-        print(f"{scaling:6s} {name:8s} m={m:2d}  bf16 {row['bf16']['ms'] * 1e3:7.1f} us "
-              f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:7.1f} us  "
-              f"(quant {row['activation_quant_ms'] * 1e3:.1f} us, fused {row['activation_quant_fused_ms'] * 1e3:.1f})  "
-              f"weight-only {row['weight_only']['ms'] * 1e3:7.1f} us ({row['weight_only']['of_copy']:.0%}){best}",
-              flush=True)
+        print(summary_line(name, row), flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+        torch.cuda.empty_cache()
     return 0
 
 
