@@ -36,6 +36,8 @@ class RequestIntake:
         leaves no room to generate, a token outside the vocabulary, or bad sampling settings."""
         if request_id in known_ids:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if not isinstance(params, SamplingParams):  # before the checks below read its fields
+            raise InvalidRequestError("params must be a SamplingParams")
         if not prompt:
             raise InvalidRequestError("prompt is empty: at least one token is required")
         if len(prompt) >= self._max_model_len:
@@ -50,8 +52,6 @@ class RequestIntake:
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
 
     def track(self, request_id: str, prompt: list[int], params: SamplingParams) -> TrackedRequest:
         """The state of a checked request: its sequence (the speculative setting resolved), its
