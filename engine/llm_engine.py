@@ -2,8 +2,9 @@
 
 One step is three calls (nano-vllm's shape): the batcher plans, the model runner runs, the batcher
 records the sampled tokens; then this class decides which requests finished (EOS, stop ids, stop
-strings, max_tokens, context window) and turns the step into per-request output deltas.
-Not thread-safe: `AsyncEngine` drives it from one thread.
+strings, max_tokens, context window: engine/tracked_request.py) and turns the step into per-request
+output deltas (engine/step_outputs.py). A new request is checked and its state built by
+engine/request_intake.py. Not thread-safe: `AsyncEngine` drives it from one thread.
 
 Speculative decoding (engine/speculative): a request's `num_draft_tokens` (None: the config's default)
 lets its decodes verify n-gram drafts, so one step may yield several tokens for it; they are checked
@@ -12,20 +13,17 @@ never draft: speculation starts on the decode side, after the first token.
 
 Held requests (prefill side of disaggregation): `add_request(..., hold_for_s=T)` prefills the prompt,
 samples the first token, finishes the request (one output, like max_tokens=1) but keeps its blocks
-under a lease of T seconds so a KV transfer can read them. `release_held` frees them; so does
-`release_expired_holds` once the lease runs out. Dangerous window: a NIXL WRITE may still be reading
-held blocks, so the owner must release only once its transfer is terminal and must pick a lease
-longer than the transfer's deadline (an expiry under a live WRITE would let a new prefill overwrite
-the source mid-copy; it is logged as an error).
+under a lease of T seconds so a KV transfer can read them (engine/held_leases.py). `release_held`
+frees them; so does `release_expired_holds` once the lease runs out. Dangerous window: a NIXL WRITE
+may still be reading held blocks, so the owner must release only once its transfer is terminal and
+must pick a lease longer than the transfer's deadline (an expiry under a live WRITE would let a new
+prefill overwrite the source mid-copy; it is logged as an error).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.batch import BatchPlan, SampledToken, StepResult, TokenLogprobs
@@ -36,36 +34,25 @@ from engine.chunk_stream import ChunkStreams, OnPrefilled
 from engine.config import EngineConfig, ModelConfig
 from engine.engine_view import EngineView
 from engine.errors import InvalidRequestError
+from engine.held_leases import HeldLeases
 from engine.kv_integrity import head_slice_checksums
 from engine.kv_tiers.presence import TieredKVEvents
 from engine.kv_tiers.store import TieredKVStore
 from engine.kv_tiers.tier_stats import TierStatsSnapshot
 from engine.loader import load_model
-from engine.outputs import FinishReason, HeldBlocks, RequestOutput
+from engine.outputs import HeldBlocks, RequestOutput
 from engine.parallel.launcher import RankServiceFactory, create_model_runner
+from engine.request_intake import RequestIntake
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.speculative import NgramProposer
+from engine.step_outputs import read_step_tokens, request_output
 from engine.step_stats import SpeculationStats, StepStats
 from engine.structured.masks import GrammarCompiler
-from tokenization.detokenizer import IncrementalDetokenizer
+from engine.tracked_request import TrackedRequest
 from tokenization.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
 _R = TypeVar("_R")  # what a step run returns (a StepResult, or a pipeline round's finished plan)
-
-
-@dataclass
-class _Tracked:
-    """Engine-side state of a request beside the batcher's Sequence."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    stop_ids: frozenset[int]
-    hold_for_s: float | None = None  # stop after the first token and hold the blocks this long
-    checksum_hold: bool = False  # checksum the held blocks in the step that finishes the prefill
-    checksum_slices: int = 1  # ... per head slice, for a decode worker of this TP size (heterogeneous TP)
-    started_at: float | None = None  # engine clock at its first scheduled chunk (queue wait ends)
 
 
 class LLMEngine:
@@ -96,14 +83,11 @@ class LLMEngine:
                                NgramProposer(spec.ngram_min, spec.ngram_max), loader=self.tiers,
                                pipeline_depth=self.runner.pipeline_depth)
         self.spec_stats = SpeculationStats()
-        self._requests: dict[str, _Tracked] = {}
-        self._held: dict[str, HeldBlocks] = {}
+        self._intake = RequestIntake(self.model_config, self.tokenizer, self.max_model_len, spec.num_draft_tokens)
+        self._requests: dict[str, TrackedRequest] = {}
+        self._held = HeldLeases(self.block_manager, clock)
         self._chunk_streams = ChunkStreams(self.runner.kv_cache, config.cache.block_size)
         self.last_step: StepStats | None = None  # what the latest step ran; None if it ran nothing
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos.update(self.tokenizer.eos_token_ids)
-        self._eos_ids = frozenset(eos)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -171,7 +155,7 @@ class LLMEngine:
         tracked = self._requests[request_id]
         prompt = tracked.seq.prompt_token_ids
         for fork in forks:
-            self._validate(fork.request_id, prompt, fork.params)
+            self._intake.check(fork.request_id, prompt, fork.params, self._requests)
         if len({f.request_id for f in forks} | {request_id}) != len(forks) + 1:
             raise InvalidRequestError(f"duplicate choice ids among the forks of {request_id!r}")
         self.batcher.commit_remote(request_id, first_token_id)
@@ -199,24 +183,15 @@ class LLMEngine:
 
     def release_held(self, request_id: str) -> bool:
         """Free a held request's blocks (its transfer is terminal). Returns whether it was held."""
-        held = self._held.pop(request_id, None)
-        if held is None:
-            return False
-        self.block_manager.free(held.block_ids)
-        return True
+        return self._held.release(request_id)
 
     def release_expired_holds(self) -> list[str]:
         """Free holds whose lease ran out; returns their ids (each one is an owner's bug or crash)."""
-        now = self._clock()
-        expired = [rid for rid, held in self._held.items() if held.expires_at <= now]
-        for rid in expired:
-            log.error("lease of held blocks of %s expired; releasing them", rid)
-            self.release_held(rid)
-        return expired
+        return self._held.release_expired()
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(h.block_ids) for h in self._held.values())
+        return self._held.num_blocks
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or batches still in flight (an aborted request's plan must still
@@ -228,38 +203,11 @@ class LLMEngine:
         return len(self._requests)
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        self._validate(request_id, prompt, params)
-        if params.guided is not None:  # the grammar advances one accepted token at a time: never drafts
-            params = dataclasses.replace(params, num_draft_tokens=0)
-        elif params.num_draft_tokens is None:
-            params = dataclasses.replace(params, num_draft_tokens=self.config.speculative.num_draft_tokens)
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling=params)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
-        self._requests[request_id] = _Tracked(seq, detok, stop_ids)
-        return seq
-
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self._requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        if not prompt:
-            raise InvalidRequestError("prompt is empty: at least one token is required")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; the context window is {self.max_model_len} tokens "
-                "and at least one must be left to generate"
-            )
-        if params.prior_output_tokens >= len(prompt):
-            raise InvalidRequestError(f"prior_output_tokens ({params.prior_output_tokens}) must be shorter than "
-                                      f"the prompt ({len(prompt)} tokens)")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
+        """Check a new request (engine/request_intake.py) and track it; returns its sequence."""
+        self._intake.check(request_id, prompt, params, self._requests)
+        tracked = self._intake.track(request_id, prompt, params)
+        self._requests[request_id] = tracked
+        return tracked.seq
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -308,7 +256,8 @@ class LLMEngine:
 
     def _record(self, plan: BatchPlan, result: StepResult, seconds: float) -> list[RequestOutput]:
         """The run plan's tokens into the batcher, and its outputs; `seconds` the step's (or round's) time."""
-        drafts = self._count_drafts(plan, result)
+        drafts = SpeculationStats.of_step(plan, result)
+        self.spec_stats.add(drafts)
         self.last_step = StepStats.of(plan, seconds, drafts)
         if self.tiers is not None:  # the recompute side of the load-or-recompute decision
             self.tiers.cost.observe_prefill(self.last_step.prefill_tokens, seconds)
@@ -322,54 +271,21 @@ class LLMEngine:
                                           result.choices.get(request_id, ())))
         return outputs
 
-    def _count_drafts(self, plan: BatchPlan, result: StepResult) -> SpeculationStats:
-        """This step's verify chunks, drafts and accepted drafts, also added to the running totals."""
-        step = SpeculationStats()
-        for chunk in plan.chunks:
-            if chunk.num_draft_tokens:
-                step.verify_chunks += 1
-                step.draft_tokens += chunk.num_draft_tokens
-                step.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
-        self.spec_stats.add(step)
-        return step
-
-    def _emit(self, tracked: _Tracked, sampled: list[SampledToken],
+    def _emit(self, tracked: TrackedRequest, sampled: list[SampledToken],
               choice_first: tuple[SampledToken, ...] = ()) -> RequestOutput:
         """One output for the tokens a step appended to a request (the batcher already holds them),
-        cut after the first one that finishes it."""
-        seq = tracked.seq
-        text, reason = "", None
-        for i, s in enumerate(sampled):
-            if tracked.detok is not None:
-                text += tracked.detok.add(s.token_id)
-            reason = self._finish_reason(tracked, s.token_id, seq.num_output_tokens - (len(sampled) - 1 - i))
-            if reason is not None:
-                sampled = sampled[:i + 1]
-                break
+        cut after the first one that finishes it (engine/step_outputs.py); a finished request is
+        forgotten, a held prefill's blocks go under a lease."""
+        tokens = read_step_tokens(tracked, sampled, self.batcher.max_num_tokens)
         held = None
         if tracked.hold_for_s is not None:
             held = self._hold(tracked)
-            reason = reason or FinishReason.LENGTH
-        elif reason is not None:
-            if tracked.detok is not None and not tracked.detok.stopped:
-                text += tracked.detok.flush()
-            self.batcher.finish(seq.request_id, reason)
-            del self._requests[seq.request_id]
-        logprobs = tuple(s.logprobs for s in sampled if s.logprobs is not None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tuple(s.token_id for s in sampled),
-            new_text=text,
-            logprobs=logprobs,
-            finish_reason=reason,
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            num_tier_loaded_tokens=seq.num_tier_loaded_tokens,
-            held=held,
-            choice_first=choice_first if held is not None else (),
-        )
+        elif tokens.finish_reason is not None:
+            self.batcher.finish(tracked.seq.request_id, tokens.finish_reason)
+            del self._requests[tracked.seq.request_id]
+        return request_output(tracked.seq, tokens, held, choice_first)
 
-    def _hold(self, tracked: _Tracked) -> HeldBlocks:
+    def _hold(self, tracked: TrackedRequest) -> HeldBlocks:
         """Finish a prefill-only request, keeping its blocks under a lease."""
         seq = tracked.seq
         assert tracked.hold_for_s is not None
@@ -381,21 +297,8 @@ class LLMEngine:
         now = self._clock()
         held = HeldBlocks(block_ids, seq.num_prompt_tokens, seq.num_cached_tokens, now + tracked.hold_for_s,
                           checksums, started_at=tracked.started_at or now, finished_at=now)
-        self._held[seq.request_id] = held
+        self._held.hold(seq.request_id, held)
         return held
-
-    def _finish_reason(self, tracked: _Tracked, token: int, num_output: int) -> FinishReason | None:
-        """Whether the request finishes at `token`, its `num_output`-th output token."""
-        seq = tracked.seq
-        if token in tracked.stop_ids:
-            return FinishReason.STOP
-        if tracked.detok is not None and tracked.detok.stopped:
-            return FinishReason.STOP
-        if num_output >= seq.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_prompt_tokens + num_output >= self.batcher.max_num_tokens:  # context window (or KV pool)
-            return FinishReason.LENGTH
-        return None
 
     # ---- KV events and tiers ----------------------------------------------------------------------
     def drain_kv_events(self) -> list[KVEvent]:

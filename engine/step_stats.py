@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.batch import BatchPlan
+from engine.batch import BatchPlan, StepResult
 
 
 @dataclass
@@ -14,6 +14,17 @@ class SpeculationStats:
     verify_chunks: int = 0
     draft_tokens: int = 0  # proposed and verified
     accepted_tokens: int = 0  # drafts the target model kept
+
+    @classmethod
+    def of_step(cls, plan: BatchPlan, result: StepResult) -> SpeculationStats:
+        """One step's verify chunks, drafts and accepted drafts."""
+        step = cls()
+        for chunk in plan.chunks:
+            if chunk.num_draft_tokens:
+                step.verify_chunks += 1
+                step.draft_tokens += chunk.num_draft_tokens
+                step.accepted_tokens += len(result.accepted.get(chunk.request_id, ()))
+        return step
 
     def add(self, other: SpeculationStats) -> None:
         self.verify_chunks += other.verify_chunks
