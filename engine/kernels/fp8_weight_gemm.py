@@ -135,7 +135,10 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 # and one program per SM does not keep enough bytes moving to read HBM at full rate (o and down at 1 row:
 # 128 programs on 132 SMs, 15-32% of copy bandwidth on an H200, 2026-12-02).
 PROGRAMS_PER_SM = 4
-MIN_TILES_PER_SPLIT = 2  # a split of one K tile is all prologue
+# A split needs this many K tiles: at K = 4096 (16 tiles of 256) every split lost 1-3 points of copy bandwidth
+# on an H200 (qkv 37 -> 34-36%, o 32 -> 29-30%), at K = 14336 (56 tiles) 5 splits gained 12 (down 40 -> 52%);
+# graph-replayed, 2026-12-02.
+MIN_TILES_PER_SPLIT = 10
 
 
 def auto_split_k(programs: int, k_tiles: int, device: torch.device) -> int:

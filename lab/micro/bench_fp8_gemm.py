@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from engine.kernels.fp8_quant import quantize_activations
 from engine.kernels.fp8_weight_gemm import MAX_ROWS, TileConfig, default_config, fp8_weight_gemm
@@ -31,7 +32,8 @@ from engine.quant.fp8 import _scaled_mm_blocks, _scaled_mm_rows, quantize_blocks
 from lab.micro.bench_decode import _copy_gb_s
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-SWEEP = [TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+SWEEP = [TileConfig(bn, bk, warps, st) for bn, bk, warps, st in
+         itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4))]
 SPLITS = (0, 1, 2, 4, 8)  # K split over programs around the adopted tile (0: the kernel's own choice)
 L2_SPAN_BYTES = 400 * 2**20  # weight copies per graph: several times any GPU's L2
 
@@ -90,8 +92,14 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
             for split in SPLITS}
     if sweep:
         configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
-        timed = {f"n{c.block_n}_k{c.block_k}_s{c.num_stages}": graph_ms(weight_only(c), copies) for c in configs}
+        timed = {}
+        for c in configs:
+            try:
+                timed[f"n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}"] = graph_ms(weight_only(c), copies)
+            except triton.runtime.errors.OutOfResources:  # shared memory of the larger tiles x stages
+                continue
         best = min(timed, key=timed.__getitem__)
+        row["sweep_top5"] = {name: share(ms, 1)["of_copy"] for name, ms in sorted(timed.items(), key=lambda t: t[1])[:5]}
         row["sweep_best"] = {"config": best, **share(timed[best], 1)}
     return row
 
