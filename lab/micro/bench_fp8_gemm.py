@@ -113,7 +113,7 @@ def summary_line(name: str, row: dict) -> str:
             f"weight-only {row['weight_only']['ms'] * 1e3:6.1f} us ({row['weight_only']['of_copy']:.0%})  "
             f"split_k {splits}")
     if "sweep_best" in row:
-        line += f"  sweep best {row['sweep_best']['config']} {row['sweep_best']['of_copy']:.0%}"
+        line += "  sweep best " + " ".join(f"{name} {share:.0%}" for name, share in row["sweep_top5"].items())
     return line
 
 
