@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.kv_store import check_launch_device
+from engine.kernels.kv_store import check_launch_device, is_interpreted
 from engine.kernels.paged_decode import dot_dtype_for
 
 SCALE_BLOCK = 128  # the block edge of block-scaled FP8 weights (engine/quant/config.py BLOCK)
@@ -59,14 +59,16 @@ FEW_ROWS = 4  # block-scaled: up to here the narrow tiles above; past it twice a
 
 @triton.jit
 def _fp8_weight_gemm_kernel(
-    x_ptr,  # [M, K] bf16/fp16, unit column stride
+    x_ptr,  # [M, K] bf16/fp16/fp32, or float8_e4m3fn with X_SCALED; unit column stride
     w_ptr,  # [N, K] float8_e4m3fn, unit column stride
     s_ptr,  # [N] (per row) or [ceil(N/128), >= ceil(K/128)] (blocks) float32
-    out_ptr,  # [M, N] in x's dtype, or [SPLIT_K, M, N] float32 partials; contiguous
+    xs_ptr,  # X_SCALED: x's scales, [M] (per row) or [M, ceil(K/128)] (blocks), float32
+    out_ptr,  # [M, N] in the output dtype, or [SPLIT_K, M, N] float32 partials; contiguous
     M, N, K,
     K_PER_SPLIT,  # a multiple of BLOCK_K
-    stride_xm, stride_wn, stride_sn,
+    stride_xm, stride_wn, stride_sn, stride_xsm, stride_xsg,
     BLOCKED: tl.constexpr,  # s holds 128 x 128 block scales
+    X_SCALED: tl.constexpr,  # x is e4m3 with its own dequantization scales: both operands FP8 in the dot
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -91,28 +93,40 @@ def _fp8_weight_gemm_kernel(
         part = tl.dot(x, tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if BLOCKED:
             scale = tl.load(s_ptr + (rn_safe // 128) * stride_sn + k0 // 128)
-            acc += part * scale[None, :]
+            if X_SCALED:
+                x_scale = tl.load(xs_ptr + rm * stride_xsm + (k0 // 128) * stride_xsg, mask=rm < M, other=0.0)
+                acc += part * x_scale[:, None] * scale[None, :]
+            else:
+                acc += part * scale[None, :]
         else:
             acc += part
     if not BLOCKED:
         acc = acc * tl.load(s_ptr + rn_safe)[None, :]
+        if X_SCALED:
+            acc = acc * tl.load(xs_ptr + rm * stride_xsm, mask=rm < M, other=0.0)[:, None]
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_ok[None, :])
 
 
 def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    config: TileConfig | None = None) -> torch.Tensor:
-    """`[M, K] x [N, K]^T -> [M, N]` in x's dtype, for M <= MAX_ROWS; `weight_scale` `[N]` or block `[Nb, Kb]`."""
+                    config: TileConfig | None = None, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`[M, K] x [N, K]^T -> [M, N]` for M <= MAX_ROWS; `weight_scale` `[N]` or block `[Nb, Kb]`.
+
+    Weight-only (x bf16/fp16/fp32, output in x's dtype), or with x in e4m3 and `x_scale` its per-row `[M]`
+    (row-scaled weights) or per-row and 128-group `[M, Kb]` (block-scaled) scales, output in `out_dtype`:
+    then both operands go to the FP8 tensor cores and nothing is widened in registers."""
     m, k = x.shape
     n = weight.shape[0]
-    _check(x, weight, weight_scale)
+    _check(x, weight, weight_scale, x_scale)
     blocked = weight_scale.dim() == 2
     cfg = config or default_config(m, blocked)
     if blocked and SCALE_BLOCK % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide {SCALE_BLOCK} for block-scaled weights")
+    dtype = x.dtype if x_scale is None else out_dtype
     check_launch_device(_fp8_weight_gemm_kernel, x=x, weight=weight, weight_scale=weight_scale)
     if m == 0 or n == 0 or k == 0:
-        return torch.zeros((m, n), dtype=x.dtype, device=x.device)
+        return torch.zeros((m, n), dtype=dtype, device=x.device)
     programs = triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(k, cfg.block_k)
     splits = min(cfg.split_k or auto_split_k(programs, k_tiles, x.device), k_tiles)
@@ -120,15 +134,28 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     splits = triton.cdiv(k, k_per_split)  # no empty split
     # Several splits each write a float32 partial, summed after: no atomics, so the result is deterministic.
     out = torch.empty((splits, m, n) if splits > 1 else (m, n),
-                      dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    dot_dtype, precision = dot_dtype_for(x.dtype, _fp8_weight_gemm_kernel)
+                      dtype=torch.float32 if splits > 1 else dtype, device=x.device)
+    dot_dtype, precision = _dot_operands(x, x_scale is not None)
+    xs = weight_scale if x_scale is None else x_scale  # any float32 pointer when unused
     _fp8_weight_gemm_kernel[(programs, splits)](
-        x, weight, weight_scale, out, m, n, k, k_per_split,
+        x, weight, weight_scale, xs, out, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), weight_scale.stride(0) if blocked else 1,
-        BLOCKED=blocked, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=cfg.num_warps,
+        xs.stride(0), xs.stride(1) if xs.dim() == 2 else 0,
+        BLOCKED=blocked, X_SCALED=x_scale is not None, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps,
     )
-    return out.sum(0).to(x.dtype) if splits > 1 else out
+    return out.sum(0).to(dtype) if splits > 1 else out
+
+
+def _dot_operands(x: torch.Tensor, fp8_activations: bool) -> tuple[tl.dtype, str | None]:
+    """The dot's operand dtype: e4m3 both (FP8 tensor cores) for e4m3 activations, else the activations'
+    dtype; float32 under the interpreter, which has no e4m3 or correct bf16 arithmetic."""
+    if not fp8_activations:
+        return dot_dtype_for(x.dtype, _fp8_weight_gemm_kernel)
+    if is_interpreted(_fp8_weight_gemm_kernel):
+        return tl.float32, "ieee"
+    return tl.float8e4nv, None
 
 
 # Split K until the launch has about this many programs per SM: a program keeps num_stages tiles in flight,
@@ -166,11 +193,13 @@ def default_config(m: int, blocked: bool) -> TileConfig:
     return BLOCK_SCALED if m <= FEW_ROWS else replace(BLOCK_SCALED, block_n=2 * BLOCK_SCALED.block_n)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, x_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1:
         raise ValueError(f"x must be [M <= {MAX_ROWS}, K] with unit column stride, got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if x_scale is not None:
+        _check_fp8_activations(x, weight_scale, x_scale)
+    elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32 (or float8_e4m3fn with x_scale), got {x.dtype}")
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
             or weight.stride(-1) != 1:
         raise ValueError(f"weight must be float8_e4m3fn [N, {x.shape[1]}] with unit column stride, "
@@ -183,3 +212,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
     if weight_scale.dtype != torch.float32 or not (rows_ok or blocks_ok):
         raise ValueError(f"weight_scale must be float32 [{n}] or [{blocks[0]}, >= {blocks[1]}], "
                          f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+
+
+def _check_fp8_activations(x: torch.Tensor, weight_scale: torch.Tensor, x_scale: torch.Tensor) -> None:
+    m, k = x.shape
+    want = (m,) if weight_scale.dim() == 1 else (m, -(-k // SCALE_BLOCK))
+    if x.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want:
+        raise ValueError(f"with x_scale, x must be float8_e4m3fn and x_scale float32 {list(want)}, got "
+                         f"{x.dtype} and {x_scale.dtype} {list(x_scale.shape)}")

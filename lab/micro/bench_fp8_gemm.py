@@ -34,6 +34,9 @@ from lab.micro.bench_decode import _copy_gb_s
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 SWEEP = [TileConfig(bn, bk, warps, st) for bn, bk, warps, st in
          itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4))]
+# e4m3 activations at 16-64 rows: wider output tiles (x is re-read from L2 by every program), K split or not.
+FP8_DOT_SWEEP = [TileConfig(bn, bk, 4, st, split) for bn, bk, st, split in
+                 itertools.product((32, 64, 128), (128, 256), (3, 4), (0, 1))]
 SPLITS = (0, 1, 2, 4, 8)  # K split over programs around the adopted tile (0: the kernel's own choice)
 L2_SPAN_BYTES = 400 * 2**20  # weight copies per graph: several times any GPU's L2
 
@@ -71,7 +74,7 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
     def share(ms: float, bytes_per_weight: int) -> dict:
         return {"ms": ms, "of_copy": n * k * bytes_per_weight / ms / 1e6 / copy_gb_s}
 
-    def weight_only(config: TileConfig | None) -> Callable[[int], object]:
+    def weight_only(config: TileConfig | None) -> Callable[[int], object]:  # x in bf16, widened weight
         return lambda i: fp8_weight_gemm(x, *quantized[i], config)
 
     row = {"n": n, "k": k, "m": m, "scaling": "blocks" if blocked else "rows", "weight_copies": copies,
@@ -85,24 +88,42 @@ def bench_shape(n: int, k: int, m: int, blocked: bool, copy_gb_s: float, sweep: 
                xq, quantized[i][0].t(), scale_a=xs.unsqueeze(1), scale_b=quantized[i][1].unsqueeze(0),
                out_dtype=torch.bfloat16), copies)),
            "weight_only": share(graph_ms(weight_only(None), copies), 1)}
-    if m <= MAX_ROWS:
+    if m <= MAX_ROWS:  # the same kernel with e4m3 activations (quantized in one launch) on the FP8 tensor cores
+        group = 128 if blocked else None
+
+        def fp8_dot(config: TileConfig | None) -> Callable[[int], object]:
+            def call(i: int) -> torch.Tensor:
+                xq_i, xs_i = quantize_activations(x, group)
+                return fp8_weight_gemm(xq_i, *quantized[i], config, x_scale=xs_i)
+            return call
+        try:
+            row["triton_fp8_dot"] = share(graph_ms(fp8_dot(None), copies), 1)
+        except Exception as e:  # noqa: BLE001 -- a compile failure of this variant is a result, not the end of the run
+            row["triton_fp8_dot"] = {"ms": float("nan"), "of_copy": float("nan"), "error": repr(e)[:300]}
         adopted = default_config(m, blocked)
         row["weight_only_by_split_k"] = {
             split: share(graph_ms(weight_only(dataclasses.replace(adopted, split_k=split)), copies), 1)["of_copy"]
             for split in SPLITS}
-    if sweep:
-        configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
-        timed = {}
-        for c in configs:
-            try:
-                timed[f"n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}"] = graph_ms(weight_only(c), copies)
-            except triton.runtime.errors.OutOfResources:  # shared memory of the larger tiles x stages
-                continue
-        best = min(timed, key=timed.__getitem__)
-        fastest = sorted(timed.items(), key=lambda t: t[1])[:5]
-        row["sweep_top5"] = {name: share(ms, 1)["of_copy"] for name, ms in fastest}
-        row["sweep_best"] = {"config": best, **share(timed[best], 1)}
+        if sweep and m >= 16 and "error" not in row["triton_fp8_dot"]:
+            configs = [c for c in FP8_DOT_SWEEP if not blocked or c.block_k <= 128]
+            row["triton_fp8_dot_top5"] = fastest_five(fp8_dot, configs, copies, share)
+        if sweep and m <= 16:
+            configs = [c for c in SWEEP if not blocked or 128 % c.block_k == 0]
+            row["sweep_top5"] = fastest_five(weight_only, configs, copies, share)
     return row
+
+
+def fastest_five(call_for: Callable[[TileConfig], Callable[[int], object]], configs: list[TileConfig],
+                 copies: int, share: Callable[[float, int], dict]) -> dict[str, float]:
+    """Share of copy bandwidth of the five fastest configs (those that fit in shared memory)."""
+    timed = {}
+    for c in configs:
+        try:
+            timed[f"n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}_split{c.split_k}"] = \
+                graph_ms(call_for(c), copies)
+        except triton.runtime.errors.OutOfResources:  # the larger tiles x stages
+            continue
+    return {name: share(ms, 1)["of_copy"] for name, ms in sorted(timed.items(), key=lambda t: t[1])[:5]}
 
 
 def summary_line(name: str, row: dict) -> str:
@@ -111,9 +132,12 @@ def summary_line(name: str, row: dict) -> str:
             f"({row['bf16']['of_copy']:.0%})  scaled_mm+quant {row['scaled_mm_with_quant']['ms'] * 1e3:6.1f} us "
             f"(quant {row['activation_quant_ms'] * 1e3:.1f}, torch {row['activation_quant_torch_ms'] * 1e3:.1f})  "
             f"weight-only {row['weight_only']['ms'] * 1e3:6.1f} us ({row['weight_only']['of_copy']:.0%})  "
-            f"split_k {splits}")
-    if "sweep_best" in row:
-        line += "  sweep best " + " ".join(f"{name} {share:.0%}" for name, share in row["sweep_top5"].items())
+            f"split_k {splits}  triton fp8 dot {row['triton_fp8_dot']['ms'] * 1e3:6.1f} us "
+            f"({row['triton_fp8_dot']['of_copy']:.0%})")
+    if "triton_fp8_dot_top5" in row:
+        line += "  fp8-dot best " + " ".join(f"{n} {v:.0%}" for n, v in row["triton_fp8_dot_top5"].items())
+    if "sweep_top5" in row:
+        line += "  sweep best " + " ".join(f"{n} {v:.0%}" for n, v in row["sweep_top5"].items())
     return line
 
 

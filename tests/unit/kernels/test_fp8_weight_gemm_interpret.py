@@ -70,6 +70,31 @@ def test_split_k_sums_the_same_product(m: int, n: int, k: int, blocked: bool, sp
     assert torch.allclose(out.float(), ref, rtol=BF16_STEP, atol=ref.abs().max().item() * 1e-3)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "blocked"), [(16, 40, 512, False), (33, 130, 384, True)])
+def test_fp8_activations_with_their_scales(m: int, n: int, k: int, blocked: bool) -> None:
+    """x quantized per token (and per 128-group for block weights), both operands e4m3 in the dot: against the
+    float32 product of the two dequantized operands."""
+    from engine.quant.fp8 import dequantize_blocks_rows, quantize_row_groups
+
+    x, wq, ws = _operands(m, n, k, blocked, seed=m + k)
+    xq, xs = quantize_row_groups(x) if blocked else quantize_rows(x)
+    x_real = dequantize_blocks_rows(xq, xs) if blocked else xq.float() * xs[:, None]
+    config = gemm.TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=2, split_k=2)
+    out = gemm.fp8_weight_gemm(xq, wq, ws, config, x_scale=xs, out_dtype=torch.bfloat16)
+    ref = x_real @ dequantize_weight(wq, ws).t()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, rtol=BF16_STEP, atol=ref.abs().max().item() * 1e-3)
+
+
+def test_fp8_activations_need_matching_scales() -> None:
+    xq = torch.zeros(4, 256).to(torch.float8_e4m3fn)
+    wq, ws = torch.zeros(8, 256).to(torch.float8_e4m3fn), torch.ones(8)
+    with pytest.raises(ValueError, match="x_scale float32"):
+        gemm.fp8_weight_gemm(xq, wq, ws, x_scale=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="float8_e4m3fn with x_scale"):
+        gemm.fp8_weight_gemm(xq, wq, ws)
+
+
 def test_split_k_is_one_off_cuda_and_grows_with_few_programs() -> None:
     assert gemm.auto_split_k(programs=8, k_tiles=64, device=torch.device("cpu")) == 1
 
