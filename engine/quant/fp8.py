@@ -39,6 +39,10 @@ _MIN_SCALE = 1e-12
 # the activation quantization + `_scaled_mm` path costs 94-378 us per 8B projection against bf16's 19-72 us,
 # so raising this is the next thing to measure (bench_fp8_gemm --rows 32 64, then bench_decode).
 WEIGHT_ONLY_MAX_ROWS = 16
+# Past it and up to here, the activations are quantized in one launch and the same Triton kernel multiplies
+# both in e4m3 (no widening in registers); beyond, `_scaled_mm`. Off (equal to WEIGHT_ONLY_MAX_ROWS) until a
+# GPU run shows the Triton kernel beating cuBLASLt's at these sizes (`bench_fp8_gemm --sweep --rows 16 64`).
+FP8_DOT_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -100,10 +104,17 @@ def fp8_linear(
     x2 = x.reshape(-1, k)
     blocked = weight_scale.dim() == 2
     weight_only = x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS
-    if weight_only and _has_fp8_tensor_cores(x2) and use_fused_kernels(x2):
+    triton_gemm = _has_fp8_tensor_cores(x2) and use_fused_kernels(x2)
+    if weight_only and triton_gemm:
         from engine.kernels.fp8_weight_gemm import fp8_weight_gemm  # imports triton: CUDA only
 
         out = fp8_weight_gemm(x2.contiguous(), weight, weight_scale)
+    elif x2.shape[0] <= FP8_DOT_MAX_ROWS and triton_gemm:
+        from engine.kernels.fp8_quant import quantize_activations
+        from engine.kernels.fp8_weight_gemm import fp8_weight_gemm
+
+        xq, xs = quantize_activations(x2.contiguous(), BLOCK if blocked else None)
+        out = fp8_weight_gemm(xq, weight, weight_scale, x_scale=xs, out_dtype=x.dtype)
     elif _has_fp8_tensor_cores(x2):
         out = _scaled_mm_blocks(x2, weight, weight_scale) if blocked else _scaled_mm_rows(x2, weight, weight_scale)
         out = out.to(x.dtype)
