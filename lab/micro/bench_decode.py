@@ -53,6 +53,7 @@ from engine.kernels.dispatch import fused_kernels_enabled
 from engine.kv_cache import KVCacheSpec
 from engine.param_count import count_parameters
 from engine.sampling_params import SamplingParams
+from lab.micro.fp8_passes import fp8_dot_rows
 
 LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -302,6 +303,8 @@ def main() -> None:
                         help="TP runs: with decode CUDA graphs and/or eagerly (each its own group)")
     parser.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
                         help="fp8: FP8 weights + FP8 KV cache, each case beside bf16's in the same run")
+    parser.add_argument("--fp8-dot-max-rows", type=int, default=0,
+                        help="also run FP8, steps of up to this many tokens through the Triton e4m3-activation GEMM")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code, not the speed")
     args = parser.parse_args()
     # --smoke checks the code paths on CPU in seconds: the full shapes there take minutes and say nothing
@@ -312,6 +315,10 @@ def main() -> None:
     model_dir = write_model_dir(SMOKE if args.smoke else LLAMA31_8B)
     env, ceilings = environment(), measure_ceilings(not args.smoke)
     rows = [row for precision in args.precisions for row in run_single(args, model_dir, ceilings, precision)]
+    if args.fp8_dot_max_rows:
+        with fp8_dot_rows(args.fp8_dot_max_rows):
+            rows += [{**row, "precision": f"fp8 dot<={args.fp8_dot_max_rows}"}
+                     for row in run_single(args, model_dir, ceilings, "fp8")]
     compare_precisions(rows)
     gpus = torch.cuda.device_count() if not args.smoke else args.tp
     if args.tp > 1 and gpus >= args.tp:
@@ -329,7 +336,7 @@ def compare_precisions(rows: list[dict]) -> None:
     """`tok_s_vs_bf16` on every FP8 row whose case also ran in bf16."""
     bf16 = {(r["batch"], r["ctx"]): r["tok_s"] for r in rows if r.get("precision") == "bf16" and "tok_s" in r}
     for row in rows:
-        if row.get("precision") == "fp8" and (row["batch"], row["ctx"]) in bf16 and "tok_s" in row:
+        if str(row.get("precision")).startswith("fp8") and (row["batch"], row["ctx"]) in bf16 and "tok_s" in row:
             row["tok_s_vs_bf16"] = row["tok_s"] / bf16[(row["batch"], row["ctx"])]
 
 

@@ -134,3 +134,15 @@ def build_corpus(engine: LLMEngine, num_prompts: int, new_tokens: int, segments:
     references = [continuation_logits(engine, p, c).argmax(-1).tolist()
                   for p, c in zip(prompts, continuations, strict=True)]
     return Corpus(prompts, continuations, references, texts)
+
+
+@contextlib.contextmanager
+def fp8_dot_rows(rows: int) -> Iterator[None]:
+    """Run projections of up to `rows` tokens (past the weight-only size) through the Triton kernel with e4m3
+    activations (a lab switch: the engine's threshold is fixed)."""
+    saved = fp8.FP8_DOT_MAX_ROWS
+    fp8.FP8_DOT_MAX_ROWS = rows
+    try:
+        yield
+    finally:
+        fp8.FP8_DOT_MAX_ROWS = saved
