@@ -74,6 +74,29 @@ async def test_a_write_resolves_both_sides_with_the_payload(links: Links) -> Non
     assert await links.decode.release("r1", sender_idle=False) is True  # the notice ended the danger window
 
 
+async def test_a_landed_request_is_released_without_an_answer_and_before_a_later_expect(links: Links) -> None:
+    arrival = await links.expect("r1", [7, 2, 11])
+    await links.send("r1", [1, 2, 3], [7, 2, 11], payload=HandoffPayload(first_token_id=42))
+    assert (await asyncio.wait_for(arrival, 2)).state is TransferState.DONE
+    links.decode.release_safe("r1", sender_idle=False)  # queued, not awaited: the notice made them safe
+    again = await links.expect("r1", [7, 2, 11])  # "already expected" unless the release ran first
+    await links.send("r1", [1, 2, 3], [7, 2, 11])
+    assert (await asyncio.wait_for(again, 2)).state is TransferState.DONE
+
+
+async def test_blocks_released_as_safe_that_are_not_stay_quarantined_and_are_logged(
+        links: Links, caplog: pytest.LogCaptureFixture) -> None:
+    await links.expect("r2", [5])  # nothing sent: no notice ended the WRITE, the sender vouched nothing
+    links.decode.release_safe("r2", sender_idle=False)
+    assert await links.decode.release("unknown", sender_idle=False) is True  # runs after it: a barrier
+    assert "released as safe, yet the receiver quarantined its blocks" in caplog.text
+    for _ in range(500):  # the receiver's quarantine still guards the blocks, and ends as usual
+        if links.reclaimed:
+            break
+        await asyncio.sleep(0.002)
+    assert links.reclaimed == ["r2"]
+
+
 async def test_handshakes_are_checked_both_ways(links: Links) -> None:
     other = KVLayoutInfo.from_spec(KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8,
                                                dtype="float32"), "tiny")
