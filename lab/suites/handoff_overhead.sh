@@ -10,12 +10,14 @@ cd "$(dirname "$0")/../.." && { ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip 
 #
 #   OUT=/some/dir bash lab/suites/handoff_overhead.sh     # ~2 x 4 min on an H200 (worker start-up included)
 #   SMOKE=1 PYTHON=.venv/bin/python bash lab/suites/handoff_overhead.sh   # CPU, tiny model
+#   OVERLAP_RESERVE=off ...   # decode worker reserves before the Prefill RPC (no PrefillDestination call)
 set -u -o pipefail
 OUT=${OUT:-$PWD/overhead-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 ARGS=(--shape 8b --prefill-gpu 0 --decode-gpu 0 --both-gpu 0)
 if [ "${SMOKE:-0}" = 1 ]; then ARGS=(--smoke); fi
+if [ -n "${OVERLAP_RESERVE:-}" ]; then ARGS+=(--overlap-reserve "$OVERLAP_RESERVE"); fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 for STREAM in off on; do
   timeout -k 10 "${STEP_TIMEOUT_S:-285}" "$PY" -m lab.micro.bench_disagg_gpu "${ARGS[@]}" \
