@@ -4,7 +4,9 @@
     python -m lab.experiments.handoff_timeline mark /tmp/tl      # a scratch copy, never a checkout
     (cd /tmp/tl && .venv/bin/python -m lab.micro.bench_disagg_gpu --smoke --kv-stream off \\
         --log-dir /tmp/run/logs --out /tmp/run/out.json > /tmp/run/bench.log)
-    python -m lab.experiments.handoff_timeline read /tmp/run [--skip 20]
+    python -m lab.experiments.handoff_timeline read /tmp/run/logs /tmp/run/bench.log [--skip 20]
+
+or `TIMELINE=1 bash lab/suites/handoff_overhead.sh`, which does the same on a copy of the tree.
 
 `mark` inserts one `time.monotonic_ns()` log line (logger `TL`, INFO) at each point of the path below into
 the copy's source (the anchors are lines of today's code: a missing one stops it, naming the file), and
@@ -140,14 +142,14 @@ _CLIENT_LINE = re.compile(r"^TLC (\S+) (\S+) (\d+)")
 _WORKERS = {"both": "b", "decode": "d", "prefill": "p"}
 
 
-def read_marks(run: Path) -> dict[str, dict[str, int]]:
-    """{request id: {mark: ns}} from the workers' logs (`run`/logs/<role>-0.log) and the client's `bench.log`."""
+def read_marks(log_dir: Path, client_log: Path) -> dict[str, dict[str, int]]:
+    """{request id: {mark: ns}} from the workers' logs (`log_dir`/<role>-0.log) and the client's output."""
     marks: dict[str, dict[str, int]] = defaultdict(dict)
     for worker, prefix in _WORKERS.items():
-        for line in (run / "logs" / f"{worker}-0.log").read_text().splitlines():
+        for line in (log_dir / f"{worker}-0.log").read_text().splitlines():
             if m := _WORKER_LINE.search(line):
                 _add(marks[m[2]], f"{prefix}:{m[1]}", int(m[3]))
-    for line in (run / "bench.log").read_text().splitlines():
+    for line in client_log.read_text().splitlines():
         if m := _CLIENT_LINE.match(line):
             marks[m[2]][f"c:{m[1]}"] = int(m[3])
     return marks
@@ -174,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("mark").add_argument("root", type=Path)
     read = sub.add_parser("read")
-    read.add_argument("run", type=Path)
+    read.add_argument("log_dir", type=Path, help="the benchmark's --log-dir")
+    read.add_argument("client_log", type=Path, help="the benchmark's output")
     read.add_argument("--skip", type=int, default=20, help="the first requests of each path (warm-up, identity)")
     args = p.parse_args(argv)
     if args.cmd == "mark":
         mark_tree(args.root)
         return 0
-    seen = [r for r in read_marks(args.run).values() if "c:send" in r and "c:first" in r]
+    seen = [r for r in read_marks(args.log_dir, args.client_log).values() if "c:send" in r and "c:first" in r]
     for path, requests in (("both", [r for r in seen if "d:gen_in" not in r]),
                            ("disagg", [r for r in seen if "d:gen_in" in r])):
         kept = requests[args.skip:]

@@ -49,7 +49,7 @@ def test_marks_read_back_per_request_in_time_order(tmp_path: Path) -> None:
                                        "x INFO TL: TL chunk r1 4000000\n")
     (logs / "prefill-0.log").write_text("x INFO TL: TL pf_in r1 1800000\n")
     (tmp_path / "bench.log").write_text("TLC send r1 1000000\nTLC first r1 5000000\n")
-    marks = read_marks(tmp_path)
+    marks = read_marks(logs, tmp_path / "bench.log")
     assert marks["r1"] == {"d:gen_in": 1500000, "d:chunk": 2000000, "d:chunk2": 4000000, "p:pf_in": 1800000,
                            "c:send": 1000000, "c:first": 5000000}
     assert [(k, ms) for k, _, ms in medians(list(marks.values()))] == [
