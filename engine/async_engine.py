@@ -40,6 +40,9 @@ from engine.sequence import SequenceStatus
 from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
+# How long the loop dozes when nothing can move without a command (which wakes it at once): the tick
+# only checks the hold leases, whose expiry is the one change that needs no command.
+_IDLE_DOZE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,7 @@ class AsyncEngine:
             self._apply_commands()
             self.engine.release_expired_holds()
             if not self.engine.has_unfinished():
-                self._doze(0.05)
+                self._doze(_IDLE_DOZE_S)
                 continue
             try:
                 self._step_once()
@@ -289,9 +292,11 @@ class AsyncEngine:
         if not outputs:
             idle = stats is None or not self.engine.batcher.has_work()
             if idle and not self.engine.batcher.num_in_flight:  # batches in flight: the next round moves them
-                # Nothing runnable (e.g. every sequence waits for remote KV, or for a load from a
-                # lower KV tier): doze, but a command (a commit of landed KV) wakes the thread at once.
-                self._doze(self._idle_sleep_s)
+                # Nothing runnable. A load from a lower KV tier ends without a command: poll for it.
+                # Sequences waiting for remote KV move only on a command (the commit of landed KV),
+                # which wakes the thread at once: ticking meanwhile only took CPU (and the GIL) from
+                # the rest of the worker during every remote prefill.
+                self._doze(self._idle_sleep_s if self.engine.batcher.has_work() else _IDLE_DOZE_S)
             return
         self._publish(outputs)
 

@@ -80,7 +80,7 @@ class ChunkStreams:
             return
         written = None
         if self._kv_cache.is_cuda:  # the WRITE of these blocks waits for the step's KV writes
-            written = torch.cuda.Event()
+            written = torch.cuda.Event(blocking=True)  # blocking sync: a waiter sleeps instead of spinning a core
             written.record(torch.cuda.current_stream(self._kv_cache.device))
         for rid, streamed, block_ids in ready:
             first, streamed.reported = streamed.reported, streamed.reported + len(block_ids)

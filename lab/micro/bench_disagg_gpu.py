@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-stream", choices=["on", "off"], default=None,
                    help="prefill worker: stream KV per chunk (on: from --kv-stream-min-prompt-tokens) or not")
     p.add_argument("--kv-stream-min-prompt-tokens", type=int, default=256)
+    p.add_argument("--overlap-reserve", choices=["on", "off"], default=None,
+                   help="decode worker: send the Prefill RPC before reserving (on) or after (off; no "
+                        "PrefillDestination call reaches the prefill worker mid-prefill); default: the worker's")
     p.add_argument("--identity-requests", type=int, default=8)
     p.add_argument("--identity-max-tokens", type=int, default=32)
     p.add_argument("--ttft-prompt", type=int, default=1024)
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_stream is not None:
         common += ["--kv-stream" if args.kv_stream == "on" else "--no-kv-stream",
                    "--kv-stream-min-prompt-tokens", str(args.kv_stream_min_prompt_tokens)]
+    decode_only = [] if args.overlap_reserve is None else [
+        "--overlap-reserve" if args.overlap_reserve == "on" else "--no-overlap-reserve"]
     n_gpus = 0 if args.smoke else gpu_count()
     if not args.smoke and n_gpus == 0:
         print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     "smoke": args.smoke, "python": platform.python_version(), "model": model_cfg,
                     "placement": {"prefill": args.prefill_gpu, "decode": args.decode_gpu, "both": args.both_gpu},
                     "remote_threshold": args.remote_threshold, "kv_stream": args.kv_stream,
+                    "overlap_reserve": args.overlap_reserve,
                     "log_dir": str(log_dir), "errors": []}
     pre_args, pre_env = placement(args.prefill_gpu)
     both_args, both_env = placement(args.both_gpu)
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         WorkerPlan("prefill-0", WorkerRole.PREFILL, (*common, *pre_args), pre_env, worker_id=True),
         WorkerPlan("both-0", WorkerRole.BOTH, (*common, *both_args), both_env, worker_id=True),
         WorkerPlan("decode-0", WorkerRole.DECODE, (*common, *dec_args, "--min-remote-prompt-tokens",
-                                                   str(args.remote_threshold), "--min-remote-uncached-tokens", "32"),
+                                                   str(args.remote_threshold), "--min-remote-uncached-tokens", "32",
+                                                   *decode_only),
                    dec_env, prefill_peers=("prefill-0",), worker_id=True)], log_dir, args.ready_timeout_s)
     rc = 1
     try:
@@ -320,7 +327,8 @@ def run_checks(args: argparse.Namespace, model_cfg: dict, prefill: Worker, decod
 def print_tables(report: dict, args: argparse.Namespace) -> None:
     where = "CPU smoke" if report["smoke"] else (f"prefill GPU{args.prefill_gpu} -> decode GPU{args.decode_gpu} "
                                                  f"(NIXL VRAM), both GPU{args.both_gpu}")
-    print(f"\nDisaggregated serving, {where}, KV streaming {report.get('kv_stream') or 'default'}  ({report['date']})")
+    print(f"\nDisaggregated serving, {where}, KV streaming {report.get('kv_stream') or 'default'}, overlapped "
+          f"reserve {report.get('overlap_reserve') or 'default'}  ({report['date']})")
     ident = report.get("identity", [])
     if ident:
         print(f"\n(a) identity: {len(ident)} greedy requests, decode worker vs both worker "

@@ -54,7 +54,11 @@ class TransferConfig:
     checksums: bool = True  # prefill engine checksums the blocks into the notice; decode engine verifies
     poll_busy_s: float = 5e-5  # link thread sleep while a WRITE is in flight
     poll_expect_s: float = 2e-4  # ... while an arrival is expected
-    poll_idle_s: float = 1e-3  # ... otherwise (NIXL still needs progress: peers connect, notices)
+    # ... with nothing in flight or expected: a command wakes the thread at once, so this tick only
+    # flushes outgoing abort notices and reaps expired quarantines. At 1 ms its polls took the GIL
+    # from the prefill engine thread a thousand times a prefill (lab/notes, 2026-12-02 idle hand-off).
+    poll_quiet_s: float = 1e-2
+    poll_idle_s: float = 1e-3  # follower ranks' agents between WRITEs (passive targets: kvtransfer/nixl/shards.py)
     peer_down_s: float = 5.0  # a prefill worker that failed at the transport is skipped this long
     # NIXL's own progress thread: UCX then advances WRITEs and delivers notices without the KV link
     # thread, which needs the GIL for every poll (measured under load on 2xH100: WRITE posted -> done
@@ -79,7 +83,8 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", TransportKind.parse(self.transport))
-        for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s"):
+        for name in ("prefill_timeout_s", "transfer_timeout_s", "notice_grace_s", "quarantine_s",
+                     "poll_busy_s", "poll_expect_s", "poll_quiet_s", "poll_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.stream_min_prompt_tokens < 1:

@@ -5,7 +5,9 @@ life, even when idle (peers connect, notices arrive, abort notices go out). The 
 with steps and the event loop must not poll in 50 us slices, so a dedicated thread does: it wakes at
 once for a command (post a WRITE, expect an arrival), and otherwise polls every `poll_busy_s` while a
 WRITE is in flight (an open KV stream only while one of its parts is: between parts it waits for the
-next command), every `poll_expect_s` while an arrival is expected, else every `poll_idle_s`.
+next command, and a part waiting for its step's CUDA event is woken for by a `StepEventWaiter`), every
+`poll_expect_s` while an arrival is expected, else every `poll_quiet_s` (each poll holds the GIL the
+engine thread needs for its kernel launches, so a quiet link stays out of its way).
 NIXL agents are not thread-safe (NIXL_THREAD_SYNC_NONE): every NIXL call happens on this thread.
 asyncio callers cross in through a command queue and get asyncio futures back. The transport is
 opened by name (`TransferConfig.transport`: `nixl`, or the in-process `memory` fake of the unit
@@ -115,12 +117,12 @@ class KVLink:
         self._receiver = self._transport.receiver
         self._info = self._transport.handshake_info  # every rank's agent; immutable
         self._on_reclaimable = on_reclaimable
-        self._commands = LinkCommands()
+        self._wake = threading.Event()  # a command is queued (or a part's step completed): poll now
+        self._commands = LinkCommands(self._wake.set)
         self._sends: dict[tuple[str, int], _Send] = {}  # posted, future not yet resolved
         self._expects: dict[str, asyncio.Future[Arrival]] = {}
         self._on_landed: dict[str, OnLanded] = {}
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a command is queued: poll now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="baton-kv-link", daemon=True)
         self._sliced_peers: dict[str, int] = {}  # decode peers of another TP size -> it (event loop only)
@@ -183,6 +185,19 @@ class KVLink:
             return self._receiver.release(request_id, sender_idle=sender_idle)
 
         return bool(await self._call(release))
+
+    def release_safe(self, request_id: str, *, sender_idle: bool) -> None:
+        """Receiver, event loop: `release` blocks the caller knows are safe (their DONE notice arrived, or
+        the sender vouched over RPC that its WRITE is over: `sender_idle`), without waiting for this
+        thread's answer, which would only repeat it. Queued like every command, so it runs before any
+        later `expect`."""
+        def release() -> None:
+            self._expects.pop(request_id, None)
+            self._on_landed.pop(request_id, None)
+            if not self._receiver.release(request_id, sender_idle=sender_idle):
+                log.error("%s: released as safe, yet the receiver quarantined its blocks", request_id)
+
+        self._submit(release)
 
     async def send(self, peer: str, plan: TransferPlan) -> asyncio.Future[TransferResult]:
         """Sender: post the WRITE; the future resolves once it is terminal."""
@@ -252,6 +267,7 @@ class KVLink:
         futures then read CANCELLED (the process is going away: nothing reuses their blocks)."""
         self._stop.set()
         self._wake.set()
+        self._commands.close()
         if self._thread.ident is not None:  # started (a link that failed before start() has no thread)
             self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -297,11 +313,11 @@ class KVLink:
             self._wake.clear()
 
     def _interval(self) -> float:
-        if self._commands.waiting or any(_moving(send) for send in self._sends.values()):
+        if any(_moving(send) for send in self._sends.values()):
             return self._config.poll_busy_s
         if self._expects:
             return self._config.poll_expect_s
-        return self._config.poll_idle_s
+        return self._config.poll_quiet_s  # a part waiting for its step is woken for by the waiter
 
     def _poll_once(self) -> None:
         for transfer in self._sender.poll():

@@ -2,7 +2,8 @@
 
 A command may wait for a device event (a streamed part waits for the engine step that fills its blocks:
 engine/chunk_stream.py). Everything behind a waiting command waits too, so a stream's DONE notice never
-passes its parts. Checking an event is a non-blocking query, the link thread's only CUDA call.
+passes its parts. Checking an event is a non-blocking query, the link thread's only CUDA call; the wait
+itself is a `StepEventWaiter`'s, which wakes the link thread when the event completes (no polling).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.step_event_waiter import StepEventWaiter
+
 
 @dataclass(frozen=True)
 class _Command:
@@ -21,9 +24,11 @@ class _Command:
 
 
 class LinkCommands:
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None]) -> None:
+        """`wake`: makes the link thread call `run_ready` soon (called once a pending event completed)."""
         self._queue: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._head: _Command | None = None  # taken off the queue, its event still pending
+        self._waiter = StepEventWaiter(wake)
 
     def put(self, run: Callable[[], None], ready: torch.cuda.Event | None = None) -> None:
         """Any thread."""
@@ -31,8 +36,11 @@ class LinkCommands:
 
     @property
     def waiting(self) -> bool:
-        """A command waits for its event (the link thread then polls at its busy rate)."""
+        """A command waits for its event (the waiter wakes the link thread when it completes)."""
         return self._head is not None
+
+    def close(self) -> None:
+        self._waiter.close()
 
     def run_ready(self) -> None:
         """Link thread: run the queued commands in order, up to the first whose event is pending."""
@@ -44,6 +52,7 @@ class LinkCommands:
                     return
             command = self._head
             if command.ready is not None and not command.ready.query():
+                self._waiter.watch(command.ready)
                 return
             self._head = None
             command.run()

@@ -182,6 +182,7 @@ class RemotePrefill:
             rpc = asked
             asyncio.ensure_future(_send_destination(peer, order))
         end: _CallEnd | None = None
+        result: AttemptResult | None = None
         try:
             if await _landed_first(arrival, rpc, aborted):
                 result = _landed(arrival.result(), sent_at)
@@ -196,10 +197,22 @@ class RemotePrefill:
             log.exception("%s: remote prefill attempt failed", order.request_id)
             result = AttemptResult(fallback=FallbackReason.INTERNAL_ERROR, detail=str(e))
         finally:
-            safe = await self._link.release(order.request_id, sender_idle=end is not None and end.idle)
+            sender_idle = end is not None and end.idle
+            landed = result is not None and result.landed is not None
+            safe = await self._release(order.request_id, sender_idle or landed, sender_idle)
+        assert result is not None  # set on every path that gets here
         if not safe:
             log.warning("%s: blocks quarantined (no definite end of the WRITE)", order.request_id)
         return replace(result, blocks_safe=safe)
+
+    async def _release(self, request_id: str, known_safe: bool, sender_idle: bool) -> bool:
+        """Whether the attempt's blocks are safe to reuse. Known safe (the DONE notice landed them, or the
+        prefill worker vouched its WRITE is over): released without a round trip to the link thread,
+        which the first token (already in the engine's stream, published by the commit) would wait for."""
+        if known_safe:
+            self._link.release_safe(request_id, sender_idle=sender_idle)
+            return True
+        return await self._link.release(request_id, sender_idle=sender_idle)
 
     def _trail(self, rpc: asyncio.Future[_CallEnd], request_id: str) -> None:
         """Keep the Prefill RPC whose KV already landed until it answers (its outcome no longer matters)."""

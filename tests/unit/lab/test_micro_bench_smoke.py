@@ -38,6 +38,13 @@ def test_bench_decode_compares_fp8_with_bf16_case_by_case(tmp_path: Path) -> Non
     assert rows[1]["tok_s_vs_bf16"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
 
 
+def test_bench_disagg_gpu_without_the_overlapped_reserve_still_prefills_remotely(tmp_path: Path) -> None:
+    report = smoke_report(tmp_path, "bench_disagg_gpu", "--overlap-reserve", "off", "--identity-requests", "2",
+                          "--ttft-requests", "2", "--ttft-warmup", "1")
+    assert (report["ok"], report["overlap_reserve"], report["ttft"]["disagg_paths"]) == (True, "off", ["REMOTE"])
+    assert all(r["identical"] for r in report["identity"])
+
+
 def test_bench_mixed_step_reports_the_decode_share_of_each_mixed_step(tmp_path: Path) -> None:
     rows = smoke_report(tmp_path, "bench_mixed_step")["rows"]
     assert [(r["batch"], r["chunk"]) for r in rows] == [(2, 32), (4, 32)]

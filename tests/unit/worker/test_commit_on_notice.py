@@ -74,3 +74,29 @@ async def test_a_verification_that_raises_is_a_failed_commit_not_a_mismatch(tiny
         assert (status.num_waiting_for_remote_kv, status.num_running) == (1, 0)  # still the caller's to abort
     finally:
         engine.shutdown()
+
+
+async def test_a_reservation_waiting_for_its_kv_lets_the_loop_doze_until_the_commit_wakes_it(
+        tiny_model_dir: Path) -> None:
+    llm = build_engine(tiny_model_dir)
+    steps = [0]
+    real_step = llm.step
+
+    def counted_step():  # the real step, counted
+        steps[0] += 1
+        return real_step()
+
+    llm.step = counted_step  # type: ignore[method-assign]
+    engine = AsyncEngine(llm)
+    try:
+        assert (await engine.reserve_remote("r", PROMPT, PARAMS, wants_remote=lambda cached: True)).remote
+        await engine.status()  # a later command: the loop has seen the reservation
+        before = steps[0]
+        await asyncio.sleep(0.2)  # nothing can move without a command; a 2 ms tick stepped ~100 times here
+        idle_steps = steps[0] - before
+        stream = engine.open_stream("r")
+        assert await asyncio.wrap_future(engine.commit_remote_threadsafe("r", 7, None, lambda: "")) == COMMITTED
+        assert (await anext(stream)).new_token_ids == (7,)
+    finally:
+        engine.shutdown()
+    assert idle_steps <= 10

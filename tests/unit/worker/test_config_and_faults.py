@@ -23,6 +23,11 @@ def test_quarantine_must_outlast_the_transfer_deadline() -> None:
         TransferConfig(transfer_timeout_s=10.0, quarantine_s=5.0)
 
 
+def test_the_link_thread_poll_intervals_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="poll_quiet_s"):  # 0 would spin the link thread on the GIL
+        TransferConfig(poll_quiet_s=0.0)
+
+
 def test_prefill_peers_only_for_decode_workers() -> None:
     with pytest.raises(ValueError, match="--prefill-peers is for decode workers"):
         WorkerConfig(role=WorkerRole.BOTH, model_id="m", prefill_peers=("127.0.0.1:1",))

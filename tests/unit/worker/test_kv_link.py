@@ -4,7 +4,9 @@ driven by the link's own thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ from kvtransfer.faults import Fault, FaultInjector
 from kvtransfer.layout import KVLayoutInfo
 from kvtransfer.memory import FABRIC, MemoryAgent
 from kvtransfer.nixl.agent import NixlAgentConfig
+from services.worker.config import TransferConfig
 from services.worker.kv_link import KVLink
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -48,7 +51,20 @@ class Links:
 
 @pytest.fixture
 async def links() -> AsyncIterator[Links]:
-    config, faults, reclaimed = transfer_config(transfer_timeout_s=0.05, quarantine_s=0.1), FaultInjector(), []
+    async with _linked(transfer_config(transfer_timeout_s=0.05, quarantine_s=0.1)) as pair:
+        yield pair
+
+
+@pytest.fixture
+async def quiet_links() -> AsyncIterator[Links]:
+    """Links whose quiet tick never comes within a test: only a command or a step event wakes them."""
+    async with _linked(transfer_config(poll_quiet_s=600.0)) as pair:
+        yield pair
+
+
+@contextlib.asynccontextmanager
+async def _linked(config: TransferConfig) -> AsyncIterator[Links]:
+    faults, reclaimed = FaultInjector(), []
     src, dst = SPEC.allocate(16, "cpu"), SPEC.allocate(16, "cpu")
     src.copy_(torch.randn(src.shape, generator=torch.Generator().manual_seed(1)))
     tag = uuid.uuid4().hex[:8]
@@ -58,9 +74,11 @@ async def links() -> AsyncIterator[Links]:
     decode.start()
     peer = await prefill.add_peer(decode.handshake_info)
     await decode.accept_peer(prefill.handshake_info)
-    yield Links(prefill, decode, src, dst, peer, faults, reclaimed)
-    await prefill.aclose(timeout_s=2.0)
-    await decode.aclose(timeout_s=2.0)
+    try:
+        yield Links(prefill, decode, src, dst, peer, faults, reclaimed)
+    finally:
+        await prefill.aclose(timeout_s=2.0)
+        await decode.aclose(timeout_s=2.0)
 
 
 async def test_a_write_resolves_both_sides_with_the_payload(links: Links) -> None:
@@ -72,6 +90,29 @@ async def test_a_write_resolves_both_sides_with_the_payload(links: Links) -> Non
         TransferState.DONE, (7, 2, 11), 42)
     assert torch.equal(links.dst[[7, 2, 11]], links.src[[1, 2, 3]])
     assert await links.decode.release("r1", sender_idle=False) is True  # the notice ended the danger window
+
+
+async def test_a_landed_request_is_released_without_an_answer_and_before_a_later_expect(links: Links) -> None:
+    arrival = await links.expect("r1", [7, 2, 11])
+    await links.send("r1", [1, 2, 3], [7, 2, 11], payload=HandoffPayload(first_token_id=42))
+    assert (await asyncio.wait_for(arrival, 2)).state is TransferState.DONE
+    links.decode.release_safe("r1", sender_idle=False)  # queued, not awaited: the notice made them safe
+    again = await links.expect("r1", [7, 2, 11])  # "already expected" unless the release ran first
+    await links.send("r1", [1, 2, 3], [7, 2, 11])
+    assert (await asyncio.wait_for(again, 2)).state is TransferState.DONE
+
+
+async def test_blocks_released_as_safe_that_are_not_stay_quarantined_and_are_logged(
+        links: Links, caplog: pytest.LogCaptureFixture) -> None:
+    await links.expect("r2", [5])  # nothing sent: no notice ended the WRITE, the sender vouched nothing
+    links.decode.release_safe("r2", sender_idle=False)
+    assert await links.decode.release("unknown", sender_idle=False) is True  # runs after it: a barrier
+    assert "released as safe, yet the receiver quarantined its blocks" in caplog.text
+    for _ in range(500):  # the receiver's quarantine still guards the blocks, and ends as usual
+        if links.reclaimed:
+            break
+        await asyncio.sleep(0.002)
+    assert links.reclaimed == ["r2"]
 
 
 async def test_handshakes_are_checked_both_ways(links: Links) -> None:
@@ -169,15 +210,25 @@ async def test_a_stream_posts_parts_from_any_thread_and_lands_with_one_notice(li
 
 class _StepEvent:
     """What the engine hands with a streamed part on CUDA (a `torch.cuda.Event` after the step that fills
-    its blocks), driven by hand: CPU tensors have no device events."""
+    its blocks), driven by hand: CPU tensors have no device events. `synchronize` blocks until `complete()`
+    (as the CUDA one does, the GIL released); `broken` makes it raise instead."""
 
-    def __init__(self) -> None:
-        self.done = False
+    def __init__(self, broken: bool = False) -> None:
+        self._done = threading.Event()
+        self.broken = broken
         self.queries = 0
+
+    def complete(self) -> None:
+        self._done.set()
 
     def query(self) -> bool:
         self.queries += 1
-        return self.done
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self._done.wait()
 
 
 async def test_a_stream_part_and_everything_behind_it_wait_for_its_step(links: Links) -> None:
@@ -193,10 +244,46 @@ async def test_a_stream_part_and_everything_behind_it_wait_for_its_step(links: L
             break
         await asyncio.sleep(0.002)
     assert step.queries >= 3 and not done.done() and not arrival.done() and not links.dst.any()
-    step.done = True
+    step.complete()
     result, landed = await asyncio.wait_for(done, 5.0), await asyncio.wait_for(arrival, 5.0)
     assert result.state is TransferState.DONE and landed.state is TransferState.DONE
     assert torch.equal(links.dst[[9, 10, 11]], links.src[[1, 2, 3]])
+
+
+async def test_a_part_goes_once_its_step_completes_without_the_link_polling_for_it(quiet_links: Links) -> None:
+    links = quiet_links
+    arrival = await links.expect("s4", [9, 10])
+    done = links.prefill.open_stream(links.peer, "s4", 0, time.monotonic() + 5.0)
+    step = _StepEvent()
+    links.prefill.write_part("s4", 0, (1, 2), (9, 10), step)  # type: ignore[arg-type]
+    links.prefill.finish_stream(TransferPlan.create("s4", [1, 2], [9, 10], now=time.monotonic(), timeout_s=5.0,
+                                                    payload=HandoffPayload(first_token_id=5)))
+    await asyncio.sleep(0.05)
+    queries = step.queries  # asked once when the part arrived; the link then sleeps (its quiet tick: 600 s)
+    await asyncio.sleep(0.05)
+    assert step.queries == queries and not done.done()
+    step.complete()  # the waiter's synchronize returns and wakes the link thread
+    result, landed = await asyncio.wait_for(done, 5.0), await asyncio.wait_for(arrival, 5.0)
+    assert result.state is TransferState.DONE and landed.state is TransferState.DONE
+    assert torch.equal(links.dst[[9, 10]], links.src[[1, 2]])
+
+
+async def test_a_step_event_whose_wait_fails_is_still_queried_by_the_link(
+        links: Links, caplog: pytest.LogCaptureFixture) -> None:
+    arrival = await links.expect("s5", [9])
+    done = links.prefill.open_stream(links.peer, "s5", 0, time.monotonic() + 5.0)
+    step = _StepEvent(broken=True)
+    links.prefill.write_part("s5", 0, (1,), (9,), step)  # type: ignore[arg-type]
+    links.prefill.finish_stream(TransferPlan.create("s5", [1], [9], now=time.monotonic(), timeout_s=5.0,
+                                                    payload=HandoffPayload(first_token_id=5)))
+    for _ in range(500):
+        if "step event failed" in caplog.text:
+            break
+        await asyncio.sleep(0.002)
+    assert "waiting for a streamed part's step event failed" in caplog.text and not done.done()
+    step.complete()  # seen by the link's own query at its quiet tick
+    result, landed = await asyncio.wait_for(done, 5.0), await asyncio.wait_for(arrival, 5.0)
+    assert result.state is TransferState.DONE and landed.state is TransferState.DONE
 
 
 async def test_a_stream_to_an_unknown_peer_resolves_failed_with_nothing_posted(links: Links) -> None:

@@ -4,6 +4,7 @@ in-process stub with the generated stub's call shape), and whether the blocks ar
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -120,6 +121,9 @@ async def test_success_is_decided_by_the_notice_before_the_rpc_answers(attempt: 
     assert (result.ok, result.first_token_id, result.blocks_safe) == (True, first, True)
     assert stub.calls == ["Handshake", "Prefill"] and not held.answer.is_set()  # still unanswered
     held.answer.set()
+    # Released without waiting for the link's answer, yet before any later command: expecting the same
+    # request again raises "already expected" unless the release reached the receiver first.
+    await attempt.decode.link.expect("r@0", BLOCKS, time.monotonic() + TIMEOUT_S, 0)
 
 
 @pytest.mark.parametrize(("code", "reason", "elsewhere"), [
@@ -134,6 +138,7 @@ async def test_rpc_errors_map_to_fallback_reasons(attempt: Attempt, code, reason
     result, _, peers = await attempt.run(Failing(attempt.real, code, idle=True))
     assert (result.fallback, result.retry_elsewhere, result.blocks_safe) == (reason, elsewhere, True)
     assert (peers.candidates() == []) is elsewhere  # a peer that may be dead or slow is skipped a while
+    await attempt.decode.link.expect("r@0", BLOCKS, time.monotonic() + TIMEOUT_S, 0)  # vouched: released
 
 
 async def test_an_rpc_error_without_the_idle_trailer_quarantines_the_blocks(attempt: Attempt) -> None:
