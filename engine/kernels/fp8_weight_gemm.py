@@ -1,18 +1,20 @@
-"""Decode-size FP8 GEMM: `out = x W^T` with W in e4m3 and x left in bf16/fp16 (weight-only dequantization).
+"""Decode-size FP8 GEMM: `out = x W^T` with W in e4m3, x either left in bf16/fp16 (weight-only) or in e4m3
+with its own per-token scales.
 
 At decode a projection's matmul is a few rows of activations against the whole weight: it is bound by
-reading W, and the FP8 win is reading one byte per weight instead of two. `torch._scaled_mm` needs the
-activations in e4m3 too, which costs a separate quantization (absmax, scale, cast) before every GEMM --
-at batch 1 those small launches cost more than the bytes FP8 saves. This kernel reads the e4m3 weight
-tile, widens it to the activations' dtype in registers (exact: every e4m3 value is a bf16/fp16 value),
-multiplies on the tensor cores with float32 accumulation and applies the dequantization scales to the
-float32 sums, so there is no activation quantization at all. It is the design of vLLM's FP8 Marlin and
-TensorRT-LLM's small-batch FP8 GEMV. For large M the GEMM is compute-bound and `_scaled_mm` (FP8 tensor
-cores) wins; `engine/quant/fp8.py` chooses by M.
+reading W, and the FP8 win is reading one byte per weight instead of two. Weight-only, this kernel reads the
+e4m3 weight tile, widens it to the activations' dtype in registers (exact: every e4m3 value is a bf16/fp16
+value), multiplies on the tensor cores with float32 accumulation and applies the dequantization scales to the
+float32 sums: no activation quantization at all (the design of vLLM's FP8 Marlin and TensorRT-LLM's
+small-batch FP8 GEMV). With more rows the widening costs more than a one-launch activation quantization
+(engine/kernels/fp8_quant.py), and both operands go to the FP8 tensor cores as they are. Where K is long and
+the output tiles few, K is split over programs (float32 partials, summed after). `engine/quant/fp8.py`
+chooses the variant by M; past MAX_ROWS, `_scaled_mm`.
 
 Scales (dequantization, `real = fp8 * scale`): per output row `[N]`, or per 128 x 128 block
 `[ceil(N/128), >= ceil(K/128)]`; a block-scaled weight is walked in K tiles of at most 128 that never
-straddle a scale block, each tile's partial sum scaled by its block's scale.
+straddle a scale block, each tile's partial sum scaled by its block's scale (and by the activations' scale
+of that 128-column group when they are e4m3).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from engine.kernels.paged_decode import dot_dtype_for
 SCALE_BLOCK = 128  # the block edge of block-scaled FP8 weights (engine/quant/config.py BLOCK)
 MAX_ROWS = 64  # the kernel holds every activation row in one tile: 16 (tl.dot's smallest M), 32 or 64 rows
 # Up to 64 rows a decode projection is still bound by reading W (64 rows x 2 FLOP per weight byte is far below
-# Hopper's ~200 FLOP/B), so the weight-only kernel may beat quantizing the activations for `_scaled_mm`. Which
-# one runs is engine/quant/fp8.py's WEIGHT_ONLY_MAX_ROWS (16 until a GPU run compares them at 32 and 64 rows:
-# `python -m lab.micro.bench_fp8_gemm --rows 16 32 64`).
+# Hopper's ~200 FLOP/B). Graph-timed on an H200 (2026-12-02), widening the weight in registers lost from 32
+# rows on (qkv at 64 rows: 39 us weight-only, 14.7 us with e4m3 activations); engine/quant/fp8.py's
+# WEIGHT_ONLY_MAX_ROWS and FP8_DOT_MAX_ROWS pick the variant.
 
 
 @dataclass(frozen=True)

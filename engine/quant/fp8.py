@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantization arithmetic and the FP8 GEMMs on CUDA (a Triton weight-only kernel for decode,
+"""FP8 (e4m3) quantization arithmetic and the FP8 GEMMs on CUDA (a Triton kernel for decode sizes,
 `torch._scaled_mm` for prefill), with a reference of the same rounding elsewhere.
 
 Scales are *dequantization* scales everywhere (`real = fp8 * scale`), the convention of compressed-tensors
@@ -8,11 +8,13 @@ checkpoints and of DeepSeek's `weight_scale_inv` alike. Two weight layouts:
   had their own tensor scale share one matmul;
 - 128 x 128 blocks: `scale[ceil(N/128), ceil(K/128)]` float32 (DeepSeek-V3, Qwen3-FP8).
 
-Two GEMMs, chosen by the number of activation rows M (tokens in the step):
+Three GEMMs, chosen by the number of activation rows M (tokens in the step):
 - M <= WEIGHT_ONLY_MAX_ROWS (decode): weight-only. The activations stay in their dtype and the e4m3 weight
   is widened to it in registers (`engine/kernels/fp8_weight_gemm.py` on CUDA). Such a GEMM is bound by
   reading W, so this is where FP8's halved bytes pay, and it launches no activation quantization; the
   design of TensorRT-LLM's small-batch FP8 GEMM and of vLLM's FP8 Marlin;
+- M <= FP8_DOT_MAX_ROWS, row-scaled weights (large decode batches): activations quantized per token in one
+  Triton launch, then the same Triton kernel with both operands in e4m3 (faster than cuBLASLt's FP8 GEMM there);
 - larger M (prefill): activations quantized dynamically, one scale per token (per-row weights) or per
   token and per 128-column group (block weights), and `torch._scaled_mm` on the FP8 tensor cores, the
   pairing it supports on Hopper.
@@ -39,10 +41,12 @@ _MIN_SCALE = 1e-12
 # the activation quantization + `_scaled_mm` path costs 94-378 us per 8B projection against bf16's 19-72 us,
 # so raising this is the next thing to measure (bench_fp8_gemm --rows 32 64, then bench_decode).
 WEIGHT_ONLY_MAX_ROWS = 16
-# Past it and up to here, the activations are quantized in one launch and the same Triton kernel multiplies
-# both in e4m3 (no widening in registers); beyond, `_scaled_mm`. Off (equal to WEIGHT_ONLY_MAX_ROWS) until a
-# GPU run shows the Triton kernel beating cuBLASLt's at these sizes (`bench_fp8_gemm --sweep --rows 16 64`).
-FP8_DOT_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
+# Past it and up to here (row-scaled weights), the activations are quantized in one launch and the same Triton
+# kernel multiplies both in e4m3 (no widening in registers); beyond, `_scaled_mm`. At 64 rows on an H200
+# (2026-12-02, graph-timed `bench_fp8_gemm --rows 16 64`) it took 14.7 / 12.7 / 45.4 / 33.1 us for the 8B
+# qkv / o / gate_up / down against `_scaled_mm`'s 16.2 / 15.7 / 45.5 / 40.9 (with its quantization), and the
+# batch-64 decode step 7.83 ms against 8.61 (bf16 7.93). Block-scaled weights keep `_scaled_mm` (unmeasured).
+FP8_DOT_MAX_ROWS = 64
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,7 +113,7 @@ def fp8_linear(
         from engine.kernels.fp8_weight_gemm import fp8_weight_gemm  # imports triton: CUDA only
 
         out = fp8_weight_gemm(x2.contiguous(), weight, weight_scale)
-    elif x2.shape[0] <= FP8_DOT_MAX_ROWS and triton_gemm:
+    elif x2.shape[0] <= FP8_DOT_MAX_ROWS and triton_gemm and not blocked:
         from engine.kernels.fp8_quant import quantize_activations
         from engine.kernels.fp8_weight_gemm import fp8_weight_gemm
 
