@@ -1,11 +1,11 @@
 """Dynamic FP8 quantization of activations in one launch: one scale per token (per-row weights) or per token and
 128-column group (block-scaled weights), the rounding of `engine/quant/fp8.py`'s torch reference.
 
-Before `torch._scaled_mm` the activations must be e4m3 too. In torch that is an absmax, a divide, a clamp and a
-cast, 6-8 kernels per projection: on an H200 (2026-12-02, `lab/micro/bench_fp8_gemm.py`) they cost 47-131 us per
-8B projection at 16-64 rows eagerly, more than the GEMM itself (17-49 us), and still a few microseconds each
-inside a CUDA graph. Here one program reads one group of one row, takes its absmax, and writes the e4m3 values
-and the group's dequantization scale.
+Before an FP8 GEMM the activations must be e4m3 too. In torch that is an absmax, a divide, a clamp and a cast,
+6-8 kernels per projection: on an H200 (2026-12-02, `lab/micro/bench_fp8_gemm.py`, graph-replayed) 19-30 us per
+8B projection at 1-64 rows, against this kernel's 10-19 us (both timed as a one-call graph, its launch
+included) and 1-3 us added to a GEMM inside a longer graph, as the decode step runs it. Here one program reads
+one group of one row, takes its absmax, and writes the e4m3 values and the group's dequantization scale.
 
 The scale may be written with any strides: block-scaled `_scaled_mm` wants the scales outer-dimension-major
 (`[rows, groups]` with the rows contiguous), so they are written that way directly. Rows past the input's are
@@ -19,10 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_store import check_launch_device, fp8_saturate
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # a row of zeros still needs a finite scale (engine/quant/fp8.py's _MIN_SCALE)
+from engine.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 @triton.jit

@@ -35,11 +35,10 @@ from engine.quant.config import BLOCK
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # A row of zeros still needs a finite scale; any tiny positive value gives zeros back.
-_MIN_SCALE = 1e-12
-# Up to this many tokens a projection runs weight-only (see the module docstring): memory-bound there. The
-# Triton kernel holds up to 64 rows; 16 is the largest M measured to win on an H200 (2026-12-02). At batch 64
-# the activation quantization + `_scaled_mm` path costs 94-378 us per 8B projection against bf16's 19-72 us,
-# so raising this is the next thing to measure (bench_fp8_gemm --rows 32 64, then bench_decode).
+MIN_SCALE = 1e-12
+# Up to this many tokens a projection runs weight-only (see the module docstring): memory-bound there. On an
+# H200 (2026-12-02, graph-timed) widening the weight lost from 32 rows on; at 16 rows the e4m3-activation
+# variant below was already ahead on three of four 8B projections, so 2-15 rows are the next to measure.
 WEIGHT_ONLY_MAX_ROWS = 16
 # Past it and up to here (row-scaled weights), the activations are quantized in one launch and the same Triton
 # kernel multiplies both in e4m3 (no widening in registers); beyond, `_scaled_mm`. At 64 rows on an H200
@@ -57,7 +56,7 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[R, C]` -> (fp8 `[R, C]`, scale `[R]` float32): one scale per row (weights per output channel,
     activations per token)."""
-    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
     return to_fp8(x, scale.unsqueeze(-1)), scale
 
 
@@ -65,7 +64,7 @@ def quantize_row_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
     """`[R, C]` -> (fp8 `[R, C]`, scale `[R, ceil(C/group)]`): one scale per row and column group."""
     rows, cols = x.shape
     padded = _pad_to(x, rows, group * _cdiv(cols, group)).view(rows, -1, group)
-    scale = (padded.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scale = (padded.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
     q = to_fp8(padded, scale.unsqueeze(-1)).view(rows, -1)[:, :cols]
     return q.contiguous(), scale
 
@@ -75,7 +74,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     n, k = w.shape
     nb, kb = _cdiv(n, block), _cdiv(k, block)
     tiles = _pad_to(w, nb * block, kb * block).view(nb, block, kb, block)
-    scale = (tiles.abs().amax(dim=(1, 3)).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scale = (tiles.abs().amax(dim=(1, 3)).float() / FP8_MAX).clamp_(min=MIN_SCALE)
     q = to_fp8(tiles, scale[:, None, :, None]).view(nb * block, kb * block)[:n, :k]
     return q.contiguous(), scale
 
@@ -114,10 +113,9 @@ def fp8_linear(
 
         out = fp8_weight_gemm(x2.contiguous(), weight, weight_scale)
     elif x2.shape[0] <= FP8_DOT_MAX_ROWS and triton_gemm and not blocked:
-        from engine.kernels.fp8_quant import quantize_activations
         from engine.kernels.fp8_weight_gemm import fp8_weight_gemm
 
-        xq, xs = quantize_activations(x2.contiguous(), BLOCK if blocked else None)
+        xq, xs = _quantize_activation_rows(x2)
         out = fp8_weight_gemm(xq, weight, weight_scale, x_scale=xs, out_dtype=x.dtype)
     elif _has_fp8_tensor_cores(x2):
         out = _scaled_mm_blocks(x2, weight, weight_scale) if blocked else _scaled_mm_rows(x2, weight, weight_scale)
@@ -162,7 +160,7 @@ def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 # cuBLASLt refuses block-scaled GEMMs whose row count leaves the activation scales' column stride
 # unaligned (CUBLAS_STATUS_NOT_SUPPORTED at 17 rows on an H200, 2026-12-02; 16, 64 and 4096 ran): the
-# rows are padded with zeros (scale _MIN_SCALE, products 0) and the extra output rows dropped.
+# rows are padded with zeros (scale MIN_SCALE, products 0) and the extra output rows dropped.
 _BLOCK_GEMM_ROW_ALIGN = 16
 
 

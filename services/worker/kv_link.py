@@ -179,12 +179,7 @@ class KVLink:
 
     async def release(self, request_id: str, *, sender_idle: bool) -> bool:
         """Receiver: True when the blocks may be reused now; False: quarantined (see module doc)."""
-        def release() -> bool:
-            self._expects.pop(request_id, None)
-            self._on_landed.pop(request_id, None)
-            return self._receiver.release(request_id, sender_idle=sender_idle)
-
-        return bool(await self._call(release))
+        return bool(await self._call(lambda: self._release_now(request_id, sender_idle)))
 
     def release_safe(self, request_id: str, *, sender_idle: bool) -> None:
         """Receiver, event loop: `release` blocks the caller knows are safe (their DONE notice arrived, or
@@ -192,12 +187,16 @@ class KVLink:
         thread's answer, which would only repeat it. Queued like every command, so it runs before any
         later `expect`."""
         def release() -> None:
-            self._expects.pop(request_id, None)
-            self._on_landed.pop(request_id, None)
-            if not self._receiver.release(request_id, sender_idle=sender_idle):
+            if not self._release_now(request_id, sender_idle):
                 log.error("%s: released as safe, yet the receiver quarantined its blocks", request_id)
 
         self._submit(release)
+
+    def _release_now(self, request_id: str, sender_idle: bool) -> bool:
+        """Link thread: forget the request's arrival and release its blocks (False: quarantined)."""
+        self._expects.pop(request_id, None)
+        self._on_landed.pop(request_id, None)
+        return self._receiver.release(request_id, sender_idle=sender_idle)
 
     async def send(self, peer: str, plan: TransferPlan) -> asyncio.Future[TransferResult]:
         """Sender: post the WRITE; the future resolves once it is terminal."""
