@@ -36,7 +36,8 @@ def test_serve_starts_workers_for_two_models_and_routes_by_model(
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--port", str(port), "--workers-role", "both",
                                  "--no-safety", "--model", MODEL, "--model", f"tiny={moe_dir}",
-                                 "--num-blocks", "128", "--data-dir", str(tmp_path / "run")],
+                                 "--num-blocks", "128", "--data-dir", str(tmp_path / "run"),
+                                 "--grpc-port", str(free_port())],  # the default, --port + 1, may be taken
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_for(log, f"Baton is ready: http://127.0.0.1:{port}", proc, 180)
